@@ -1,0 +1,52 @@
+"""Tiny models the tests build themselves: a character tokenizer, a GPT-2 policy and reward models."""
+
+import json
+
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+
+def char_tokenizer(chars, pad="<pad>", eos="<eos>"):
+    """A character-level tokenizer that AutoTokenizer loads: specials first, then one id per character."""
+    vocab = {tok: i for i, tok in enumerate([pad, eos, "<unk>", *chars])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, eos_token=eos, unk_token="<unk>")
+
+
+def tiny_config(tokenizer, **kwargs):
+    return GPT2Config(
+        vocab_size=len(tokenizer), n_positions=32, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Directories of a tiny policy, a reward model with the same tokenizer, one with another tokenizer,
+    and a JSONL prompt file. Weights are random (seeded)."""
+    import torch
+
+    root = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    tok = char_tokenizer([chr(c) for c in range(32, 127)])
+    paths = {name: root / name for name in ["policy", "rm", "rm_other", "rm_two_labels"]}
+    GPT2LMHeadModel(tiny_config(tok)).save_pretrained(paths["policy"])
+    tok.save_pretrained(paths["policy"])
+    GPT2ForSequenceClassification(tiny_config(tok, num_labels=1)).save_pretrained(paths["rm"])
+    tok.save_pretrained(paths["rm"])
+    GPT2ForSequenceClassification(tiny_config(tok, num_labels=2)).save_pretrained(paths["rm_two_labels"])
+    tok.save_pretrained(paths["rm_two_labels"])
+    # Another tokenizer: the digits and signs only, in another order, so its ids differ from the policy's.
+    other = char_tokenizer(list("9876543210+-= "), pad="[P]", eos="[E]")
+    GPT2ForSequenceClassification(tiny_config(other, num_labels=1)).save_pretrained(paths["rm_other"])
+    other.save_pretrained(paths["rm_other"])
+    paths["jsonl"] = root / "prompts.jsonl"
+    paths["jsonl"].write_text(
+        "".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(20))
+    )
+    return {k: str(v) for k, v in paths.items()}
