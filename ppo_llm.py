@@ -52,8 +52,8 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn as nn
-import tyro
 import transformers
+import tyro
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
