@@ -1,0 +1,471 @@
+"""PPO-Clip on Gymnasium classic control: CartPole-v1, Acrobot-v1 (discrete), Pendulum-v1 (continuous).
+
+Proximal Policy Optimization (Schulman et al. 2017, https://arxiv.org/abs/1707.06347) with Generalized
+Advantage Estimation (Schulman et al. 2016, https://arxiv.org/abs/1506.02438), written like CleanRL's
+ppo.py (Huang et al. 2022, "The 37 Implementation Details of PPO",
+https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/): same flags, defaults and
+metric names, so a run here compares directly with a CleanRL run.
+
+Usage: python ppo_classic.py --env-id CartPole-v1 --total-timesteps 500000 --seed 1
+
+Implementation details ([n] = number in the 37-details post):
+1. N envs x T steps per rollout in one SyncVectorEnv [1]: a fixed-size batch from cheap CPU parallelism.
+2. Orthogonal init, gain sqrt(2) hidden, 0.01 policy head, 1.0 value head, zero biases [2]: the
+   initial policy is near-uniform and the initial values near zero.
+3. Adam with eps=1e-5 [3]: the value OpenAI baselines uses; steadier than the 1e-8 default.
+4. Learning rate annealed linearly to 0 [4]: smaller steps as the policy converges.
+5. GAE(lambda) over the (T, N) rollout, cut at episode ends [5]: trades TD bias against MC variance.
+6. Truncation bootstraps: r_t += gamma * V(final obs) when the time limit ends an episode, not when it
+   terminates: reaching CartPole's 500-step limit is not a failure (CleanRL counts it as one, #198).
+7. Autoreset mode set explicitly to SAME_STEP: the final obs arrives in infos["final_obs"] in the step
+   that ends the episode, so no bogus reset transition enters the batch (gymnasium >= 1.0).
+8. update-epochs passes over the batch in shuffled minibatches [6]: each sample is used several times.
+9. Advantages normalised per minibatch [7]: the policy step does not depend on the reward scale.
+10. Clipped surrogate objective [8]: the pessimistic bound that keeps the policy near the rollout one.
+11. Clipped value loss [9]: value predictions move at most clip-coef from the rollout values.
+12. Entropy bonus [10]: slows the collapse of the policy onto one action.
+13. Global gradient-norm clipping at max-grad-norm [11]: bounds the size of any single step.
+14. approx_kl with the k3 estimator and clipfrac logged [12], early stop at --target-kl if set.
+15. Separate 64-64 tanh actor and critic [13]: no interference between policy and value gradients.
+16. Box actions: Gaussian with a state-independent log-std, log-probs summed over action dims [24-26];
+    the unclipped sample is stored and only the env sees the action clipped to bounds [28].
+17. Every loss logged is the mean over all minibatches of the update (CleanRL logs the last one only).
+18. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
+"""
+
+import importlib.util
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+from torch.distributions import Categorical, Normal
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "ppo_classic"
+    """the name of this experiment (first part of the run directory name)"""
+    seed: int = 1
+    """seed of the experiment (env i is seeded with seed + i)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, cuda is used when available"""
+    track: bool = False
+    """if toggled, the run is tracked with Weights and Biases (WANDB_MODE=offline works)"""
+    wandb_project_name: str = "cleanRL"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of the wandb project"""
+    capture_video: bool = False
+    """whether to record videos of env 0 into the run directory (needs pygame and moviepy)"""
+    save_model: bool = False
+    """whether to save the agent to the run directory, then evaluate it for eval-episodes"""
+    eval_checkpoint: str | None = None
+    """path of a saved agent to evaluate for eval-episodes instead of training"""
+    eval_episodes: int = 10
+    """the number of episodes of an evaluation (actions: argmax for discrete, mean for continuous)"""
+
+    # Algorithm
+    env_id: str = "CartPole-v1"
+    """the id of the environment"""
+    total_timesteps: int = 500000
+    """total timesteps of the experiment"""
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 4
+    """the number of parallel game environments"""
+    num_steps: int = 128
+    """the number of steps to run in each environment per policy rollout"""
+    anneal_lr: bool = True
+    """toggle learning rate annealing for policy and value networks"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    gae_lambda: float = 0.95
+    """the lambda for the generalized advantage estimation"""
+    num_minibatches: int = 4
+    """the number of mini-batches"""
+    update_epochs: int = 4
+    """the K epochs to update the policy"""
+    norm_adv: bool = True
+    """toggles advantages normalization"""
+    clip_coef: float = 0.2
+    """the surrogate clipping coefficient"""
+    clip_vloss: bool = True
+    """toggles whether or not to use a clipped loss for the value function, as per the paper"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy"""
+    vf_coef: float = 0.5
+    """coefficient of the value function"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping"""
+    target_kl: float | None = None
+    """the target KL divergence threshold (stop the update epochs early when exceeded)"""
+    norm_reward: bool = False
+    """normalise rewards by a running std of the discounted return (needed for Pendulum-v1)"""
+
+
+# ALGO LOGIC: numerics
+def compute_gae(rewards, values, dones, last_value, gamma, gae_lambda):
+    """Generalized Advantage Estimation over a (T, N) rollout.
+
+    delta_t = r_t + gamma * V_{t+1} * (1 - dones[t]) - V_t
+    A_t     = delta_t + gamma * lambda * (1 - dones[t]) * A_{t+1}        (A_T = 0)
+    returns = A + V                                                       (the value targets)
+
+    dones[t] = 1 when the episode ended at step t; for a truncated episode the caller has already added
+    gamma * V(final obs) to rewards[t]. V_T = last_value, the value of the observation after step T-1.
+    """
+    advantages = torch.zeros_like(rewards)  # (T, N)
+    lastgaelam = torch.zeros_like(last_value)  # (N,)
+    next_values = last_value  # (N,)
+    for t in reversed(range(rewards.shape[0])):
+        nonterminal = 1.0 - dones[t]  # (N,)
+        delta = rewards[t] + gamma * next_values * nonterminal - values[t]
+        lastgaelam = delta + gamma * gae_lambda * nonterminal * lastgaelam
+        advantages[t] = lastgaelam
+        next_values = values[t]
+    return advantages, advantages + values
+
+
+# ALGO LOGIC: agent
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+def mlp(in_dim, out_dim, out_std):
+    return nn.Sequential(
+        layer_init(nn.Linear(in_dim, 64)),
+        nn.Tanh(),
+        layer_init(nn.Linear(64, 64)),
+        nn.Tanh(),
+        layer_init(nn.Linear(64, out_dim), std=out_std),
+    )
+
+
+class Agent(nn.Module):
+    def __init__(self, obs_dim, action_space):
+        super().__init__()
+        self.continuous = isinstance(action_space, gym.spaces.Box)
+        act_dim = action_space.shape[0] if self.continuous else action_space.n
+        self.critic = mlp(obs_dim, 1, out_std=1.0)
+        self.actor = mlp(obs_dim, act_dim, out_std=0.01)  # logits, or the Gaussian mean
+        if self.continuous:
+            self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))
+
+    def get_value(self, x):
+        return self.critic(x)
+
+    def get_action_and_value(self, x, action=None):
+        out = self.actor(x)
+        if self.continuous:
+            dist = Normal(out, self.actor_logstd.expand_as(out).exp(), validate_args=False)
+        else:
+            dist = Categorical(logits=out, validate_args=False)
+        if action is None:
+            action = dist.sample()
+        logprob, entropy = dist.log_prob(action), dist.entropy()
+        if self.continuous:  # independent action dims: joint log-prob and entropy are sums
+            logprob, entropy = logprob.sum(1), entropy.sum(1)
+        return action, logprob, entropy, self.critic(x)
+
+    def get_greedy_action(self, x):
+        out = self.actor(x)
+        return out if self.continuous else out.argmax(-1)
+
+
+# TRY NOT TO MODIFY: environments, logging, evaluation
+def make_env(env_id, idx, capture_video, run_dir):
+    def thunk():
+        if capture_video and idx == 0:
+            env = gym.make(env_id, render_mode="rgb_array")
+            return gym.wrappers.RecordVideo(env, f"{run_dir}/videos")
+        return gym.make(env_id)
+
+    return thunk
+
+
+def check_env(env_id, observation_space, action_space):
+    if not isinstance(observation_space, gym.spaces.Box):
+        raise SystemExit(f"error: --env-id {env_id} has observation space {observation_space}; need a Box")
+    ok_box = isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1
+    if not (ok_box or isinstance(action_space, gym.spaces.Discrete)):
+        raise SystemExit(f"error: --env-id {env_id} has action space {action_space}; supported: Discrete and 1-D Box")
+
+
+def log(metrics, step, metrics_file, wandb_run):
+    metrics_file.write(json.dumps({"global_step": step, **metrics}) + "\n")
+    if wandb_run is not None:
+        wandb_run.log(metrics, step=step)
+
+
+def evaluate(checkpoint_path, eval_episodes, seed, device):
+    """Runs the saved agent for eval_episodes episodes with greedy actions; returns the episode returns."""
+    checkpoint = torch.load(checkpoint_path, map_location=device)
+    env = gym.make(checkpoint["env_id"])
+    if isinstance(env.action_space, gym.spaces.Box):
+        env = gym.wrappers.ClipAction(env)
+    agent = Agent(int(np.prod(env.observation_space.shape)), env.action_space).to(device)
+    agent.load_state_dict(checkpoint["state_dict"])
+    episodic_returns = []
+    for episode in range(eval_episodes):
+        obs, _ = env.reset(seed=seed + episode)
+        done, episodic_return = False, 0.0
+        while not done:
+            with torch.no_grad():
+                action = agent.get_greedy_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
+            obs, reward, terminated, truncated, _ = env.step(action.cpu().numpy())
+            episodic_return, done = episodic_return + float(reward), terminated or truncated
+        episodic_returns.append(episodic_return)
+    env.close()
+    return episodic_returns
+
+
+def main():
+    args = tyro.cli(Args)
+    # 1 thread is the fastest for these tiny networks on CPU (measured in benchmarks/classic.py)
+    torch.set_num_threads(1)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if args.eval_checkpoint is not None:
+        if not os.path.isfile(args.eval_checkpoint):
+            raise SystemExit(f"error: --eval-checkpoint {args.eval_checkpoint} is not a file")
+        returns = evaluate(args.eval_checkpoint, args.eval_episodes, args.seed, device)
+        print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
+        return
+    batch_size = args.num_envs * args.num_steps
+    if args.num_minibatches < 1 or batch_size % args.num_minibatches:
+        raise SystemExit(
+            "error: --num-minibatches must divide --num-envs * --num-steps "
+            f"(got {args.num_minibatches} and {batch_size})"
+        )
+    minibatch_size = batch_size // args.num_minibatches
+    num_iterations = args.total_timesteps // batch_size
+    if args.env_id not in gym.registry:
+        raise SystemExit(f"error: --env-id {args.env_id} is not a registered Gymnasium environment")
+    try:
+        probe = gym.make(args.env_id)
+    except gym.error.DependencyNotInstalled as e:
+        raise SystemExit(f"error: --env-id {args.env_id} needs a package that is not installed: {e}")
+    check_env(args.env_id, probe.observation_space, probe.action_space)
+    probe.close()
+    if args.capture_video and not all(importlib.util.find_spec(m) for m in ["pygame", "moviepy"]):
+        raise SystemExit("error: --capture-video needs pygame and moviepy (pip install 'gymnasium[other]')")
+
+    run_name = f"{args.exp_name}__{args.env_id.replace('/', '-')}__{args.seed}__{int(time.time())}"
+    run_dir = f"runs/{run_name}"
+    os.makedirs(run_dir, exist_ok=True)
+    with open(f"{run_dir}/args.json", "w") as f:
+        json.dump(asdict(args), f, indent=1)
+    metrics_file = open(f"{run_dir}/metrics.jsonl", "w")
+    print(f"run directory: {run_dir}")
+    wandb_run = None
+    if args.track:
+        import wandb
+
+        wandb_run = wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            config=asdict(args),
+            name=run_name,
+            dir=run_dir,
+            save_code=True,
+        )
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+
+    # env setup: SAME_STEP autoreset puts the last obs of an ended episode in infos["final_obs"]
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args.env_id, i, args.capture_video, run_dir) for i in range(args.num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
+    envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)  # wraps first: logs the raw rewards
+    if args.norm_reward:
+        envs = gym.wrappers.vector.NormalizeReward(envs, gamma=args.gamma)
+    if isinstance(envs.single_action_space, gym.spaces.Box):
+        envs = gym.wrappers.vector.ClipAction(envs)
+    obs_shape, act_shape = envs.single_observation_space.shape, envs.single_action_space.shape
+
+    agent = Agent(int(np.prod(obs_shape)), envs.single_action_space).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+
+    # ALGO LOGIC: storage setup
+    T, N = args.num_steps, args.num_envs
+    obs = torch.zeros((T, N) + obs_shape, device=device)
+    act_dtype = torch.float32 if agent.continuous else torch.long
+    actions = torch.zeros((T, N) + act_shape, dtype=act_dtype, device=device)
+    logprobs = torch.zeros((T, N), device=device)
+    rewards = torch.zeros((T, N), device=device)
+    dones = torch.zeros((T, N), device=device)
+    values = torch.zeros((T, N), device=device)
+
+    # TRY NOT TO MODIFY: start the game
+    global_step = 0
+    start_time = time.time()
+    next_obs, _ = envs.reset(seed=args.seed)
+    next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
+    interrupted = False
+    try:
+        for iteration in range(1, num_iterations + 1):
+            if args.anneal_lr:
+                frac = 1.0 - (iteration - 1.0) / num_iterations
+                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+
+            episode_returns = []
+            for step in range(T):
+                global_step += N
+                obs[step] = next_obs
+                with torch.no_grad():
+                    action, logprob, _, value = agent.get_action_and_value(next_obs)
+                values[step] = value.flatten()
+                actions[step] = action
+                logprobs[step] = logprob
+
+                # TRY NOT TO MODIFY: execute the game and log data.
+                next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+                # detail 6: bootstrap a truncated (not terminated) episode from V(final obs)
+                bootstrap = truncations & ~terminations
+                if bootstrap.any():
+                    final_obs = np.stack(infos["final_obs"][bootstrap])  # (n_truncated, obs_dim)
+                    with torch.no_grad():
+                        final_values = agent.get_value(torch.as_tensor(final_obs, device=device)).flatten()
+                    reward[bootstrap] += args.gamma * final_values.cpu().numpy()  # reward: (N,)
+                rewards[step] = torch.as_tensor(reward, dtype=torch.float32)
+                dones[step] = torch.as_tensor(terminations | truncations, dtype=torch.float32)
+                next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
+                if "episode" in infos:
+                    for i in infos["_episode"].nonzero()[0]:
+                        r, length = float(infos["episode"]["r"][i]), int(infos["episode"]["l"][i])
+                        episode_returns.append(r)
+                        log(
+                            {"charts/episodic_return": r, "charts/episodic_length": length},
+                            global_step,
+                            metrics_file,
+                            wandb_run,
+                        )
+
+            # ALGO LOGIC: advantages; last_value is V(obs after the last step), masked if that step ended
+            with torch.no_grad():
+                last_value = agent.get_value(next_obs).flatten()  # (N,)
+            advantages, returns = compute_gae(rewards, values, dones, last_value, args.gamma, args.gae_lambda)
+
+            # flatten the batch: (T, N, ...) -> (T*N, ...)
+            b_obs = obs.reshape((-1,) + obs_shape)
+            b_logprobs = logprobs.reshape(-1)
+            b_actions = actions.reshape((-1,) + act_shape)
+            b_advantages = advantages.reshape(-1)
+            b_returns = returns.reshape(-1)
+            b_values = values.reshape(-1)
+
+            # Optimizing the policy and value network; stats summed over every minibatch (detail 17)
+            stats = torch.zeros(6)  # pg_loss, v_loss, entropy, old_approx_kl, approx_kl, clipfrac
+            num_updates = 0
+            for epoch in range(args.update_epochs):
+                b_inds = torch.randperm(batch_size, device=device)
+                for start in range(0, batch_size, minibatch_size):
+                    mb_inds = b_inds[start : start + minibatch_size]
+                    _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
+                    logratio = newlogprob - b_logprobs[mb_inds]
+                    ratio = logratio.exp()
+                    with torch.no_grad():
+                        # k1 and k3 estimators of KL(old || new), http://joschu.net/blog/kl-approx.html
+                        old_approx_kl = (-logratio).mean()
+                        approx_kl = ((ratio - 1) - logratio).mean()
+                        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+
+                    mb_advantages = b_advantages[mb_inds]
+                    if args.norm_adv:
+                        mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+
+                    # Policy loss: max of the negated surrogates = min of the surrogates
+                    pg_loss1 = -mb_advantages * ratio
+                    pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+                    # Value loss
+                    newvalue = newvalue.view(-1)
+                    if args.clip_vloss:
+                        v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
+                        v_clipped = b_values[mb_inds] + torch.clamp(
+                            newvalue - b_values[mb_inds], -args.clip_coef, args.clip_coef
+                        )
+                        v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+                        v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+                    else:
+                        v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
+
+                    entropy_loss = entropy.mean()
+                    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+
+                    optimizer.zero_grad()
+                    loss.backward()
+                    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    parts = [pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]
+                    stats += torch.stack(parts).detach().cpu()
+                    num_updates += 1
+
+                if args.target_kl is not None and approx_kl > args.target_kl:
+                    break
+
+            y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
+            var_y = np.var(y_true)
+            explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+
+            # TRY NOT TO MODIFY: record losses and speed
+            pg, vl, ent, old_kl, kl, cf = (stats / num_updates).tolist()
+            sps = int(global_step / (time.time() - start_time))
+            metrics = {
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "charts/SPS": sps,
+                "losses/value_loss": vl,
+                "losses/policy_loss": pg,
+                "losses/entropy": ent,
+                "losses/old_approx_kl": old_kl,
+                "losses/approx_kl": kl,
+                "losses/clipfrac": cf,
+                "losses/explained_variance": float(explained_var),
+            }
+            log(metrics, global_step, metrics_file, wandb_run)
+            metrics_file.flush()
+            ret = f"{np.mean(episode_returns):.1f}" if episode_returns else "-"
+            print(
+                f"iter={iteration}/{num_iterations} global_step={global_step} episodic_return={ret} "
+                f"value_loss={vl:.3f} policy_loss={pg:.4f} entropy={ent:.3f} approx_kl={kl:.4f} SPS={sps}"
+            )
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"interrupted at global_step={global_step}; saving what we have")
+
+    envs.close()
+    if args.save_model:
+        model_path = f"{run_dir}/{args.exp_name}.cleanrl_model"
+        torch.save({"env_id": args.env_id, "state_dict": agent.state_dict()}, model_path)
+        print(f"model saved to {model_path}")
+        if not interrupted:
+            returns = evaluate(model_path, args.eval_episodes, args.seed + 10_000, device)
+            for r in returns:
+                log({"eval/episodic_return": r}, global_step, metrics_file, wandb_run)
+            print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
+    metrics_file.close()
+    if wandb_run is not None:
+        wandb_run.finish()
+    if interrupted:
+        raise SystemExit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""REINFORCE (vanilla policy gradient) on Gymnasium classic control: CartPole-v1, Acrobot-v1, Pendulum-v1.
+
+REINFORCE (Williams 1992, "Simple statistical gradient-following algorithms for connectionist
+reinforcement learning") climbs the policy gradient estimated from whole sampled episodes:
+
+    grad J(theta) = E[ sum_t grad log pi_theta(a_t | s_t) * Psi_t ]
+
+with a selectable weight Psi_t (--psi), in the order the variance drops (Spinning Up, "Intro to Policy
+Optimization"; Schulman et al. 2016, https://arxiv.org/abs/1506.02438, section 2):
+  episode-return         Psi_t = R(tau) = sum_k gamma^k r_k, the same weight for every step of an episode
+  reward-to-go           Psi_t = G_t = sum_{k>=t} gamma^(k-t) r_k, an action cannot change past rewards
+  reward-to-go-baseline  Psi_t = G_t - V(s_t), V a learned state-value baseline: same expectation, less noise
+Same flags, logging and metric names as ppo_classic.py, so the two compare directly (benchmarks/).
+
+Usage: python reinforce.py --env-id CartPole-v1 --psi reward-to-go-baseline --total-timesteps 500000
+
+Implementation details:
+1. One update per batch of num-envs whole episodes, each env plays exactly one episode from a reset:
+   Psi is a Monte-Carlo return, so it needs the episode's end; the batch averages out some noise.
+2. An episode ended by the time limit (truncation) is treated as ended: there is no critic to bootstrap
+   from in Monte-Carlo REINFORCE (ppo_classic.py bootstraps).
+3. Loss = mean over all valid steps of the batch of -log pi(a_t|s_t) * Psi_t (Spinning Up's estimator).
+4. Log-probs are recomputed in one batched forward pass after the rollout (same policy, same values):
+   the rollout runs without autograd and the backward pass sees a single (T, N) graph.
+5. Psi normalised to mean 0, std 1 over the batch (--norm-adv): the step size stops depending on the
+   reward scale and the episode length; it also acts as a constant baseline.
+6. The baseline V(s) is a separate 64-64 tanh network fitted to G_t by MSE in the same Adam step; V is
+   detached inside Psi, so the policy gradient does not flow into it.
+7. Optional entropy bonus (--ent-coef, off by default): slows the collapse onto one action.
+8. Orthogonal init with a 0.01 policy head and a Gaussian with state-independent log-std for Box
+   actions, exactly as ppo_classic.py: the two scripts differ only in the algorithm.
+9. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
+"""
+
+import importlib.util
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+from torch.distributions import Categorical, Normal
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "reinforce"
+    """the name of this experiment (first part of the run directory name)"""
+    seed: int = 1
+    """seed of the experiment (env i is seeded with seed + i)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, cuda is used when available"""
+    track: bool = False
+    """if toggled, the run is tracked with Weights and Biases (WANDB_MODE=offline works)"""
+    wandb_project_name: str = "cleanRL"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of the wandb project"""
+    capture_video: bool = False
+    """whether to record videos of env 0 into the run directory (needs pygame and moviepy)"""
+    save_model: bool = False
+    """whether to save the agent to the run directory, then evaluate it for eval-episodes"""
+    eval_checkpoint: str | None = None
+    """path of a saved agent to evaluate for eval-episodes instead of training"""
+    eval_episodes: int = 10
+    """the number of episodes of an evaluation (actions: argmax for discrete, mean for continuous)"""
+
+    # Algorithm
+    env_id: str = "CartPole-v1"
+    """the id of the environment"""
+    total_timesteps: int = 500000
+    """total timesteps of the experiment"""
+    learning_rate: float = 1e-3
+    """the learning rate of the optimizer"""
+    num_envs: int = 8
+    """the number of parallel game environments = the number of whole episodes per update"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    psi: Literal["episode-return", "reward-to-go", "reward-to-go-baseline"] = "reward-to-go-baseline"
+    """the policy-gradient weight Psi_t: R(tau), G_t, or G_t - V(s_t) with a learned baseline V"""
+    norm_adv: bool = True
+    """toggles normalisation of Psi_t to mean 0 and std 1 over the batch"""
+    ent_coef: float = 0.0
+    """coefficient of the entropy bonus"""
+    vf_coef: float = 0.5
+    """coefficient of the baseline's value loss (used with --psi reward-to-go-baseline)"""
+
+
+# ALGO LOGIC: numerics
+def reward_to_go(rewards, dones, gamma):
+    """Discounted reward-to-go over a (T, N) batch of episodes.
+
+    G_t = r_t + gamma * (1 - dones[t]) * G_{t+1}        (G_T = 0 after the last step)
+
+    dones[t] = 1 when the episode ended at step t, so no reward of a later episode leaks into G_t.
+    """
+    returns = torch.zeros_like(rewards)  # (T, N)
+    next_return = torch.zeros_like(rewards[0])  # (N,)
+    for t in reversed(range(rewards.shape[0])):
+        next_return = rewards[t] + gamma * (1.0 - dones[t]) * next_return
+        returns[t] = next_return
+    return returns
+
+
+# ALGO LOGIC: agent
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+def mlp(in_dim, out_dim, out_std):
+    return nn.Sequential(
+        layer_init(nn.Linear(in_dim, 64)),
+        nn.Tanh(),
+        layer_init(nn.Linear(64, 64)),
+        nn.Tanh(),
+        layer_init(nn.Linear(64, out_dim), std=out_std),
+    )
+
+
+class Agent(nn.Module):
+    def __init__(self, obs_dim, action_space, baseline):
+        super().__init__()
+        self.continuous = isinstance(action_space, gym.spaces.Box)
+        act_dim = action_space.shape[0] if self.continuous else action_space.n
+        self.actor = mlp(obs_dim, act_dim, out_std=0.01)  # logits, or the Gaussian mean
+        if self.continuous:
+            self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))
+        self.critic = mlp(obs_dim, 1, out_std=1.0) if baseline else None
+
+    def get_value(self, x):
+        return self.critic(x)
+
+    def get_action(self, x, action=None):
+        out = self.actor(x)
+        if self.continuous:
+            dist = Normal(out, self.actor_logstd.expand_as(out).exp(), validate_args=False)
+        else:
+            dist = Categorical(logits=out, validate_args=False)
+        if action is None:
+            action = dist.sample()
+        logprob, entropy = dist.log_prob(action), dist.entropy()
+        if self.continuous:  # independent action dims: joint log-prob and entropy are sums
+            logprob, entropy = logprob.sum(-1), entropy.sum(-1)
+        return action, logprob, entropy
+
+    def get_greedy_action(self, x):
+        out = self.actor(x)
+        return out if self.continuous else out.argmax(-1)
+
+
+# TRY NOT TO MODIFY: environments, logging, evaluation
+def make_env(env_id, idx, capture_video, run_dir):
+    def thunk():
+        if capture_video and idx == 0:
+            env = gym.make(env_id, render_mode="rgb_array")
+            return gym.wrappers.RecordVideo(env, f"{run_dir}/videos")
+        return gym.make(env_id)
+
+    return thunk
+
+
+def check_env(env_id, observation_space, action_space):
+    if not isinstance(observation_space, gym.spaces.Box):
+        raise SystemExit(f"error: --env-id {env_id} has observation space {observation_space}; need a Box")
+    ok_box = isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1
+    if not (ok_box or isinstance(action_space, gym.spaces.Discrete)):
+        raise SystemExit(f"error: --env-id {env_id} has action space {action_space}; supported: Discrete and 1-D Box")
+
+
+def log(metrics, step, metrics_file, wandb_run):
+    metrics_file.write(json.dumps({"global_step": step, **metrics}) + "\n")
+    if wandb_run is not None:
+        wandb_run.log(metrics, step=step)
+
+
+def evaluate(checkpoint_path, eval_episodes, seed, device):
+    """Runs the saved agent for eval_episodes episodes with greedy actions; returns the episode returns."""
+    checkpoint = torch.load(checkpoint_path, map_location=device)
+    env = gym.make(checkpoint["env_id"])
+    if isinstance(env.action_space, gym.spaces.Box):
+        env = gym.wrappers.ClipAction(env)
+    agent = Agent(int(np.prod(env.observation_space.shape)), env.action_space, checkpoint["baseline"])
+    agent.load_state_dict(checkpoint["state_dict"])
+    agent.to(device)
+    episodic_returns = []
+    for episode in range(eval_episodes):
+        obs, _ = env.reset(seed=seed + episode)
+        done, episodic_return = False, 0.0
+        while not done:
+            with torch.no_grad():
+                action = agent.get_greedy_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
+            obs, reward, terminated, truncated, _ = env.step(action.cpu().numpy())
+            episodic_return, done = episodic_return + float(reward), terminated or truncated
+        episodic_returns.append(episodic_return)
+    env.close()
+    return episodic_returns
+
+
+def main():
+    args = tyro.cli(Args)
+    # 1 thread is the fastest for these tiny networks on CPU (measured in benchmarks/classic.py)
+    torch.set_num_threads(1)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if args.eval_checkpoint is not None:
+        if not os.path.isfile(args.eval_checkpoint):
+            raise SystemExit(f"error: --eval-checkpoint {args.eval_checkpoint} is not a file")
+        returns = evaluate(args.eval_checkpoint, args.eval_episodes, args.seed, device)
+        print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
+        return
+    if args.env_id not in gym.registry:
+        raise SystemExit(f"error: --env-id {args.env_id} is not a registered Gymnasium environment")
+    try:
+        probe = gym.make(args.env_id)
+    except gym.error.DependencyNotInstalled as e:
+        raise SystemExit(f"error: --env-id {args.env_id} needs a package that is not installed: {e}")
+    check_env(args.env_id, probe.observation_space, probe.action_space)
+    probe.close()
+    if args.capture_video and not all(importlib.util.find_spec(m) for m in ["pygame", "moviepy"]):
+        raise SystemExit("error: --capture-video needs pygame and moviepy (pip install 'gymnasium[other]')")
+
+    run_name = f"{args.exp_name}__{args.env_id.replace('/', '-')}__{args.seed}__{int(time.time())}"
+    run_dir = f"runs/{run_name}"
+    os.makedirs(run_dir, exist_ok=True)
+    with open(f"{run_dir}/args.json", "w") as f:
+        json.dump(asdict(args), f, indent=1)
+    metrics_file = open(f"{run_dir}/metrics.jsonl", "w")
+    print(f"run directory: {run_dir}")
+    wandb_run = None
+    if args.track:
+        import wandb
+
+        wandb_run = wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            config=asdict(args),
+            name=run_name,
+            dir=run_dir,
+            save_code=True,
+        )
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+
+    # env setup: every iteration resets all envs; an env whose episode has ended is ignored until then
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args.env_id, i, args.capture_video, run_dir) for i in range(args.num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
+    if isinstance(envs.single_action_space, gym.spaces.Box):
+        envs = gym.wrappers.vector.ClipAction(envs)
+    obs_shape = envs.single_observation_space.shape
+    baseline = args.psi == "reward-to-go-baseline"
+    agent = Agent(int(np.prod(obs_shape)), envs.single_action_space, baseline).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate)
+
+    # TRY NOT TO MODIFY: start the game
+    global_step, iteration = 0, 0
+    start_time = time.time()
+    envs.reset(seed=args.seed)
+    interrupted = False
+    try:
+        while global_step < args.total_timesteps:
+            iteration += 1
+            # ROLLOUT: each env plays one whole episode; steps after its end are masked out
+            next_obs, _ = envs.reset()
+            next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
+            active = np.ones(args.num_envs, dtype=bool)  # (N,) env still in this iteration's episode
+            obs, actions, rewards, dones, masks = [], [], [], [], []
+            while active.any():
+                global_step += int(active.sum())
+                with torch.no_grad():
+                    action, _, _ = agent.get_action(next_obs)
+                obs.append(next_obs)
+                actions.append(action)
+                next_obs, reward, terminations, truncations, _ = envs.step(action.cpu().numpy())
+                rewards.append(torch.as_tensor(reward * active, dtype=torch.float32))
+                dones.append(torch.as_tensor(terminations | truncations | ~active, dtype=torch.float32))
+                masks.append(torch.as_tensor(active, dtype=torch.float32))
+                active = active & ~(terminations | truncations)
+                next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
+            obs, actions = torch.stack(obs), torch.stack(actions)  # (T, N, obs_dim), (T, N[, act_dim])
+            rewards, dones, masks = torch.stack(rewards), torch.stack(dones), torch.stack(masks)  # (T, N)
+            rewards, dones, masks = rewards.to(device), dones.to(device), masks.to(device)
+
+            episodic_returns, episodic_lengths = rewards.sum(0).tolist(), masks.sum(0).long().tolist()
+            for r, length in zip(episodic_returns, episodic_lengths):
+                log(
+                    {"charts/episodic_return": r, "charts/episodic_length": length},
+                    global_step,
+                    metrics_file,
+                    wandb_run,
+                )
+
+            # ALGO LOGIC: Psi_t for every step, then one gradient step on the whole batch
+            returns = reward_to_go(rewards, dones, args.gamma)  # (T, N)
+            num_valid = masks.sum()
+            _, logprobs, entropy = agent.get_action(obs, actions)  # (T, N)
+            if args.psi == "episode-return":
+                psi = returns[0].expand_as(returns)  # every episode starts at t = 0: R(tau) = G_0
+            elif args.psi == "reward-to-go":
+                psi = returns
+            else:
+                values = agent.get_value(obs).squeeze(-1)  # (T, N)
+                psi = returns - values.detach()
+            if args.norm_adv:
+                mean = (psi * masks).sum() / num_valid
+                std = (((psi - mean) ** 2 * masks).sum() / (num_valid - 1).clamp(min=1)).sqrt()
+                psi = (psi - mean) / (std + 1e-8)
+
+            pg_loss = -(logprobs * psi * masks).sum() / num_valid
+            entropy_loss = (entropy * masks).sum() / num_valid
+            loss = pg_loss - args.ent_coef * entropy_loss
+            metrics = {"charts/learning_rate": args.learning_rate}
+            if baseline:
+                v_loss = 0.5 * (((values - returns) ** 2) * masks).sum() / num_valid
+                loss = loss + args.vf_coef * v_loss
+                valid = masks.bool()
+                y_pred, y_true = values[valid].detach().cpu().numpy(), returns[valid].cpu().numpy()
+                var_y = np.var(y_true)
+                explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+                metrics["losses/value_loss"] = v_loss.item()
+                metrics["losses/explained_variance"] = float(explained_var)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+            # TRY NOT TO MODIFY: record losses and speed
+            sps = int(global_step / (time.time() - start_time))
+            metrics.update(
+                {
+                    "charts/SPS": sps,
+                    "losses/policy_loss": pg_loss.item(),
+                    "losses/entropy": entropy_loss.item(),
+                }
+            )
+            log(metrics, global_step, metrics_file, wandb_run)
+            metrics_file.flush()
+            print(
+                f"iter={iteration} global_step={global_step} episodic_return={np.mean(episodic_returns):.1f} "
+                f"policy_loss={pg_loss.item():.4f} entropy={entropy_loss.item():.3f} SPS={sps}"
+            )
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"interrupted at global_step={global_step}; saving what we have")
+
+    envs.close()
+    if args.save_model:
+        model_path = f"{run_dir}/{args.exp_name}.cleanrl_model"
+        torch.save({"env_id": args.env_id, "baseline": baseline, "state_dict": agent.state_dict()}, model_path)
+        print(f"model saved to {model_path}")
+        if not interrupted:
+            returns = evaluate(model_path, args.eval_episodes, args.seed + 10_000, device)
+            for r in returns:
+                log({"eval/episodic_return": r}, global_step, metrics_file, wandb_run)
+            print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
+    metrics_file.close()
+    if wandb_run is not None:
+        wandb_run.finish()
+    if interrupted:
+        raise SystemExit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Tests of ppo_classic.py: GAE against hand-computed values, short end-to-end runs, bad input."""
+
+import glob
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+import ppo_classic
+import reinforce
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UNKNOWN_ENV = "error: --env-id NoSuchEnv-v0 is not a registered Gymnasium environment"
+BAD_MINIBATCHES = "error: --num-minibatches must divide --num-envs * --num-steps (got 3 and 512)"
+METRICS = [
+    "charts/learning_rate",
+    "charts/SPS",
+    "losses/value_loss",
+    "losses/policy_loss",
+    "losses/entropy",
+    "losses/old_approx_kl",
+    "losses/approx_kl",
+    "losses/clipfrac",
+    "losses/explained_variance",
+]
+
+
+class ConstantRewardEnv(gym.Env):
+    """Reward 1 at every step, never terminates: only the 10-step time limit ends an episode."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(1, np.float32), 1.0, False, False, {}
+
+
+class MultiBinaryActionEnv(ConstantRewardEnv):
+    action_space = gym.spaces.MultiBinary(3)
+
+
+gym.register("tests/ConstantReward-v0", entry_point=ConstantRewardEnv, max_episode_steps=10)
+gym.register("tests/MultiBinaryAction-v0", entry_point=MultiBinaryActionEnv, max_episode_steps=10)
+
+
+def t(rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compute_gae: (T, N) tensors, dones[t] = 1 when the episode ended at step t
+# ---------------------------------------------------------------------------------------------------------
+def test_gae_episode_ends_mid_rollout():
+    rewards, values, dones = t([[1.0], [1.0], [1.0]]), t([[0.5], [0.4], [0.3]]), t([[0.0], [1.0], [0.0]])
+    adv, ret = ppo_classic.compute_gae(rewards, values, dones, t([0.2]), gamma=0.9, gae_lambda=0.8)
+    # t=2: delta = 1 + 0.9*0.2 - 0.3 = 0.88                       A2 = 0.88
+    # t=1: episode ended, no V_2 and no A_2: delta = 1 - 0.4 = 0.6  A1 = 0.6
+    # t=0: delta = 1 + 0.9*0.4 - 0.5 = 0.86                       A0 = 0.86 + 0.9*0.8*0.6 = 1.292
+    torch.testing.assert_close(adv, t([[1.292], [0.6], [0.88]]))
+    # returns = A + V: 1.292+0.5, 0.6+0.4, 0.88+0.3
+    torch.testing.assert_close(ret, t([[1.792], [1.0], [1.18]]))
+
+
+def test_gae_truncation_bootstrap():
+    # Episode truncated after step 1 with V(final obs) = 2.0:
+    # the caller adds gamma*2.0 to r_1 -> 1 + 1.8 = 2.8.
+    # last_value is V of the reset obs of the next episode and must not leak in: try two values.
+    rewards, values, dones = t([[1.0], [1.0 + 0.9 * 2.0]]), t([[0.5], [0.4]]), t([[0.0], [1.0]])
+    for last_value in (7.0, -100.0):
+        adv, ret = ppo_classic.compute_gae(rewards, values, dones, t([last_value]), gamma=0.9, gae_lambda=0.8)
+        # t=1: delta = 2.8 - 0.4 = 2.4                      A1 = 2.4
+        # t=0: delta = 1 + 0.9*0.4 - 0.5 = 0.86            A0 = 0.86 + 0.72*2.4 = 2.588
+        torch.testing.assert_close(adv, t([[2.588], [2.4]]))
+        torch.testing.assert_close(ret, t([[3.088], [2.8]]))  # 2.588+0.5, 2.4+0.4
+
+
+def test_gae_lambda_one_gamma_one_is_monte_carlo_several_envs():
+    # env 0 ends its episode at t=2; env 1 ends one at t=1 and its next episode runs past the rollout.
+    rewards = t([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    values = t([[0.5, -1.0], [2.0, 0.0], [1.0, 3.0]])
+    dones = t([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    adv, ret = ppo_classic.compute_gae(rewards, values, dones, t([9.0, 10.0]), gamma=1.0, gae_lambda=1.0)
+    # env 0: G2 = 5, G1 = 3+5 = 8, G0 = 1+8 = 9 (last_value 9 ignored: the episode ended at t=2)
+    # env 1: G2 = 6 + last_value 10 = 16 (unfinished episode bootstraps), G1 = 4 (ended), G0 = 2+4 = 6
+    torch.testing.assert_close(ret, t([[9.0, 6.0], [8.0, 4.0], [5.0, 16.0]]))
+    torch.testing.assert_close(adv, ret - values)  # [[8.5, 7], [6, 4], [4, 13]]
+
+
+def test_gae_lambda_zero_is_one_step_td():
+    rewards, values, dones = t([[1.0], [2.0], [3.0]]), t([[1.0], [2.0], [4.0]]), t([[0.0], [0.0], [0.0]])
+    adv, ret = ppo_classic.compute_gae(rewards, values, dones, t([8.0]), gamma=0.5, gae_lambda=0.0)
+    # A_t = r_t + 0.5*V_{t+1} - V_t: A0 = 1 + 1 - 1 = 1, A1 = 2 + 2 - 2 = 2, A2 = 3 + 4 - 4 = 3
+    torch.testing.assert_close(adv, t([[1.0], [2.0], [3.0]]))
+    torch.testing.assert_close(ret, t([[2.0], [4.0], [7.0]]))  # one-step targets r_t + 0.5*V_{t+1}
+
+
+def test_gae_with_zero_values_and_lambda_one_equals_reward_to_go():
+    rewards = t([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0], [1.0, 4.0]])
+    dones = t([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    _, ret = ppo_classic.compute_gae(rewards, torch.zeros(4, 2), dones, torch.zeros(2), 0.9, 1.0)
+    torch.testing.assert_close(ret, reinforce.reward_to_go(rewards, dones, 0.9))
+
+
+@pytest.mark.parametrize("name", ["layer_init", "mlp", "make_env", "check_env", "log"])
+def test_shared_functions_are_identical(name):
+    assert inspect.getsource(getattr(ppo_classic, name)) == inspect.getsource(getattr(reinforce, name))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# end to end, in-process (the scripts are importable) in a temporary directory
+# ---------------------------------------------------------------------------------------------------------
+def run(monkeypatch, tmp_path, *flags):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ppo_classic.py", *flags])
+    ppo_classic.main()
+    run_dirs = sorted(glob.glob(str(tmp_path / "runs" / "*")))
+    with open(os.path.join(run_dirs[-1], "metrics.jsonl")) as f:
+        return run_dirs[-1], [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Acrobot-v1", "Pendulum-v1"])
+def test_runs_on_each_env(monkeypatch, tmp_path, env_id):
+    run_dir, records = run(monkeypatch, tmp_path, "--env-id", env_id, "--total-timesteps", "2048")
+    updates = [r for r in records if "losses/value_loss" in r]
+    episodes = [r for r in records if "charts/episodic_return" in r]
+    assert len(updates) == 4  # 2048 / (4 envs * 128 steps)
+    assert all(set(METRICS) <= set(r) for r in updates)
+    assert all(np.isfinite(r[k]) for r in updates for k in METRICS)
+    assert episodes and all("charts/episodic_length" in r for r in episodes)  # each env ends >= 1 episode
+    assert os.path.basename(run_dir).startswith(f"ppo_classic__{env_id}__1__")
+
+
+def test_same_seed_same_run(monkeypatch, tmp_path):
+    flags = ["--total-timesteps", "1024"]
+    _, a = run(monkeypatch, tmp_path, "--exp-name", "a", *flags)
+    _, b = run(monkeypatch, tmp_path, "--exp-name", "b", *flags)
+    drop = ("charts/SPS",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in a] == [
+        {k: v for k, v in r.items() if k not in drop} for r in b
+    ]
+
+
+def test_learns_cartpole_a_little(monkeypatch, tmp_path):
+    _, records = run(monkeypatch, tmp_path, "--total-timesteps", "16384")
+    returns = [r["charts/episodic_return"] for r in records if "charts/episodic_return" in r]
+    # a uniform random policy averages about 22 on CartPole
+    assert np.mean(returns[:20]) < 30 and np.mean(returns[-20:]) > 45
+
+
+def test_truncation_bootstraps_the_value(monkeypatch, tmp_path):
+    # Reward 1 forever, episodes cut by a 10-step time limit. With the bootstrap the value target is
+    # 1 / (1 - 0.9) = 10; if truncation counted as termination no target could exceed
+    # sum_{k<10} 0.9^k = 6.51. The observation is constant, so V is one number.
+    flags = ["--env-id=tests/ConstantReward-v0", "--gamma=0.9", "--no-clip-vloss", "--learning-rate=1e-2"]
+    run_dir, _ = run(monkeypatch, tmp_path, *flags, "--total-timesteps", "8192", "--save-model")
+    checkpoint = torch.load(glob.glob(os.path.join(run_dir, "*.cleanrl_model"))[0])
+    agent = ppo_classic.Agent(1, gym.spaces.Discrete(2))
+    agent.load_state_dict(checkpoint["state_dict"])
+    value = agent.get_value(torch.zeros(1, 1)).item()
+    assert 8.0 < value < 12.0
+
+
+def test_save_and_eval(monkeypatch, tmp_path, capsys):
+    flags = ["--total-timesteps", "1024", "--save-model", "--eval-episodes", "2"]
+    run_dir, records = run(monkeypatch, tmp_path, *flags)
+    assert len([r for r in records if "eval/episodic_return" in r]) == 2
+    model = os.path.join(run_dir, "ppo_classic.cleanrl_model")
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["ppo_classic.py", "--eval-checkpoint", model, "--eval-episodes", "3"])
+    ppo_classic.main()
+    assert "over 3" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_track_wandb_offline(tmp_path):
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    cmd = [sys.executable, os.path.join(REPO, "ppo_classic.py"), "--track", "--total-timesteps", "1024"]
+    subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
+    offline_runs = glob.glob(str(tmp_path / "runs" / "*" / "wandb" / "offline-run-*" / "*.wandb"))
+    assert len(offline_runs) == 1 and os.path.getsize(offline_runs[0]) > 0
+
+
+def test_ctrl_c_saves_model_and_metrics(tmp_path):
+    cmd = [sys.executable, os.path.join(REPO, "ppo_classic.py"), "--save-model", "--total-timesteps=9999999"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # wait for the first finished update
+        if line.startswith("iter="):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in out
+    run_dir = glob.glob(str(tmp_path / "runs" / "*"))[0]
+    assert os.path.getsize(os.path.join(run_dir, "ppo_classic.cleanrl_model")) > 0
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        assert any("losses/value_loss" in json.loads(line) for line in f)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bad input: one line naming the flag
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--env-id", "NoSuchEnv-v0"], UNKNOWN_ENV),
+        (["--num-minibatches", "3"], BAD_MINIBATCHES),
+        (["--env-id", "tests/MultiBinaryAction-v0"], "error: --env-id tests/MultiBinaryAction-v0 has action"),
+        (["--env-id", "FrozenLake-v1"], "error: --env-id FrozenLake-v1 has observation space Discrete(16)"),
+        (["--eval-checkpoint", "missing.pt"], "error: --eval-checkpoint missing.pt is not a file"),
+    ],
+)
+def test_bad_input(monkeypatch, tmp_path, flags, message):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ppo_classic.py", *flags])
+    with pytest.raises(SystemExit) as e:
+        ppo_classic.main()
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "runs")  # nothing is created before the input is checked
+
+
+def test_cli_error_is_one_line_and_import_prints_nothing(tmp_path):
+    cmd = [sys.executable, os.path.join(REPO, "ppo_classic.py"), "--env-id", "NoSuchEnv-v0"]
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr == UNKNOWN_ENV + "\n"
+    p = subprocess.run([sys.executable, "-c", "import ppo_classic"], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout == "" and p.stderr == ""
