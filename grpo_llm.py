@@ -1,0 +1,778 @@
+"""GRPO for language models, and its current variants (Dr. GRPO, DAPO, GSPO, RLOO), in one file.
+
+Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath) is PPO without the critic: every prompt
+gets a group of G sampled completions, each completion's advantage is its reward relative to the group's,
+and a KL term to the frozen reference sits in the loss instead of in the reward. `main()` reads in the
+order of the algorithm: rollout (G completions per prompt) -> rewards -> group advantages -> old and
+reference log-probs -> num-iterations clipped updates -> log -> save.
+
+    python grpo_llm.py                                  # embedded arithmetic SFT model, offline, CPU
+    python grpo_llm.py --reward-model assets/arith-rm   # the same, scored by the learned reward model
+    python grpo_llm.py --model gpt2 --total-steps 200   # a hub model (a GPU is advisable)
+
+Implementation details (cited as "detail N" in the comments):
+1. --batch-size counts completions (as TRL does): prompts per update = batch size / --num-generations, and
+   a prompt's G completions are contiguous, so a group is a row of rewards.view(-1, G).
+2. Completions are cut after the first EOS; later tokens become pad and are masked out of every loss and
+   statistic, so the policy is not trained on text it would never show.
+3. Advantage = reward - group mean, divided by the group's std + 1e-4 (Bessel), the batch's, or nothing;
+   one advantage per completion, broadcast to its tokens. No value model, no GAE.
+4. A group whose rewards are all equal gets advantage exactly 0: nothing to prefer, and no 0 / 0.
+5. Log-probs divide the logits by the sampling temperature, or the ratio and KL start away from 1 and 0.
+6. Dropout is off in every model: the ratio and the KL then measure policy change and nothing else.
+7. Prompts are left-padded for batched generation; position ids come from the attention mask, so a
+   padded prompt sees the positions an unpadded one would.
+8. With --num-iterations 1 the old log-probs are the current ones detached (ratio exactly 1, one gradient
+   step per batch); with more, they are recomputed after generation in the training's micro-batch shapes.
+9. KL to the frozen reference is a loss term beta * k3 (unbiased, >= 0), not a reward penalty, so it
+   stays out of the advantages; beta = 0 loads no reference at all (TRL's default since Dr. GRPO).
+10. Clipped surrogate per token with asymmetric bounds [1 - epsilon, 1 + epsilon_high]: a higher upper
+    bound lets unlikely tokens with a positive advantage grow (DAPO's clip-higher, against entropy collapse).
+11. Loss aggregation by --loss-type; micro-batches weight their loss so the accumulated gradient is the
+    whole batch's (by completions for grpo and dr_grpo, by loss tokens for dapo).
+12. The logits are computed only at completion positions, and log-probs as gather - logsumexp: no
+    (B, T, V) log-softmax copy. No-grad forwards run in micro-batches.
+13. Several reward functions are summed with --reward-weights (TRL); a reward model scores alone.
+14. A non-finite gradient stops the run before the optimizer step and saves the last good weights;
+    Ctrl-C saves before exiting.
+
+The variants, as differences from GRPO (loss-type grpo, scale-rewards group, epsilon-high = epsilon):
+- Dr. GRPO (Liu et al. 2025): --loss-type dr_grpo --scale-rewards none. Dividing by each completion's
+  length favours long wrong answers and short right ones, dividing by the group std favours too easy and
+  too hard prompts; both biases go: the sum is divided by a constant (completions x --max-new-tokens).
+- DAPO (Yu et al. 2025): --loss-type dapo --epsilon-high 0.28 --dynamic-sampling --overlong-buffer N.
+  Token-level loss (every token weighs the same, however long its completion); clip-higher; groups with
+  equal rewards leave the loss (dynamic sampling, here without resampling); soft overlong punishment:
+  -penalty * (L - (max_new_tokens - N)) / N for the last N lengths. --mask-truncated-completions drops
+  completions that never emitted EOS from the loss (DAPO's overlong filtering).
+- GSPO (Zheng et al. 2025): --importance-sampling-level sequence (with clip ranges like 3e-4 / 4e-4). One
+  ratio per completion, exp(mean over its tokens of logp - old_logp), clipped as a whole and broadcast.
+- RLOO (Ahmadian et al. 2024): --leave-one-out --scale-rewards none. Baseline = the mean of the other
+  G - 1 rewards of the group, so a completion's own reward does not bias its baseline.
+"""
+
+import copy
+import json
+import os
+import random
+import re
+import resource
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn as nn
+import transformers
+import tyro
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "grpo_llm"
+    """name of the experiment: the run directory and the wandb run start with it"""
+    seed: int = 1
+    """seed of python, numpy, torch and the prompt order"""
+    cuda: bool = True
+    """use CUDA (bf16 autocast) when it is available"""
+    track: bool = False
+    """log to Weights & Biases (WANDB_MODE=offline works)"""
+    wandb_project_name: str = "rlhf-reference"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team)"""
+    output_dir: str = "runs"
+    """parent of the run directory, which gets metrics.jsonl, samples.jsonl and the saved policy"""
+    save_every: int = 0
+    """also save every N updates (0: only at the end)"""
+
+    # Model and data
+    model: str = "assets/arith-sft"
+    """policy and reference: a hub id or a local directory (default: the embedded arithmetic SFT model)"""
+    reward_model: str | None = None
+    """sequence-classification reward model (hub id or directory); it replaces --reward-fn as the reward"""
+    reward_label: int | None = None
+    """which logit of the reward model is the score, when it has several (lvwerra/distilbert-imdb: 1)"""
+    reward_fn: tuple[Literal["arithmetic", "gsm8k"], ...] = ("arithmetic",)
+    """reward functions, summed with --reward-weights: exact answer (arithmetic), last number vs '#### N' (gsm8k)"""
+    reward_weights: tuple[float, ...] | None = None
+    """weight of each reward function (default: 1 each)"""
+    dataset: str = "arithmetic"
+    """prompts: `arithmetic` (built in, offline), a local .jsonl file, or a hub dataset name"""
+    dataset_config: str | None = None
+    """hub dataset configuration (gsm8k: main)"""
+    dataset_split: str = "train"
+    """hub dataset split"""
+    prompt_column: str = "prompt"
+    """field of a dataset row that holds the prompt (gsm8k: question, imdb: text)"""
+    answer_column: str = "answer"
+    """field that holds the reference answer the reward functions check"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the policy"""
+
+    # Generation
+    max_new_tokens: int = 8
+    """longest completion (8 fits the arithmetic task; text tasks want 48 or more)"""
+    max_prompt_length: int | None = None
+    """prompts are cut to their first N tokens (default: the model's context minus --max-new-tokens)"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs use the same one (detail 5)"""
+    top_k: int = 0
+    """sample from the k most likely tokens only (0: off)"""
+    top_p: float = 1.0
+    """nucleus sampling mass (1.0: off)"""
+
+    # Algorithm
+    total_steps: int = 200
+    """number of GRPO updates (one generation batch and its --num-iterations each)"""
+    batch_size: int = 64
+    """completions per update = prompts x --num-generations (detail 1)"""
+    num_generations: int = 8
+    """G, completions per prompt: the group whose rewards are the baseline"""
+    micro_batch_size: int = 16
+    """sequences per forward pass: gradient accumulation in training, chunking in no-grad passes"""
+    num_iterations: int = 1
+    """mu, optimizer steps on each generation batch (old log-probs recomputed when > 1, detail 8)"""
+    learning_rate: float | None = None
+    """AdamW learning rate (default: 1e-4 below 50M parameters, 1e-5 above; printed at start)"""
+    anneal_lr: bool = False
+    """decay the learning rate linearly to 0"""
+    max_grad_norm: float = 1.0
+    """global gradient-norm clip"""
+    beta: float = 0.0
+    """weight of the k3 KL-to-reference loss term (0: no reference model is loaded)"""
+    epsilon: float = 0.2
+    """lower clip range of the ratio: 1 - epsilon"""
+    epsilon_high: float | None = None
+    """upper clip range of the ratio: 1 + epsilon_high (default: epsilon; DAPO: 0.28)"""
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
+    """token-loss aggregation: per-completion mean then mean (grpo), sum / tokens (dapo), sum / (B x max) (dr_grpo)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide the advantages by the group's std, the batch's std, or nothing (Dr. GRPO)"""
+    leave_one_out: bool = False
+    """RLOO's baseline: the mean of the other G - 1 rewards of the group instead of the group mean"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """one importance ratio per token (GRPO) or per completion (GSPO)"""
+    dynamic_sampling: bool = False
+    """drop groups whose rewards are all equal from the loss (DAPO's dynamic sampling, without resampling)"""
+    mask_truncated_completions: bool = False
+    """drop completions that never emitted EOS from the loss"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment over the last N lengths up to --max-new-tokens (0: off)"""
+    overlong_penalty: float = 1.0
+    """reward lost by a completion that reaches --max-new-tokens, with --overlong-buffer"""
+
+    # Logging
+    eval_every: int = 10
+    """held-out accuracy on the arithmetic task every N updates (0: off)"""
+    sample_every: int = 10
+    """print and store a few decoded samples every N updates (0: off)"""
+    num_samples: int = 3
+    """samples shown each time"""
+
+
+# ALGO LOGIC: the numerics, small pure functions on tensors (checked by tests/ against hand-computed values)
+
+
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[label] = logit[label] - logsumexp(logits), without a (B, T, V) log-softmax copy.
+
+    logits (B, T, V), labels (B, T) -> (B, T)."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits):
+    """H = logsumexp(l) - sum softmax(l) * l, per position: (B, T, V) -> (B, T)."""
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def masked_mean(values, mask, axis=None):
+    """sum(values * mask) / sum(mask), over `axis` or over everything."""
+    if axis is None:
+        return (values * mask).sum() / mask.sum()
+    return (values * mask).sum(axis) / mask.sum(axis)
+
+
+def kl_penalty(logprobs, ref_logprobs, estimator):
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token's r = logp - ref_logp (Schulman 2020):
+    k1 = r (unbiased, can be < 0); k2 = r^2 / 2 (biased, low variance); k3 = exp(-r) - 1 + r (unbiased, >= 0)."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+def group_advantages(rewards, group_size, scale, leave_one_out=False):
+    """Advantage of each completion relative to its group (detail 3): rewards (B,) -> (B,), G contiguous each.
+
+    A_i = r_i - mean(group), or r_i - mean of the other G - 1 (leave_one_out, RLOO); then divided by
+    std(group) + 1e-4 (scale "group"), std(batch) + 1e-4 ("batch") or nothing ("none"), std Bessel-corrected.
+    A group of equal rewards gets exactly 0 (detail 4)."""
+    grouped = rewards.view(-1, group_size)  # (P, G)
+    if leave_one_out:
+        baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
+    else:
+        baseline = grouped.mean(1, keepdim=True)
+    advantages = grouped - baseline
+    if scale == "group":
+        advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
+    elif scale == "batch":
+        advantages = advantages / (rewards.std() + 1e-4)
+    equal = grouped.max(1, keepdim=True).values == grouped.min(1, keepdim=True).values
+    return advantages.masked_fill(equal, 0.0).view(-1)
+
+
+def grpo_loss(
+    logprobs, old_logprobs, ref_logprobs, advantages, mask, epsilon, epsilon_high, beta, loss_type,
+    max_completion_length, importance_sampling_level="token",
+):  # fmt: skip
+    """Clipped surrogate plus beta * k3 per token, aggregated by loss_type. Returns (loss, stats).
+
+    per token: -min(rho * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A) + beta * k3, with
+    rho = exp(logprobs - old_logprobs) (token) or exp(mean over the completion of logprobs - old_logprobs)
+    broadcast to its tokens (sequence, GSPO), and k3 = exp(ref - logp) - (ref - logp) - 1.
+    grpo: mean over each completion's tokens, then over completions; dapo: sum over all tokens / their
+    number; dr_grpo: sum / (completions x max_completion_length). logprobs (B, T), advantages (B,) or (B, T).
+    ref_logprobs may be None when beta is 0; stats (kl, clip fractions, mean ratio) are over real tokens."""
+    log_ratio = logprobs - old_logprobs  # (B, T)
+    if importance_sampling_level == "sequence":
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
+    clipped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high)
+    per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)  # (B, T)
+    kl = kl_penalty(logprobs, ref_logprobs, "k3") if ref_logprobs is not None else None
+    if beta:
+        per_token_loss = per_token_loss + beta * kl
+    if loss_type == "grpo":
+        loss = ((per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    elif loss_type == "dapo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1)
+    else:
+        loss = (per_token_loss * mask).sum() / (logprobs.shape[0] * max_completion_length)
+    with torch.no_grad():
+        low = (ratio < 1 - epsilon) & (advantages < 0)  # clipped where the min picks the clipped term
+        high = (ratio > 1 + epsilon_high) & (advantages > 0)
+        stats = {
+            "clip_ratio/low_mean": masked_mean(low.float(), mask),
+            "clip_ratio/high_mean": masked_mean(high.float(), mask),
+            "clip_ratio/region_mean": masked_mean((low | high).float(), mask),
+            "ratio": masked_mean(ratio.expand_as(mask), mask),
+        }
+        if kl is not None:
+            stats["kl"] = masked_mean(kl, mask)
+    return loss, stats
+
+
+# TASKS: prompts and reward functions (the arithmetic block is identical in ppo_llm.py and assets/)
+
+ARITH_MAX_OPERAND = 999
+ARITH_EVAL_SEED = 2024
+ARITH_EVAL_SIZE = 256
+
+
+def arithmetic_problem(rng: random.Random) -> dict:
+    """One addition problem `a+b=` and its answer, a and b uniform in [0, ARITH_MAX_OPERAND]."""
+    a, b = rng.randint(0, ARITH_MAX_OPERAND), rng.randint(0, ARITH_MAX_OPERAND)
+    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+
+def arithmetic_eval_set() -> list[dict]:
+    """The fixed held-out set: the first ARITH_EVAL_SIZE distinct problems drawn with ARITH_EVAL_SEED."""
+    rng, seen, problems = random.Random(ARITH_EVAL_SEED), set(), []
+    while len(problems) < ARITH_EVAL_SIZE:
+        p = arithmetic_problem(rng)
+        if p["prompt"] not in seen:
+            seen.add(p["prompt"])
+            problems.append(p)
+    return problems
+
+
+def arithmetic_train_problems(seed: int):
+    """An endless stream of training problems; none of them is in the held-out set."""
+    held_out = {p["prompt"] for p in arithmetic_eval_set()}
+    rng = random.Random(seed)
+    while True:
+        p = arithmetic_problem(rng)
+        if p["prompt"] not in held_out:
+            yield p
+
+
+def arithmetic_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 for exactly the right answer (surrounding whitespace ignored), else 0.0."""
+    return [float(c.strip() == a) for c, a in zip(completions, answers)]
+
+
+def gsm8k_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when the completion's last number equals the number after '####' in the answer (GSM8K's format)."""
+
+    def last_number(text):
+        numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+        return float(numbers[-1].replace(",", "")) if numbers else None
+
+    return [
+        float(last_number(c) is not None and last_number(c) == last_number(a.split("####")[-1]))
+        for c, a in zip(completions, answers)
+    ]
+
+
+REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
+
+
+def load_prompts(args):
+    """Endless iterator of {"prompt", "answer"} rows from --dataset, reshuffled every pass."""
+    if args.dataset == "arithmetic":
+        return arithmetic_train_problems(args.seed)
+    if args.dataset.endswith(".jsonl"):
+        if not os.path.isfile(args.dataset):
+            raise SystemExit(f"error: --dataset {args.dataset}: no such file")
+        with open(args.dataset) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        import datasets  # only this path needs it, and it is slow to import
+
+        try:
+            rows = list(datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split))
+        except Exception as e:
+            raise SystemExit(
+                f"error: --dataset {args.dataset} could not be loaded ({type(e).__name__}); offline, use "
+                "the built-in `arithmetic` task or a local .jsonl file"
+            ) from None
+    if not rows or args.prompt_column not in rows[0]:
+        raise SystemExit(f"error: --prompt-column {args.prompt_column} is not a field of --dataset {args.dataset}")
+    rows = [{"prompt": r[args.prompt_column], "answer": r.get(args.answer_column)} for r in rows]
+
+    def cycle(rng=random.Random(args.seed)):
+        while True:
+            rng.shuffle(rows)
+            yield from rows
+
+    return cycle()
+
+
+# MODELS: loading, generation, forward passes, scores
+
+
+def resolve(path):
+    """A repo-relative asset path (assets/...) also works from another working directory."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    return here if not os.path.exists(path) and os.path.exists(here) else path
+
+
+def from_pretrained(cls, name, flag, **kwargs):
+    """cls.from_pretrained(name) with a one-line error for a missing directory or an unreachable hub."""
+    try:
+        return cls.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        where = "could not be loaded" if os.path.isdir(name) else "is not a local directory, nor reachable on the hub"
+        raise SystemExit(
+            f"error: {flag} {name} {where} ({type(e).__name__}). Offline, use the embedded default "
+            "(omit --model: assets/arith-sft; --reward-model assets/arith-rm)"
+        ) from None
+
+
+def add_pad_token(tokenizer, models):
+    """Give a tokenizer without a pad token its own one (never EOS: a padded EOS would look like an end)."""
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+        print(f"note: the tokenizer had no pad token distinct from EOS; added [PAD] (id {tokenizer.pad_token_id})")
+        for model in models:
+            model.resize_token_embeddings(len(tokenizer))
+    for model in models:
+        model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def disable_dropout(model):
+    """Detail 6: dropout would make the ratio and the KL differ from 1 and 0 at unchanged weights."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def context_length_of(config):
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+
+
+@torch.no_grad()
+def generate(policy, queries, query_mask, generation_config):
+    """Sample responses (B, R) for left-padded prompts (B, Q); generate() derives position ids from the mask."""
+    output = policy.generate(input_ids=queries, attention_mask=query_mask, generation_config=generation_config)
+    return output[:, queries.shape[1] :]
+
+
+def truncate_after_eos(responses, eos_token_id, pad_token_id):
+    """Detail 2: keep the tokens up to and including the first EOS. Returns (responses, mask), (B, R)."""
+    is_eos = responses == eos_token_id
+    after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # an EOS strictly before this position
+    return responses.masked_fill(after_eos, pad_token_id), ~after_eos
+
+
+def hidden_states(model, query_responses, attention_mask, context_length):
+    """Last hidden states (B, R, H) at the positions that predict the response tokens (context_length - 1 ...)."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # detail 7
+    out = model.base_model(
+        input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
+    return out.last_hidden_state[:, context_length - 1 : -1]
+
+
+def forward(policy, query_responses, attention_mask, context_length, temperature):
+    """One pass over prompt + completion: completion log-probs (B, T) and logits (B, T, V) (ppo_llm's, no values)."""
+    hidden = hidden_states(policy, query_responses, attention_mask, context_length)
+    logits = policy.get_output_embeddings()(hidden).float() / temperature  # details 5 and 12
+    return logprobs_from_logits(logits, query_responses[:, context_length:]), logits
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, rm_tokenizer, tokenizer, query_responses, attention_mask, label, chunk):
+    """Score of each sequence (B,), read by the reward model at its last real token (pad follows it).
+
+    rm_tokenizer None: same vocabulary, the ids are used as they are; otherwise decode and re-encode."""
+    if rm_tokenizer is None:
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        inputs = {
+            "input_ids": query_responses,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+        }
+    else:
+        texts = tokenizer.batch_decode(query_responses, skip_special_tokens=True)
+        inputs = rm_tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+        inputs = {k: v.to(query_responses.device) for k, v in inputs.items()}
+    n = query_responses.shape[0]
+    logits = [reward_model(**{k: v[i : i + chunk] for k, v in inputs.items()}).logits for i in range(0, n, chunk)]
+    return torch.cat(logits)[:, label].float()
+
+
+@torch.no_grad()
+def evaluate(policy, tokenizer, problems, generation_config, reward_fn, chunk):
+    """Held-out accuracy: mean reward-function score over `problems`, sampling as in training."""
+    correct = []
+    for i in range(0, len(problems), chunk):
+        batch = problems[i : i + chunk]
+        enc = tokenizer([p["prompt"] for p in batch], padding=True, return_tensors="pt").to(policy.device)
+        responses = generate(policy, enc.input_ids, enc.attention_mask, generation_config)
+        responses, _ = truncate_after_eos(responses, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        correct += reward_fn(completions, [p["answer"] for p in batch])
+    return sum(correct) / len(correct)
+
+
+def peak_memory_mb(device):
+    """Peak memory of this process: CUDA allocations on a GPU, the resident set (ru_maxrss, KiB) on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def main(args: Args | None = None):
+    args = tyro.cli(Args) if args is None else args
+    # TRY NOT TO MODIFY: checks, seeding, device, models
+    G = args.num_generations
+    if G < 2:
+        raise SystemExit(f"error: --num-generations must be at least 2: the group is the baseline (got {G})")
+    if args.batch_size % G:
+        raise SystemExit(f"error: --num-generations must divide --batch-size (got {G} and {args.batch_size})")
+    if args.batch_size % args.micro_batch_size:
+        raise SystemExit(
+            f"error: --micro-batch-size must divide --batch-size (got {args.micro_batch_size} and {args.batch_size})"
+        )
+    if args.num_iterations < 1:
+        raise SystemExit(f"error: --num-iterations must be at least 1 (got {args.num_iterations})")
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if epsilon_high < args.epsilon:
+        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {epsilon_high} and {args.epsilon})")
+    if args.temperature <= 0:
+        raise SystemExit(f"error: --temperature must be > 0: log-probs divide by it (got {args.temperature})")
+    unknown = [name for name in args.reward_fn if name not in REWARD_FNS]
+    if unknown or not args.reward_fn:
+        raise SystemExit(f"error: --reward-fn must be among {sorted(REWARD_FNS)} (got {' '.join(args.reward_fn)})")
+    reward_names = [os.path.basename(args.reward_model)] if args.reward_model else list(args.reward_fn)
+    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names))
+    if len(reward_weights) != len(reward_names):
+        raise SystemExit(
+            f"error: --reward-weights needs one weight per reward ({', '.join(reward_names)}), "
+            f"got {len(reward_weights)}"
+        )
+    transformers.utils.logging.disable_progress_bar()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+    args.model = resolve(args.model)
+    tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left")
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
+    policy = from_pretrained(AutoModelForCausalLM, args.model, "--model")
+    context = context_length_of(policy.config)
+    if context is not None and args.max_new_tokens >= context:
+        raise SystemExit(
+            f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
+            f"context of {context} tokens"
+        )
+    max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
+    if context is not None and max_prompt_length + args.max_new_tokens > context:
+        raise SystemExit(
+            f"error: --max-prompt-length {max_prompt_length} + --max-new-tokens {args.max_new_tokens} "
+            f"exceeds the model's context of {context} tokens"
+        )
+
+    reward_model = rm_tokenizer = None
+    if args.reward_model is not None:
+        args.reward_model = resolve(args.reward_model)
+        reward_model = from_pretrained(AutoModelForSequenceClassification, args.reward_model, "--reward-model")
+        if reward_model.config.num_labels != 1 and args.reward_label is None:
+            raise SystemExit(
+                f"error: --reward-model {args.reward_model} has num_labels={reward_model.config.num_labels}; "
+                "a reward model gives one score: pass --reward-label to choose the logit"
+            )
+        rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model")
+        if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
+            rm_tokenizer = None  # same tokens: score the ids directly, no decode / re-encode
+        else:
+            add_pad_token(rm_tokenizer, [reward_model])
+        reward_model.to(device).eval().requires_grad_(False)
+        disable_dropout(reward_model)
+    add_pad_token(tokenizer, [policy] + ([reward_model] if reward_model is not None and rm_tokenizer is None else []))
+
+    # Reference: a frozen copy of the initial policy, only when the KL term is on (detail 9).
+    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta else None
+    for model in [policy, ref_policy]:
+        if model is not None:
+            model.to(device)
+            disable_dropout(model)
+            model.config.use_cache = True
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # measured on 2 shared cores: 1 thread is faster than 2 for small models
+
+    n_params = sum(p.numel() for p in policy.parameters())
+    if args.learning_rate is None:
+        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
+        print(
+            f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters "
+            "(1e-4 below 50M, 1e-5 above; --learning-rate overrides)"
+        )
+    params = list(policy.parameters())
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5)
+    generation_config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    prompts = load_prompts(args)
+    eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every else None
+
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = os.path.join(args.output_dir, run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "args.json"), "w") as f:
+        json.dump(asdict(args), f, indent=1)
+    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+    samples_file = open(os.path.join(run_dir, "samples.jsonl"), "a")
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=vars(args))
+
+    def log(metrics):
+        metrics_file.write(json.dumps(metrics) + "\n")
+        metrics_file.flush()
+        if args.track:
+            wandb.log(metrics, step=metrics["update"])
+
+    def timer():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def save(path):
+        policy.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+
+    if eval_problems:
+        with autocast:
+            accuracy = evaluate(policy, tokenizer, eval_problems, generation_config, arithmetic_reward, args.batch_size)
+        log({"update": 0, "episode": 0, "eval/accuracy": accuracy})
+        print(f"update 0: held-out accuracy {accuracy:.3f}")
+
+    update, start_time = 0, time.time()
+    try:
+        for update in range(1, args.total_steps + 1):
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
+            # ALGO LOGIC: 1. rollout -- G completions of each prompt, contiguous (detail 1)
+            t0 = timer()
+            batch = [row for row in (next(prompts) for _ in range(args.batch_size // G)) for _ in range(G)]
+            enc = tokenizer(
+                [row["prompt"] for row in batch], padding=True, truncation=max_prompt_length is not None,
+                max_length=max_prompt_length, return_tensors="pt",
+            ).to(device)  # fmt: skip
+            queries, context_length = enc.input_ids, enc.input_ids.shape[1]
+            policy.eval()
+            with autocast:
+                responses = generate(policy, queries, enc.attention_mask, generation_config)
+            responses, response_mask = truncate_after_eos(responses, tokenizer.eos_token_id, tokenizer.pad_token_id)
+            query_responses = torch.cat([queries, responses], dim=1)
+            attention_mask = torch.cat([enc.attention_mask, response_mask.long()], dim=1)
+            mask = response_mask.float()  # (B, T)
+            t1 = timer()
+
+            # 2. rewards: weighted reward functions or the reward model (detail 13), overlong punishment
+            completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
+            answers = [row["answer"] for row in batch]
+            if reward_model is not None:
+                with autocast:
+                    scores = reward_model_scores(
+                        reward_model, rm_tokenizer, tokenizer, query_responses, attention_mask,
+                        args.reward_label or 0, args.micro_batch_size,
+                    )[:, None]  # fmt: skip
+            elif answers[0] is None:
+                raise SystemExit(f"error: --reward-fn needs answers: --answer-column {args.answer_column} is empty")
+            else:
+                scores = torch.tensor(
+                    [REWARD_FNS[name](completions, answers) for name in args.reward_fn], dtype=torch.float
+                ).T
+            scores = scores.to(device)  # (B, number of rewards)
+            rewards = scores @ reward_weights.to(device)  # (B,)
+            lengths = mask.sum(1)
+            if args.overlong_buffer:  # DAPO: linear from 0 to -penalty over the last --overlong-buffer lengths
+                over = (lengths - (args.max_new_tokens - args.overlong_buffer)).clamp(min=0) / args.overlong_buffer
+                rewards = rewards - args.overlong_penalty * over
+
+            # 3. advantages relative to the group (details 3, 4); which completions the loss sees
+            advantages = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)  # (B,)
+            group_std = rewards.view(-1, G).std(1)
+            zero_std = (rewards.view(-1, G).max(1).values == rewards.view(-1, G).min(1).values).float()
+            truncated = ~(responses == tokenizer.eos_token_id).any(1)
+            loss_mask = mask.clone()
+            if args.dynamic_sampling:
+                loss_mask *= 1 - zero_std.repeat_interleave(G)[:, None]
+            if args.mask_truncated_completions:
+                loss_mask *= (~truncated).float()[:, None]
+
+            # 4. old log-probs (mu > 1) and reference log-probs, in the training's micro-batch shapes (detail 8)
+            old_logprobs, ref_logprobs = [], []
+            with torch.no_grad(), autocast:
+                for i in range(0, args.batch_size, args.micro_batch_size):
+                    qr, am = (
+                        query_responses[i : i + args.micro_batch_size],
+                        attention_mask[i : i + args.micro_batch_size],
+                    )
+                    if args.num_iterations > 1:
+                        old_logprobs.append(forward(policy, qr, am, context_length, args.temperature)[0])
+                    if ref_policy is not None:
+                        ref_logprobs.append(forward(ref_policy, qr, am, context_length, args.temperature)[0])
+            old_logprobs = torch.cat(old_logprobs) if old_logprobs else None
+            ref_logprobs = torch.cat(ref_logprobs) if ref_logprobs else None
+            t2 = timer()
+
+            # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 11)
+            policy.train()
+            stats, losses, grad_norms = {}, [], []
+            n_tokens = loss_mask.sum()
+            for _ in range(args.num_iterations if n_tokens > 0 else 0):
+                loss_sum = 0.0
+                for mc in torch.arange(args.batch_size, device=device).split(args.micro_batch_size):
+                    mc_mask = loss_mask[mc]
+                    if mc_mask.sum() == 0:
+                        continue  # nothing of it is in the loss: its gradient would be 0
+                    with autocast:
+                        logprobs, logits = forward(
+                            policy, query_responses[mc], attention_mask[mc], context_length, args.temperature
+                        )
+                    loss, mc_stats = grpo_loss(
+                        logprobs, logprobs.detach() if old_logprobs is None else old_logprobs[mc],
+                        None if ref_logprobs is None else ref_logprobs[mc], advantages[mc], mc_mask, args.epsilon,
+                        epsilon_high, args.beta, args.loss_type, args.max_new_tokens, args.importance_sampling_level,
+                    )  # fmt: skip
+                    weight = mc_mask.sum() / n_tokens if args.loss_type == "dapo" else len(mc) / args.batch_size
+                    (loss * weight).backward()
+                    loss_sum += (loss * weight).item()
+                    with torch.no_grad():
+                        mc_stats["entropy"] = masked_mean(entropy_from_logits(logits), mc_mask)
+                    for key, value in mc_stats.items():
+                        stats.setdefault(key, []).append(value)
+                grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                if not torch.isfinite(grad_norm):  # detail 14: the weights are still the last good ones
+                    save(os.path.join(run_dir, "policy"))
+                    raise SystemExit(
+                        f"error: the loss became non-finite at update {update}; the last good weights are "
+                        f"in {run_dir}/policy (try a lower --learning-rate)"
+                    )
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss_sum)
+                grad_norms.append(grad_norm.item())
+            t3 = timer()
+
+            # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
+            mean = {k: torch.stack(v).mean().item() for k, v in stats.items()}
+            n_completion_tokens = int(mask.sum().item())
+            metrics = {
+                "update": update,
+                "episode": update * args.batch_size,
+                "reward": rewards.mean().item(),
+                "reward_std": group_std.mean().item(),
+                "frac_reward_zero_std": zero_std.mean().item(),
+                "completions/mean_length": lengths.mean().item(),
+                "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(),
+                "completions/clipped_ratio": truncated.float().mean().item(),
+                "learning_rate": optimizer.param_groups[0]["lr"],
+                "time/generation": t1 - t0,
+                "time/scoring": t2 - t1,
+                "time/update": t3 - t2,
+                "perf/tokens_per_sec": n_completion_tokens / (t3 - t0),
+                "perf/peak_memory_mb": peak_memory_mb(device),
+            }
+            for j, name in enumerate(reward_names):
+                metrics[f"rewards/{name}/mean"] = scores[:, j].mean().item()
+                metrics[f"rewards/{name}/std"] = scores[:, j].std().item()
+            if losses:
+                metrics |= {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms)}
+                metrics |= {"importance_ratio/mean" if k == "ratio" else k: v for k, v in mean.items()}
+            if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
+                policy.eval()
+                with autocast:
+                    metrics["eval/accuracy"] = evaluate(
+                        policy, tokenizer, eval_problems, generation_config, arithmetic_reward, args.batch_size
+                    )
+            log(metrics)
+            print(
+                f"update {update}: reward {metrics['reward']:.3f}  "
+                + (f"kl {metrics['kl']:.4f}  " if "kl" in metrics else "")
+                + (f"clip {metrics['clip_ratio/region_mean']:.3f}  " if losses else "(no loss tokens)  ")
+                + (f"held-out accuracy {metrics['eval/accuracy']:.3f}  " if "eval/accuracy" in metrics else "")
+                + f"{t3 - t0:.2f}s  ({time.time() - start_time:.0f}s total)"
+            )
+            if args.sample_every and update % args.sample_every == 0:
+                for j in range(0, min(args.num_samples * G, args.batch_size), G):  # one per group
+                    sample = {"update": update, "prompt": batch[j]["prompt"], "completion": completions[j]}
+                    sample |= {"reward": rewards[j].item(), "advantage": advantages[j].item()}
+                    samples_file.write(json.dumps(sample) + "\n")
+                    print(f"  {sample['prompt']!r} -> {sample['completion']!r}  reward {sample['reward']:.2f}")
+                samples_file.flush()
+            if args.save_every and update % args.save_every == 0:
+                save(os.path.join(run_dir, "policy"))
+    except KeyboardInterrupt:
+        print(f"interrupted at update {update}: saving")
+    save(os.path.join(run_dir, "policy"))
+    print(f"saved the policy to {run_dir}/policy")
+    metrics_file.close()
+    samples_file.close()
+    if args.track:
+        wandb.finish()
+    return run_dir
+
+
+if __name__ == "__main__":
+    main()

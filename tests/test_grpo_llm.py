@@ -1,0 +1,395 @@
+"""Tests of grpo_llm.py: numerics against hand-computed values, short end-to-end runs with tiny models, bad input."""
+
+import inspect
+import json
+import math
+import os
+
+import huggingface_hub
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import grpo_llm
+import ppo_llm
+
+
+def t(rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# shared code: the functions both scripts carry must be the same text
+# ---------------------------------------------------------------------------------------------------------
+SHARED = [
+    "logprobs_from_logits", "entropy_from_logits", "masked_mean", "kl_penalty", "arithmetic_problem",
+    "arithmetic_eval_set", "arithmetic_train_problems", "arithmetic_reward", "gsm8k_reward", "load_prompts",
+    "resolve", "from_pretrained", "add_pad_token", "disable_dropout", "context_length_of", "generate",
+    "truncate_after_eos", "hidden_states", "reward_model_scores", "evaluate", "peak_memory_mb",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_shared_functions_are_copies_of_ppo_llm(name):
+    assert inspect.getsource(getattr(grpo_llm, name)) == inspect.getsource(getattr(ppo_llm, name))
+
+
+def test_shared_constants_and_numerics_agree_with_ppo_llm():
+    for name in ["ARITH_MAX_OPERAND", "ARITH_EVAL_SEED", "ARITH_EVAL_SIZE"]:
+        assert getattr(grpo_llm, name) == getattr(ppo_llm, name)
+    assert list(grpo_llm.REWARD_FNS) == list(ppo_llm.REWARD_FNS)
+    torch.manual_seed(0)
+    logits, labels = torch.randn(3, 5, 7), torch.randint(0, 7, (3, 5))
+    a, b, mask = torch.randn(3, 5), torch.randn(3, 5), (torch.rand(3, 5) > 0.3).float()
+    assert torch.equal(grpo_llm.logprobs_from_logits(logits, labels), ppo_llm.logprobs_from_logits(logits, labels))
+    assert torch.equal(grpo_llm.masked_mean(a, mask, 1), ppo_llm.masked_mean(a, mask, 1))
+    assert torch.equal(grpo_llm.kl_penalty(a, b, "k3"), ppo_llm.kl_penalty(a, b, "k3"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# group_advantages: G = 3, two groups, rewards [1, 2, 3 | 5, 5, 5]
+# ---------------------------------------------------------------------------------------------------------
+REWARDS = t([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
+
+
+def test_group_advantages_group_scale():
+    # group 1: mean 2, std = sqrt((1 + 0 + 1) / 2) = 1 -> (r - 2) / (1 + 1e-4); group 2: equal rewards -> 0
+    expected = t([-1 / 1.0001, 0.0, 1 / 1.0001, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(grpo_llm.group_advantages(REWARDS, 3, "group"), expected)
+
+
+def test_group_advantages_batch_scale():
+    # group means 2 and 5; batch std: mean 21/6 = 3.5, squares 6.25 + 2.25 + 0.25 + 3 * 2.25 = 15.5,
+    # var = 15.5 / 5 = 3.1, std = 1.7606817
+    expected = t([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]) / (math.sqrt(3.1) + 1e-4)
+    torch.testing.assert_close(grpo_llm.group_advantages(REWARDS, 3, "batch"), expected)
+
+
+def test_group_advantages_no_scale():
+    torch.testing.assert_close(grpo_llm.group_advantages(REWARDS, 3, "none"), t([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]))
+
+
+def test_group_advantages_leave_one_out():
+    # baselines of group 1: (2 + 3) / 2 = 2.5, (1 + 3) / 2 = 2, (1 + 2) / 2 = 1.5 -> -1.5, 0, 1.5
+    out = grpo_llm.group_advantages(REWARDS, 3, "none", leave_one_out=True)
+    torch.testing.assert_close(out, t([-1.5, 0.0, 1.5, 0.0, 0.0, 0.0]))
+    # with group scale: / (std 1 + 1e-4)
+    out = grpo_llm.group_advantages(REWARDS, 3, "group", leave_one_out=True)
+    torch.testing.assert_close(out, t([-1.5, 0.0, 1.5, 0.0, 0.0, 0.0]) / 1.0001)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_group_advantages_equal_rewards_are_exactly_zero(scale, leave_one_out):
+    # 0.1 and 0.7 are not exact in binary: the group mean may be off by an ulp, yet the advantage is 0
+    rewards = t([0.1, 0.1, 0.1, 0.7, 0.7, 0.7])
+    out = grpo_llm.group_advantages(rewards, 3, scale, leave_one_out)
+    assert torch.equal(out, torch.zeros(6))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# grpo_loss on a (2, 3) batch: old log-probs 0, so rho = exp(logprobs) is the table below
+#   row 0, A = +1: rho = 1.5, 1.0, 0.5      (all real)
+#   row 1, A = -1: rho = 0.7, 1.1, [2.0]    (last token masked out)
+# per token -min(rho A, clip(rho, 1 - 0.2, 1 + 0.28) A):
+#   row 0: -min(1.5, 1.28) = -1.28 (high-clipped), -1.0, -min(0.5, 0.8) = -0.5
+#   row 1: max(0.7, 0.8) = 0.8 (low-clipped), max(1.1, 1.1) = 1.1
+# sum over real tokens: -2.78 + 1.9 = -0.88
+# ---------------------------------------------------------------------------------------------------------
+MASK = t([[1, 1, 1], [1, 1, 0]])
+ADV = t([1.0, -1.0])
+
+
+def loss_inputs(ratios):
+    return torch.log(t(ratios)), torch.zeros(2, 3)
+
+
+@pytest.mark.parametrize(
+    "loss_type, expected",
+    [
+        ("grpo", ((-2.78 / 3) + (1.9 / 2)) / 2),  # per-row means -0.926667 and 0.95, then their mean
+        ("dapo", -0.88 / 5),  # 5 real tokens
+        ("dr_grpo", -0.88 / (2 * 4)),  # 2 completions x max_completion_length 4
+    ],
+)
+def test_grpo_loss_types_with_clip_higher(loss_type, expected):
+    logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.7, 1.1, 2.0]])
+    loss, stats = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, loss_type, 4)
+    torch.testing.assert_close(loss, torch.tensor(expected))
+    # 1 high-clipped and 1 low-clipped token of 5 real ones
+    torch.testing.assert_close(stats["clip_ratio/high_mean"], torch.tensor(0.2))
+    torch.testing.assert_close(stats["clip_ratio/low_mean"], torch.tensor(0.2))
+    torch.testing.assert_close(stats["clip_ratio/region_mean"], torch.tensor(0.4))
+    assert "kl" not in stats
+
+
+def test_grpo_loss_symmetric_clip_and_per_token_advantages():
+    # epsilon_high = epsilon = 0.2: the first token is clipped at 1.2, row 0 mean (-1.2 - 1 - 0.5) / 3 = -0.9,
+    # loss = (-0.9 + 0.95) / 2 = 0.025; advantages given per token (B, T) give the same
+    logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.7, 1.1, 2.0]])
+    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV[:, None].expand(2, 3), MASK, 0.2, 0.2, 0.0, "grpo", 4)
+    torch.testing.assert_close(loss, torch.tensor(0.025))
+
+
+@pytest.mark.parametrize(
+    "loss_type, expected",
+    [
+        ("grpo", ((-2.78 / 3) + (1.9 / 2)) / 2 + 0.1 * (1 - math.log(2))),  # every row mean gains beta * k3
+        ("dapo", -0.88 / 5 + 0.1 * (1 - math.log(2))),
+        ("dr_grpo", (-0.88 + 5 * 0.1 * (1 - math.log(2))) / 8),
+    ],
+)
+def test_grpo_loss_k3_term(loss_type, expected):
+    # ref = logp + ln 2 everywhere: k3 = exp(ln 2) - ln 2 - 1 = 1 - ln 2 = 0.306853; beta = 0.1
+    logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.7, 1.1, 2.0]])
+    ref = logprobs + math.log(2)
+    loss, stats = grpo_llm.grpo_loss(logprobs, old, ref, ADV, MASK, 0.2, 0.28, 0.1, loss_type, 4)
+    torch.testing.assert_close(loss, torch.tensor(expected))
+    torch.testing.assert_close(stats["kl"], torch.tensor(1 - math.log(2)))
+
+
+def test_grpo_loss_sequence_level_importance_ratio():
+    # GSPO: rho_i = exp(mean of log rho over real tokens), one per completion
+    #   row 0 (A = +1): (1.5 * 1.0 * 0.5)^(1/3) = 0.75^(1/3) = 0.9085603, inside [0.8, 1.28]: -0.9085603
+    #   row 1 (A = -1): (0.5 * 0.8)^(1/2) = 0.4^(1/2) = 0.6324555 (the masked 2.0 is ignored), low-clipped: 0.8
+    # grpo: (-0.9085603 + 0.8) / 2 = -0.0542802; 2 of 5 tokens low-clipped
+    logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.5, 0.8, 2.0]])
+    loss, stats = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, "grpo", 4, "sequence")
+    torch.testing.assert_close(loss, torch.tensor((-(0.75 ** (1 / 3)) + 0.8) / 2))
+    torch.testing.assert_close(stats["clip_ratio/low_mean"], torch.tensor(0.4))
+    torch.testing.assert_close(stats["clip_ratio/high_mean"], torch.tensor(0.0))
+    # mean ratio over real tokens: (3 * 0.9085603 + 2 * 0.6324555) / 5
+    torch.testing.assert_close(stats["ratio"], torch.tensor((3 * 0.75 ** (1 / 3) + 2 * 0.4**0.5) / 5))
+
+
+def test_grpo_loss_gradient_at_ratio_one_is_the_policy_gradient():
+    # old = logprobs detached: rho = 1, d loss / d logp_t = -A_i / |o_i| / B (grpo), -A_i / tokens (dapo)
+    logprobs = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = grpo_llm.grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, 0.2, 0.2, 0.0, "grpo", 4)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, t([[-1 / 6, -1 / 6, -1 / 6], [1 / 4, 1 / 4, 0.0]]))
+    logprobs.grad = None
+    loss, _ = grpo_llm.grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, 0.2, 0.2, 0.0, "dapo", 4)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, t([[-1 / 5, -1 / 5, -1 / 5], [1 / 5, 1 / 5, 0.0]]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# end to end, in-process, tiny models (tests/conftest.py)
+# ---------------------------------------------------------------------------------------------------------
+def run(tiny, tmp_path, **kwargs):
+    """main() for 2 updates of 8 completions (2 prompts x 4); returns (run_dir, metrics records)."""
+    settings = dict(
+        model=tiny["policy"], output_dir=str(tmp_path / "runs"), batch_size=8, num_generations=4,
+        micro_batch_size=4, max_new_tokens=4, total_steps=2, eval_every=0, sample_every=1, num_samples=2,
+    )  # fmt: skip
+    run_dir = grpo_llm.main(grpo_llm.Args(**(settings | kwargs)))
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return run_dir, [json.loads(line) for line in f]
+
+
+TRL_NAMES = {
+    "reward", "reward_std", "frac_reward_zero_std", "entropy", "completions/mean_length",
+    "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+    "loss", "grad_norm", "learning_rate", "time/generation", "time/scoring", "time/update",
+    "perf/tokens_per_sec", "perf/peak_memory_mb",
+}  # fmt: skip
+
+
+def test_default_variant_with_kl_eval_samples_and_saving(tiny, tmp_path, capsys):
+    run_dir, records = run(
+        tiny, tmp_path, beta=0.1, num_iterations=2, eval_every=2, batch_size=64, num_generations=8,
+        micro_batch_size=16, total_steps=2, save_every=1,
+    )  # fmt: skip
+    assert records[0] == {"update": 0, "episode": 0, "eval/accuracy": 0.0}  # random policy, held-out at start
+    assert [r["update"] for r in records[1:]] == [1, 2] and records[-1]["episode"] == 128
+    assert TRL_NAMES | {"kl", "eval/accuracy", "rewards/arithmetic/mean"} <= set(records[-1])
+    assert 0 <= records[1]["kl"] < 1e-6  # the reference is the initial policy (2nd iteration: one step away)
+    assert records[-1]["time/update"] > 0 and records[-1]["perf/peak_memory_mb"] > 0
+    assert "held-out accuracy" in capsys.readouterr().out
+    with open(os.path.join(run_dir, "samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert len(samples) == 4 and {"prompt", "completion", "reward", "advantage"} <= set(samples[0])
+    assert json.load(open(os.path.join(run_dir, "args.json")))["beta"] == 0.1
+    AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "policy"))  # save_pretrained round trip
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(loss_type="dr_grpo", scale_rewards="none", anneal_lr=True),
+        dict(
+            loss_type="dapo",
+            epsilon_high=0.28,
+            dynamic_sampling=True,
+            overlong_buffer=2,
+            reward_model="RM",
+            dataset="JSONL",
+        ),
+        dict(gradient_checkpointing=True, micro_batch_size=8, reward_model="RM", dataset="JSONL"),
+        dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4, num_iterations=2),
+        dict(leave_one_out=True, scale_rewards="batch", top_k=20, top_p=0.9, temperature=0.7),
+        dict(reward_fn=("arithmetic", "gsm8k"), reward_weights=(1.0, 0.5), mask_truncated_completions=True),
+    ],
+)
+def test_variants_run(tiny, tmp_path, options):
+    paths = {"RM": tiny["rm"], "JSONL": tiny["jsonl"]}
+    _, records = run(tiny, tmp_path, **{k: paths.get(v, v) if isinstance(v, str) else v for k, v in options.items()})
+    assert [r["update"] for r in records] == [1, 2]
+    for r in records:
+        assert all(math.isfinite(v) for v in r.values())
+    if options.get("anneal_lr"):
+        assert [r["learning_rate"] for r in records] == [1e-4, 5e-5]
+    if "reward_weights" in options:
+        assert {"rewards/arithmetic/mean", "rewards/gsm8k/mean"} <= set(records[0])
+
+
+def test_reward_model_jsonl_prompts_and_overlong_penalty(tiny, tmp_path):
+    # the tiny policy rarely emits EOS in 4 tokens; a buffer of 4 at length 4 costs the full penalty 10
+    _, records = run(
+        tiny, tmp_path, reward_model=tiny["rm"], dataset=tiny["jsonl"], overlong_buffer=4, overlong_penalty=10
+    )
+    rm_name = os.path.basename(tiny["rm"])
+    for r in records:
+        assert math.isfinite(r["reward"]) and r[f"rewards/{rm_name}/mean"] != 0
+        expected = r[f"rewards/{rm_name}/mean"] - 10 * r["completions/mean_length"] / 4
+        assert r["reward"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_reward_model_with_another_tokenizer_and_a_label(tiny, tmp_path):
+    _, records = run(tiny, tmp_path, reward_model=tiny["rm_other"], dataset=tiny["jsonl"])
+    assert all(math.isfinite(r["reward"]) and r["reward"] != 0 for r in records)
+    _, records = run(
+        tiny, tmp_path, exp_name="two_labels", reward_model=tiny["rm_two_labels"], reward_label=1, dataset=tiny["jsonl"]
+    )
+    assert all(math.isfinite(r["reward"]) for r in records)
+
+
+def test_dynamic_sampling_drops_equal_groups(tiny, tmp_path, monkeypatch):
+    # rewards: group 1 all equal (advantage 0), group 2 not; lr 0 and one token per completion, so both runs
+    # see the same 8 tokens. dapo divides by the loss tokens: 4 with the filter, 8 without, so the gradient
+    # (of group 2 only, group 1's advantages being 0) doubles; grpo divides by the completions (8) either way
+    monkeypatch.setitem(grpo_llm.REWARD_FNS, "arithmetic", lambda completions, answers: [1, 1, 1, 1, 0, 0, 0, 1])
+    grad_norms = {}
+    for loss_type in ["dapo", "grpo"]:
+        for dynamic_sampling in [False, True]:
+            _, records = run(
+                tiny, tmp_path, exp_name=f"{loss_type}{dynamic_sampling}", loss_type=loss_type, learning_rate=0.0,
+                max_new_tokens=1, dynamic_sampling=dynamic_sampling, total_steps=1,
+            )  # fmt: skip
+            assert records[0]["frac_reward_zero_std"] == 0.5
+            grad_norms[loss_type, dynamic_sampling] = records[0]["grad_norm"]
+    assert grad_norms["dapo", True] == pytest.approx(2 * grad_norms["dapo", False], rel=1e-5)
+    assert grad_norms["grpo", True] == pytest.approx(grad_norms["grpo", False], rel=1e-5)
+
+
+def test_dynamic_sampling_with_only_equal_groups_trains_nothing(tiny, tmp_path, capsys):
+    # the arithmetic reward of a random policy is 0 everywhere: every group leaves the loss
+    _, records = run(tiny, tmp_path, dynamic_sampling=True, loss_type="dapo")
+    assert [r["frac_reward_zero_std"] for r in records] == [1.0, 1.0]
+    assert all("loss" not in r for r in records) and "(no loss tokens)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("num_iterations", [1, 3])
+def test_ratio_is_exactly_one_at_unchanged_weights(tiny, tmp_path, num_iterations):
+    # lr 0: the weights never change, so the old log-probs (detached, or recomputed in the training's
+    # micro-batch shapes) equal the new ones exactly; the reward model gives non-zero advantages
+    _, records = run(
+        tiny, tmp_path, learning_rate=0.0, num_iterations=num_iterations, beta=0.1, reward_model=tiny["rm"],
+        dataset=tiny["jsonl"],
+    )  # fmt: skip
+    for r in records:
+        assert r["importance_ratio/mean"] == 1.0 and r["clip_ratio/region_mean"] == 0.0 and r["kl"] == 0.0
+        assert r["grad_norm"] > 0
+
+
+def test_track_with_wandb_offline(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run(tiny, tmp_path, track=True, total_steps=1)
+    assert any(name.startswith("offline-run") for name in os.listdir(tmp_path / "wandb"))
+
+
+def test_learning_raises_the_reward(tiny, tmp_path):
+    # a fixed random reward model scores one token after each JSONL prompt; GRPO must find the tokens it
+    # prefers: the mean score of the last 5 updates is well above that of the first 5 (seeded, ~1 s)
+    _, records = run(
+        tiny, tmp_path, reward_model=tiny["rm"], dataset=tiny["jsonl"], batch_size=32, num_generations=8,
+        micro_batch_size=32, max_new_tokens=2, total_steps=20, learning_rate=1e-2, sample_every=0,
+    )  # fmt: skip
+    rewards = [r["reward"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.05, rewards
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_weights(tiny, tmp_path, monkeypatch):
+    real_loss, calls = grpo_llm.grpo_loss, []
+
+    def loss_turning_nan(*args, **kwargs):
+        calls.append(1)
+        loss, stats = real_loss(*args, **kwargs)
+        return (loss * float("nan") if len(calls) > 2 else loss), stats  # 2 micro-batches: update 2 turns NaN
+
+    monkeypatch.setattr(grpo_llm, "grpo_loss", loss_turning_nan)
+    with pytest.raises(SystemExit, match="non-finite at update 2; the last good weights are in"):
+        run(tiny, tmp_path, reward_model=tiny["rm"], dataset=tiny["jsonl"], learning_rate=1e-2)
+    (run_dir,) = os.listdir(tmp_path / "runs")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / run_dir / "policy")
+    assert all(torch.isfinite(p).all() for p in saved.parameters())
+
+
+def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
+    real_generate, calls = grpo_llm.generate, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(grpo_llm, "generate", interrupted)
+    run_dir, records = run(tiny, tmp_path, total_steps=5)
+    assert [r["update"] for r in records] == [1]
+    assert os.path.isfile(os.path.join(run_dir, "policy", "config.json"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bad input: one line, no traceback
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(num_generations=1), "error: --num-generations must be at least 2: the group is the baseline (got 1)"),
+        (dict(num_generations=3), "error: --num-generations must divide --batch-size (got 3 and 8)"),
+        (dict(micro_batch_size=3), "error: --micro-batch-size must divide --batch-size (got 3 and 8)"),
+        (dict(num_iterations=0), "error: --num-iterations must be at least 1 (got 0)"),
+        (dict(epsilon=0.2, epsilon_high=0.1), "error: --epsilon-high must be >= --epsilon (got 0.1 and 0.2)"),
+        (dict(reward_fn=("arithmetic", "nope")), "error: --reward-fn must be among ['arithmetic', 'gsm8k'] (got "
+         "arithmetic nope)"),
+        (dict(reward_weights=(1.0, 2.0)), "error: --reward-weights needs one weight per reward (arithmetic), got 2"),
+        (dict(temperature=0.0), "error: --temperature must be > 0"),
+        (dict(model="/no/such/dir"), "error: --model /no/such/dir is not a local directory, nor reachable on the hub"),
+        (dict(max_new_tokens=40), "error: --max-new-tokens 40 leaves no room for a prompt in the "
+         "model's context of 32"),
+        (dict(max_prompt_length=30), "error: --max-prompt-length 30 + --max-new-tokens 4 exceeds the "
+         "model's context of 32"),
+        (dict(dataset="/no/such.jsonl"), "error: --dataset /no/such.jsonl: no such file"),
+        (dict(dataset="JSONL", prompt_column="question"), "error: --prompt-column question is not a field of"),
+        (dict(reward_model="RM2"), "has num_labels=2; a reward model gives one score: pass --reward-label"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line(tiny, tmp_path, options, message):
+    paths = {"JSONL": tiny["jsonl"], "RM2": tiny["rm_two_labels"]}
+    options = {k: paths.get(v, v) if isinstance(v, str) else v for k, v in options.items()}
+    with pytest.raises(SystemExit) as e:
+        run(tiny, tmp_path, **options)
+    assert str(e.value).startswith("error:") and "\n" not in str(e.value)
+    assert message in str(e.value)
+
+
+def test_unreachable_hub_id_names_the_default(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit, match="no-such-org/no-such-model is not a local directory.*assets/arith-sft"):
+        run(tiny, tmp_path, model="no-such-org/no-such-model")
