@@ -300,7 +300,8 @@ def main():
     obs_shape, act_shape = envs.single_observation_space.shape, envs.single_action_space.shape
 
     agent = Agent(int(np.prod(obs_shape)), envs.single_action_space).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    # fused: one kernel for all parameters instead of a Python loop over them; the same Adam update
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
 
     # ALGO LOGIC: storage setup
     T, N = args.num_steps, args.num_envs
@@ -308,8 +309,8 @@ def main():
     act_dtype = torch.float32 if agent.continuous else torch.long
     actions = torch.zeros((T, N) + act_shape, dtype=act_dtype, device=device)
     logprobs = torch.zeros((T, N), device=device)
-    rewards = torch.zeros((T, N), device=device)
-    dones = torch.zeros((T, N), device=device)
+    rewards = np.zeros((T, N), dtype=np.float32)  # env outputs stay numpy until the rollout ends
+    dones = np.zeros((T, N), dtype=np.float32)
     values = torch.zeros((T, N), device=device)
 
     # TRY NOT TO MODIFY: start the game
@@ -328,7 +329,7 @@ def main():
             for step in range(T):
                 global_step += N
                 obs[step] = next_obs
-                with torch.no_grad():
+                with torch.inference_mode():
                     action, logprob, _, value = agent.get_action_and_value(next_obs)
                 values[step] = value.flatten()
                 actions[step] = action
@@ -340,11 +341,11 @@ def main():
                 bootstrap = truncations & ~terminations
                 if bootstrap.any():
                     final_obs = np.stack(infos["final_obs"][bootstrap])  # (n_truncated, obs_dim)
-                    with torch.no_grad():
-                        final_values = agent.get_value(torch.as_tensor(final_obs, device=device)).flatten()
+                    with torch.inference_mode():
+                        final_obs = torch.as_tensor(final_obs, dtype=torch.float32, device=device)
+                        final_values = agent.get_value(final_obs).flatten()
                     reward[bootstrap] += args.gamma * final_values.cpu().numpy()  # reward: (N,)
-                rewards[step] = torch.as_tensor(reward, dtype=torch.float32)
-                dones[step] = torch.as_tensor(terminations | truncations, dtype=torch.float32)
+                rewards[step], dones[step] = reward, terminations | truncations
                 next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
                 if "episode" in infos:
                     for i in infos["_episode"].nonzero()[0]:
@@ -360,7 +361,8 @@ def main():
             # ALGO LOGIC: advantages; last_value is V(obs after the last step), masked if that step ended
             with torch.no_grad():
                 last_value = agent.get_value(next_obs).flatten()  # (N,)
-            advantages, returns = compute_gae(rewards, values, dones, last_value, args.gamma, args.gae_lambda)
+            rewards_t, dones_t = torch.from_numpy(rewards).to(device), torch.from_numpy(dones).to(device)
+            advantages, returns = compute_gae(rewards_t, values, dones_t, last_value, args.gamma, args.gae_lambda)
 
             # flatten the batch: (T, N, ...) -> (T*N, ...)
             b_obs = obs.reshape((-1,) + obs_shape)
