@@ -1,0 +1,282 @@
+"""ppo_llm.py: numerics against hand-computed values, end-to-end runs on tiny models, one-line errors."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from conftest import char_tokenizer, tiny_config
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
+import ppo_llm
+from ppo_llm import (
+    AdaptiveKLController,
+    compute_gae,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    masked_whiten,
+    policy_loss,
+    truncate_after_eos,
+    value_loss,
+)
+
+T = torch.tensor
+
+
+# ---- numerics ---------------------------------------------------------------------------------------------
+
+
+def test_logprobs_from_logits():
+    # logits (0, 0, ln 2): softmax = (1/4, 1/4, 2/4); label 2 -> ln(1/2), label 0 -> ln(1/4)
+    logits = T([[[0.0, 0.0, math.log(2)], [0.0, 0.0, math.log(2)]]])
+    got = logprobs_from_logits(logits, T([[2, 0]]))
+    assert torch.allclose(got, T([[math.log(0.5), math.log(0.25)]]))
+
+
+def test_masked_mean():
+    values, mask = T([[1.0, 2.0], [3.0, 4.0]]), T([[1.0, 1.0], [0.0, 1.0]])
+    assert masked_mean(values, mask).item() == pytest.approx(7 / 3)  # (1 + 2 + 4) / 3
+    assert torch.allclose(masked_mean(values, mask, axis=1), T([1.5, 4.0]))  # (1 + 2) / 2, 4 / 1
+
+
+def test_masked_whiten_bessel():
+    # real entries 2, 4, 6: mean 4, squared deviations 4 + 0 + 4 = 8, Bessel variance 8 / (3 - 1) = 4, std 2
+    values, mask = T([2.0, 4.0, 6.0, 100.0]), T([1.0, 1.0, 1.0, 0.0])
+    got = masked_whiten(values, mask)
+    assert torch.allclose(got[:3], T([-1.0, 0.0, 1.0]), atol=1e-6)  # (x - 4) / 2
+    assert torch.allclose(masked_whiten(values, mask, shift_mean=False)[:3], T([3.0, 4.0, 5.0]), atol=1e-6)
+
+
+def test_kl_penalty_estimators():
+    # r = logp - ref = -1 - (-2) = 1:  k1 = 1, k2 = 1/2, k3 = e^-1 - 1 + 1 = 0.367879
+    # r = -2 - (-1.5) = -0.5:         k1 = -0.5, k2 = 0.125, k3 = e^0.5 - 1 - 0.5 = 0.148721
+    logp, ref = T([-1.0, -2.0]), T([-2.0, -1.5])
+    assert torch.allclose(kl_penalty(logp, ref, "k1"), T([1.0, -0.5]))
+    assert torch.allclose(kl_penalty(logp, ref, "k2"), T([0.5, 0.125]))
+    assert torch.allclose(kl_penalty(logp, ref, "k3"), T([0.367879, 0.148721]), atol=1e-6)
+
+
+def test_compute_gae_masked_episode():
+    # gamma 0.9, lam 0.5; the third token is masked, so r_2 and V_2 count as 0 (the episode ends at t = 1):
+    # delta_1 = 1 + 0.9 * 0 - 0.8 = 0.2               A_1 = 0.2
+    # delta_0 = 0 + 0.9 * 0.8 - 0.5 = 0.22            A_0 = 0.22 + 0.9 * 0.5 * 0.2 = 0.31
+    # returns = A + V = (0.81, 1.0, 0)
+    rewards, values, mask = T([[0.0, 1.0, 5.0]]), T([[0.5, 0.8, 9.0]]), T([[1.0, 1.0, 0.0]])
+    advantages, returns = compute_gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    assert torch.allclose(advantages, T([[0.31, 0.2, 0.0]]))
+    assert torch.allclose(returns, T([[0.81, 1.0, 0.0]]))
+
+
+def test_compute_gae_monte_carlo_and_td():
+    rewards, values, mask = T([[1.0, 2.0, 3.0]]), T([[0.3, 0.1, 0.2]]), torch.ones(1, 3)
+    # gamma = lam = 1: returns are the reward sums to go (6, 5, 3) whatever V is; A = returns - V
+    advantages, returns = compute_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert torch.allclose(returns, T([[6.0, 5.0, 3.0]]))
+    assert torch.allclose(advantages, T([[5.7, 4.9, 2.8]]))
+    # lam = 0: one-step TD, A_t = r_t + V_{t+1} - V_t = (1 + 0.1 - 0.3, 2 + 0.2 - 0.1, 3 + 0 - 0.2)
+    advantages, _ = compute_gae(rewards, values, mask, gamma=1.0, lam=0.0)
+    assert torch.allclose(advantages, T([[0.8, 2.1, 2.8]]))
+
+
+def test_policy_loss_clipping():
+    # eps 0.2. token 0: rho 1.5, A +1 -> max(-1.5, -1.2) = -1.2 (clipped)
+    #          token 1: rho 0.5, A +1 -> max(-0.5, -0.8) = -0.5 (not clipped: the pessimistic side)
+    #          token 2: rho 0.5, A -1 -> max( 0.5,  0.8) =  0.8 (clipped); token 3 is masked
+    # loss = (-1.2 - 0.5 + 0.8) / 3 = -0.3, clipfrac 2/3, approxkl = (ln^2 1.5 + 2 ln^2 0.5) / 3 / 2 = 0.187551
+    logprobs = torch.log(T([[1.5, 0.5, 0.5, 1.5]]))
+    loss, clipfrac, approxkl, ratio = policy_loss(
+        logprobs, torch.zeros(1, 4), T([[1.0, 1.0, -1.0, -1.0]]), T([[1.0, 1.0, 1.0, 0.0]]), 0.2
+    )
+    assert loss.item() == pytest.approx(-0.3)
+    assert clipfrac.item() == pytest.approx(2 / 3)
+    assert approxkl.item() == pytest.approx(0.187551, abs=1e-6)
+    assert ratio.item() == pytest.approx(2.5 / 3)
+
+
+def test_value_loss_clipping():
+    # c 0.2. token 0: V 1.0, V_old 0.5, R 2: (1 - 2)^2 = 1; clipped V 0.7: (0.7 - 2)^2 = 1.69 -> 1.69
+    #        token 1: V 0.0, V_old 0.5, R 1: (0 - 1)^2 = 1; clipped V 0.3: (0.3 - 1)^2 = 0.49 -> 1
+    # loss = 1/2 * (1.69 + 1) / 2 = 0.6725, clipfrac 1/2
+    loss, clipfrac = value_loss(T([[1.0, 0.0]]), T([[0.5, 0.5]]), T([[2.0, 1.0]]), torch.ones(1, 2), 0.2)
+    assert loss.item() == pytest.approx(0.6725)
+    assert clipfrac.item() == pytest.approx(0.5)
+
+
+def test_adaptive_kl_controller():
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    ctl.update(12.0, n_steps=100)  # error clip(12/6 - 1, -0.2, 0.2) = 0.2: beta = 0.1 * (1 + 0.2 * 100/10000)
+    assert ctl.value == pytest.approx(0.1002)
+    ctl.update(5.4, n_steps=1000)  # error 5.4/6 - 1 = -0.1: beta = 0.1002 * (1 - 0.1 * 0.1) = 0.099198
+    assert ctl.value == pytest.approx(0.099198)
+
+
+def test_truncate_after_eos():
+    responses, mask = truncate_after_eos(T([[5, 1, 7, 1], [5, 6, 7, 8]]), eos_token_id=1, pad_token_id=0)
+    assert responses.tolist() == [[5, 1, 0, 0], [5, 6, 7, 8]]  # the first EOS stays, what follows is pad
+    assert mask.tolist() == [[True, True, False, False], [True, True, True, True]]
+
+
+def test_reward_functions():
+    assert ppo_llm.arithmetic_reward([" 522", "5220", "52"], ["522"] * 3) == [1.0, 0.0, 0.0]
+    answer = "48 / 2 = 24 clips in May.\n#### 1234"
+    got = ppo_llm.gsm8k_reward(["So the total is 1,234.", "1234 or maybe 43", "no number"], [answer] * 3)
+    assert got == [1.0, 0.0, 0.0]
+
+
+def test_arithmetic_held_out_set_is_fixed_and_unseen():
+    held_out = ppo_llm.arithmetic_eval_set()
+    assert len(held_out) == ppo_llm.ARITH_EVAL_SIZE == len({p["prompt"] for p in held_out})
+    assert held_out == ppo_llm.arithmetic_eval_set()
+    stream = ppo_llm.arithmetic_train_problems(seed=0)
+    train = {next(stream)["prompt"] for _ in range(20000)}
+    assert not train & {p["prompt"] for p in held_out}
+    a, b = map(int, held_out[0]["prompt"][:-1].split("+"))
+    assert held_out[0]["answer"] == str(a + b)
+
+
+def test_padded_prompt_sees_unpadded_positions(tiny):
+    # Left padding with position ids from the mask: a prompt's log-probs do not depend on its padding.
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
+    ids = T([[20, 21, 22, 23]])
+    padded = torch.cat([T([[0, 0]]), ids], dim=1)
+    mask = torch.cat([T([[0, 0]]), torch.ones(1, 4, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        lp, _, _ = ppo_llm.forward(policy, None, None, ids, torch.ones_like(ids), 2, 1.0)
+        lp_padded, _, _ = ppo_llm.forward(policy, None, None, padded, mask, 4, 1.0)
+    assert torch.allclose(lp, lp_padded, atol=1e-5)
+
+
+# ---- end to end --------------------------------------------------------------------------------------------
+
+
+def run(tiny, tmp_path, **kwargs):
+    """main() for a couple of updates on the tiny policy; returns the logged metrics."""
+    defaults = dict(
+        model=tiny["policy"], total_steps=2, batch_size=8, num_mini_batches=2, micro_batch_size=2,
+        num_ppo_epochs=2, max_new_tokens=3, eval_every=0, sample_every=1, output_dir=str(tmp_path),
+    )  # fmt: skip
+    run_dir = ppo_llm.main(ppo_llm.Args(**{**defaults, **kwargs}))
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return run_dir, [json.loads(line) for line in f]
+
+
+def test_first_ratio_is_exactly_one(tiny, tmp_path):
+    # lr 0: the weights never move, so every minibatch (shuffled, of another composition than the rollout
+    # chunks) must reproduce the rollout's log-probs bit for bit: ratio 1, approx-KL 0, nothing clipped.
+    for critic in ["head", "separate"]:
+        _, metrics = run(tiny, tmp_path, learning_rate=0.0, critic=critic)
+        for m in metrics:
+            assert m["val/ratio"] == 1.0 and m["policy/approxkl_avg"] == 0.0 and m["policy/clipfrac_avg"] == 0.0
+
+
+def test_run_logs_saves_and_loads_back(tiny, tmp_path):
+    run_dir, metrics = run(tiny, tmp_path, eval_every=1, save_every=1, critic="separate")
+    assert metrics[0] == {"update": 0, "episode": 0, "eval/accuracy": metrics[0]["eval/accuracy"]}
+    trl_names = ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+                 "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
+                 "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/num_eos_tokens", "lr", "episode"]  # fmt: skip
+    for name in trl_names + ["time/generation", "time/scoring", "time/update", "perf/tokens_per_sec",
+                             "perf/peak_memory_mb", "eval/accuracy"]:  # fmt: skip
+        assert name in metrics[-1], name
+    assert metrics[-1]["episode"] == 16
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "policy"))
+    assert policy.config.vocab_size == GPT2LMHeadModel.from_pretrained(tiny["policy"]).config.vocab_size
+    assert set(torch.load(os.path.join(run_dir, "policy", "value_head.pt"))) == {"weight", "bias"}
+    assert os.path.isdir(os.path.join(run_dir, "policy", "critic"))
+    with open(os.path.join(run_dir, "samples.jsonl")) as f:
+        assert {"prompt", "completion", "score"} <= set(json.loads(f.readline()))
+
+
+def test_options_all_run(tiny, tmp_path):
+    # Every option at least once, combined into a few runs to stay fast.
+    _, m = run(tiny, tmp_path, critic="head", kl_estimator="k3", kl_target=1.0, kl_horizon=100,
+               ref_update_every=1, whiten_rewards=True, missing_eos_penalty=1.0, score_norm=True, score_clip=0.5,
+               anneal_lr=True, target_kl=1e-9, ent_coef=0.01, gradient_checkpointing=True, top_k=20, top_p=0.9,
+               temperature=0.7)  # fmt: skip
+    assert m[-1]["objective/kl_coef"] != 0.05  # the adaptive controller moved beta
+    assert m[-1]["lr"] == pytest.approx(1e-4 / 2)  # update 2 of 2: 1e-4 * (1 - 1/2)
+    _, m = run(tiny, tmp_path, kl_coef=0.0, kl_estimator="k2", dataset=tiny["jsonl"], reward_fn="gsm8k")
+    assert m[-1]["objective/kl"] == 0.0  # no reference model, no KL
+    _, m = run(tiny, tmp_path, reward_model=tiny["rm"], critic="separate")
+    _, m = run(tiny, tmp_path, reward_model=tiny["rm_other"], dataset=tiny["jsonl"])  # decode and re-encode
+    _, m = run(tiny, tmp_path, reward_model=tiny["rm_two_labels"], reward_label=1, critic="head")
+    assert all(isinstance(x["objective/scores"], float) for x in m[1:])
+
+
+def test_track_offline(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    run(tiny, tmp_path, track=True, total_steps=1)
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_tokenizer_without_pad_gets_its_own(tmp_path):
+    # A GPT-2-like tokenizer with EOS but no pad: the script adds [PAD] rather than reusing EOS.
+    tok = char_tokenizer([chr(c) for c in range(32, 127)])
+    GPT2LMHeadModel(tiny_config(tok)).save_pretrained(tmp_path / "nopad")
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path / "nopad")
+    run_dir, _ = run({"policy": str(tmp_path / "nopad")}, tmp_path, total_steps=1)
+    saved = ppo_llm.AutoTokenizer.from_pretrained(os.path.join(run_dir, "policy"))
+    assert saved.pad_token == "[PAD]" and saved.pad_token_id != saved.eos_token_id
+
+
+def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ppo_llm, "compute_gae", interrupt)
+    run_dir, _ = run(tiny, tmp_path)
+    assert os.path.isfile(os.path.join(run_dir, "policy", "model.safetensors"))
+
+
+def test_nan_loss_stops_with_last_good_weights(tiny, tmp_path, monkeypatch, capsys):
+    real_policy_loss = ppo_llm.policy_loss
+
+    def nan_loss(*args):
+        loss, *extras = real_policy_loss(*args)
+        return (loss * float("nan"), *extras)
+
+    monkeypatch.setattr(ppo_llm, "policy_loss", nan_loss)
+    with pytest.raises(SystemExit, match="non-finite at update 1"):
+        run(tiny, tmp_path)
+    (saved,) = tmp_path.glob("*/policy")
+    reloaded = AutoModelForCausalLM.from_pretrained(saved)
+    original = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.parameters(), original.parameters()))
+
+
+def test_reward_rises(tiny, tmp_path):
+    # Seeded learning: PPO raises the (random, tiny) reward model's score of the tiny policy's responses.
+    _, m = run(tiny, tmp_path, reward_model=tiny["rm"], total_steps=30, batch_size=32, micro_batch_size=16,
+               num_mini_batches=2, learning_rate=3e-3, max_new_tokens=2, kl_coef=0.0, sample_every=0, seed=3)  # fmt: skip
+    scores = [x["objective/scores"] for x in m[1:]]
+    # seen: about 0.11 over the first five updates, 0.21 over the last five
+    assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.05, scores
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(model="/no/such/dir"), "--model /no/such/dir is not a local directory"),
+        (dict(model="no-such-org/no-such-model"), "Offline, use the embedded default"),
+        (dict(num_mini_batches=3), "--num-mini-batches must divide --batch-size"),
+        (dict(micro_batch_size=3), "--micro-batch-size must divide the minibatch"),
+        (dict(max_new_tokens=32), "--max-new-tokens 32 leaves no room"),
+        (dict(max_prompt_length=30), "exceeds the model's context of 32"),
+        (dict(temperature=0.0), "--temperature must be > 0"),
+        (dict(dataset="/no/such.jsonl"), "--dataset /no/such.jsonl: no such file"),
+    ],
+)
+def test_bad_input_one_line(tiny, tmp_path, monkeypatch, kwargs, message):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub refuses at once instead of retrying for a minute
+    with pytest.raises(SystemExit) as e:
+        run(tiny, tmp_path, **kwargs)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_reward_model_labels(tiny, tmp_path):
+    with pytest.raises(SystemExit, match="num_labels=2; a reward model gives one score"):
+        run(tiny, tmp_path, reward_model=tiny["rm_two_labels"])
