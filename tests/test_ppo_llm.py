@@ -250,8 +250,10 @@ def test_nan_loss_stops_with_last_good_weights(tiny, tmp_path, monkeypatch, caps
 
 def test_reward_rises(tiny, tmp_path):
     # Seeded learning: PPO raises the (random, tiny) reward model's score of the tiny policy's responses.
-    _, m = run(tiny, tmp_path, reward_model=tiny["rm"], total_steps=30, batch_size=32, micro_batch_size=16,
-               num_mini_batches=2, learning_rate=3e-3, max_new_tokens=2, kl_coef=0.0, sample_every=0, seed=3)  # fmt: skip
+    settings = dict(total_steps=30, batch_size=32, micro_batch_size=16, num_mini_batches=2, max_new_tokens=2)
+    _, m = run(
+        tiny, tmp_path, reward_model=tiny["rm"], learning_rate=3e-3, kl_coef=0.0, sample_every=0, seed=3, **settings
+    )
     scores = [x["objective/scores"] for x in m[1:]]
     # seen: about 0.11 over the first five updates, 0.21 over the last five
     assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.05, scores
