@@ -263,7 +263,7 @@ def grpo_loss(
             "clip_ratio/low_mean": masked_mean(low.float(), mask),
             "clip_ratio/high_mean": masked_mean(high.float(), mask),
             "clip_ratio/region_mean": masked_mean((low | high).float(), mask),
-            "ratio": masked_mean(ratio.expand_as(mask), mask),
+            "importance_ratio/mean": masked_mean(ratio.expand_as(mask), mask),
         }
         if kl is not None:
             stats["kl"] = masked_mean(kl, mask)
@@ -650,8 +650,8 @@ def main(args: Args | None = None):
 
             # 3. advantages relative to the group (details 3, 4); which completions the loss sees
             advantages = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)  # (B,)
-            group_std = rewards.view(-1, G).std(1)
-            zero_std = (rewards.view(-1, G).max(1).values == rewards.view(-1, G).min(1).values).float()
+            grouped = rewards.view(-1, G)  # (prompts, G)
+            zero_std = (grouped.max(1).values == grouped.min(1).values).float()
             truncated = ~(responses == tokenizer.eos_token_id).any(1)
             loss_mask = mask.clone()
             if args.dynamic_sampling:
@@ -662,11 +662,8 @@ def main(args: Args | None = None):
             # 4. old log-probs (mu > 1) and reference log-probs, in the training's micro-batch shapes (detail 8)
             old_logprobs, ref_logprobs = [], []
             with torch.no_grad(), autocast:
-                for i in range(0, args.batch_size, args.micro_batch_size):
-                    qr, am = (
-                        query_responses[i : i + args.micro_batch_size],
-                        attention_mask[i : i + args.micro_batch_size],
-                    )
+                for mc in torch.arange(args.batch_size, device=device).split(args.micro_batch_size):
+                    qr, am = query_responses[mc], attention_mask[mc]
                     if args.num_iterations > 1:
                         old_logprobs.append(forward(policy, qr, am, context_length, args.temperature)[0])
                     if ref_policy is not None:
@@ -721,7 +718,7 @@ def main(args: Args | None = None):
                 "update": update,
                 "episode": update * args.batch_size,
                 "reward": rewards.mean().item(),
-                "reward_std": group_std.mean().item(),
+                "reward_std": grouped.std(1).mean().item(),
                 "frac_reward_zero_std": zero_std.mean().item(),
                 "completions/mean_length": lengths.mean().item(),
                 "completions/min_length": lengths.min().item(),
@@ -739,7 +736,7 @@ def main(args: Args | None = None):
                 metrics[f"rewards/{name}/std"] = scores[:, j].std().item()
             if losses:
                 metrics |= {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms)}
-                metrics |= {"importance_ratio/mean" if k == "ratio" else k: v for k, v in mean.items()}
+                metrics |= mean
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
                 policy.eval()
                 with autocast:

@@ -159,7 +159,7 @@ def test_grpo_loss_sequence_level_importance_ratio():
     torch.testing.assert_close(stats["clip_ratio/low_mean"], torch.tensor(0.4))
     torch.testing.assert_close(stats["clip_ratio/high_mean"], torch.tensor(0.0))
     # mean ratio over real tokens: (3 * 0.9085603 + 2 * 0.6324555) / 5
-    torch.testing.assert_close(stats["ratio"], torch.tensor((3 * 0.75 ** (1 / 3) + 2 * 0.4**0.5) / 5))
+    torch.testing.assert_close(stats["importance_ratio/mean"], torch.tensor((3 * 0.75 ** (1 / 3) + 2 * 0.4**0.5) / 5))
 
 
 def test_grpo_loss_gradient_at_ratio_one_is_the_policy_gradient():
