@@ -1,0 +1,162 @@
+"""Time per update of ppo_llm.py and grpo_llm.py against the floor: a bare `generate` of the same batch.
+
+Each script runs in this process for --warmup + --updates updates (no eval, no samples); the time of an
+update is split into generation / scoring (reference, reward, values) / optimisation from the scripts'
+own metrics, and divided by the time of a bare policy.generate of a batch of the same size and response
+length, measured here with the same model, machine and thread count, in the same run. Results go to
+benchmarks/results/llm_speed_<device>.md and .json.
+
+    python benchmarks/llm_speed.py                        # embedded default (CPU)
+    python benchmarks/llm_speed.py --gpt2-shape           # GPT-2-124M shape built from its config, random weights
+"""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import grpo_llm  # noqa: E402
+import ppo_llm  # noqa: E402
+
+
+@dataclass
+class Args:
+    gpt2_shape: bool = False
+    """benchmark a GPT-2-124M-shaped model built from its config (random weights, no download) instead of
+    the embedded default; responses then run to --max-new-tokens (EOS is 1 token in 50257)"""
+    batch_size: int = 64
+    """sequences per update (PPO: prompts; GRPO: completions)"""
+    max_new_tokens: int = 8
+    """response length limit"""
+    micro_batch_size: int = 16
+    """sequences per forward pass"""
+    updates: int = 5
+    """timed updates per script"""
+    warmup: int = 2
+    """untimed updates first"""
+    cuda: bool = True
+    """use the GPU when there is one (bf16 autocast, as the scripts do)"""
+    out_dir: str = os.path.join(ROOT, "benchmarks", "results")
+    """where the markdown and JSON results go"""
+
+
+def gpt2_shaped_model(path):
+    """GPT-2-124M (12 layers, 768 wide, 50257 tokens) with random weights, and a 50257-token tokenizer whose
+    first ids are characters so that the arithmetic prompts still encode."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>"]
+    tokens = specials + [chr(c) for c in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(tokens + [f"<{i}>" for i in range(50257 - len(tokens))])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def bare_generate_seconds(model_path, args, device, n):
+    """Median seconds of one policy.generate of `batch_size` arithmetic prompts (after one warm-up call)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    policy = AutoModelForCausalLM.from_pretrained(model_path).to(device).eval()
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=True, top_k=0, top_p=1.0,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    stream = ppo_llm.arithmetic_train_problems(seed=0)
+    times = []
+    for _ in range(n + 1):
+        enc = tokenizer([next(stream)["prompt"] for _ in range(args.batch_size)], padding=True, return_tensors="pt")
+        enc = enc.to(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            ppo_llm.generate(policy, enc.input_ids, enc.attention_mask, config)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return sorted(times[1:])[n // 2]
+
+
+def run_script(module, model_path, args, extra):
+    """Per-update times (medians over the timed updates) from a short run of the script's main()."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as out:
+        common = dict(model=model_path, total_steps=args.warmup + args.updates, batch_size=args.batch_size,
+                      micro_batch_size=args.micro_batch_size, max_new_tokens=args.max_new_tokens, eval_every=0,
+                      sample_every=0, output_dir=out, cuda=args.cuda)  # fmt: skip
+        run_dir = module.main(module.Args(**common, **extra))
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            metrics = [json.loads(line) for line in f][args.warmup :]
+    keys = ["time/generation", "time/scoring", "time/update", "perf/tokens_per_sec", "perf/peak_memory_mb"]
+    result = {k: sorted(m[k] for m in metrics)[len(metrics) // 2] for k in keys}
+    result["time/total"] = sorted(m["time/generation"] + m["time/scoring"] + m["time/update"] for m in metrics)[
+        len(metrics) // 2
+    ]
+    return result
+
+
+def machine_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name()
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line), "?")
+    return f"{model}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+
+
+def main():
+    args = tyro.cli(Args)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = gpt2_shaped_model(tmp) if args.gpt2_shape else ppo_llm.resolve("assets/arith-sft")
+        runs = {
+            "PPO (separate critic)": (ppo_llm, dict(critic="separate")),
+            "PPO (shared value head)": (ppo_llm, dict(critic="head")),
+            "GRPO (beta 0, mu 1)": (grpo_llm, dict(beta=0.0, num_iterations=1)),
+        }
+        results = {name: run_script(module, model_path, args, extra) for name, (module, extra) in runs.items()}
+        floor = bare_generate_seconds(model_path, args, device, n=args.updates)
+    machine = machine_name(device)
+    name = "gpt2-124m-shape" if args.gpt2_shape else "arith-sft"
+    lines = [
+        f"Model {name}, {args.batch_size} sequences x up to {args.max_new_tokens} new tokens, micro-batch "
+        f"{args.micro_batch_size}, {'bf16 autocast on ' if device.type == 'cuda' else ''}{machine}.",
+        f"Bare generate of the same batch: {floor * 1000:.0f} ms (median of {args.updates}).",
+        "",
+        "| script | generation | scoring | optimisation | total | total / bare generate | tokens/s | peak MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run, r in results.items():
+        ms = [r[k] * 1000 for k in ["time/generation", "time/scoring", "time/update", "time/total"]]
+        lines.append(
+            f"| {run} | {ms[0]:.0f} ms | {ms[1]:.0f} ms | {ms[2]:.0f} ms | {ms[3]:.0f} ms | "
+            f"{r['time/total'] / floor:.2f}x | {r['perf/tokens_per_sec']:.0f} | {r['perf/peak_memory_mb']:.0f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"llm_speed_{name}_{device.type}")
+    with open(stem + ".md", "w") as f:
+        f.write(f"Command: `python benchmarks/llm_speed.py{' --gpt2-shape' if args.gpt2_shape else ''}` "
+                f"({platform.platform()})\n\n{table}\n")  # fmt: skip
+    with open(stem + ".json", "w") as f:
+        json.dump({"machine": machine, "bare_generate_s": floor, "args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
