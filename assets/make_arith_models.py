@@ -65,7 +65,7 @@ class Args:
     seed: int = 1
     """seed of the training problems, the noise, the initialisation and the sampled evaluation"""
     threads: int = 1
-    """torch CPU threads (1 measured faster than 2 for a model this small on 2 cores)"""
+    """torch CPU threads (on a shared 2-core machine 1 thread ran 100 SFT steps in 78 s, 2 threads in 180 s)"""
 
     # model
     n_embd: int = 160
@@ -255,8 +255,8 @@ def lr_at(step: int, total: int, peak: float) -> float:
 @torch.no_grad()
 def policy_accuracy(model, tokenizer, problems: list[dict], do_sample: bool, max_new_tokens: int):
     """Held-out accuracy of `model.generate` (left padding) and the share of completions that end with EOS."""
-    tokenizer.padding_side = "left"
-    batch = tokenizer([p["prompt"] for p in problems], return_tensors="pt", padding=True)
+    # left padding so that every prompt ends where generation starts (the tokenizer itself is left as is)
+    batch = tokenizer([p["prompt"] for p in problems], return_tensors="pt", padding=True, padding_side="left")
     # pure sampling from the model's distribution: temperature 1, no top-k, no nucleus
     sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample else dict(do_sample=False)
     out = model.generate(**batch, **sampling, max_new_tokens=max_new_tokens)

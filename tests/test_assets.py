@@ -61,6 +61,11 @@ def test_build_is_deterministic(tiny_build, tmp_path):
     assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in metrics.items() if k != "seconds"}
 
 
+def test_committed_tokenizers_are_the_same_files():
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert open(os.path.join(SFT_DIR, name)).read() == open(os.path.join(RM_DIR, name)).read(), name
+
+
 @pytest.mark.parametrize("path", [SFT_DIR, RM_DIR])
 def test_tokenizer(path):
     tok = AutoTokenizer.from_pretrained(path)
