@@ -127,7 +127,7 @@ class Args:
     """nucleus sampling mass (1.0: off)"""
 
     # Algorithm
-    total_steps: int = 200
+    total_steps: int = 500
     """number of GRPO updates (one generation batch and its --num-iterations each)"""
     batch_size: int = 64
     """completions per update = prompts x --num-generations (detail 1)"""
