@@ -27,10 +27,14 @@ Implementation details ([n] = number in the 37-details post):
 13. Global gradient-norm clipping at max-grad-norm [11]: bounds the size of any single step.
 14. approx_kl with the k3 estimator and clipfrac logged [12], early stop at --target-kl if set.
 15. Separate 64-64 tanh actor and critic [13]: no interference between policy and value gradients.
-16. Box actions: Gaussian with a state-independent log-std, log-probs summed over action dims [24-26];
-    the unclipped sample is stored and only the env sees the action clipped to bounds [28].
-17. Every loss logged is the mean over all minibatches of the update (CleanRL logs the last one only).
-18. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
+16. Box actions: Gaussian with a state-independent log-std, log-probs summed over action dims [23-25];
+    the unclipped sample is stored and only the env sees the action clipped to bounds [27].
+17. Optional reward scaling by a running std of the discounted return, --norm-reward [30]: Pendulum's
+    rewards (down to -16 a step) otherwise swamp the clipped value loss. Off by default, as in ppo.py.
+18. Episode statistics from gymnasium 1.x's vector RecordEpisodeStatistics, wrapped inside the reward
+    scaling so charts/episodic_return is the raw return.
+19. Every loss logged is the mean over all minibatches of the update (CleanRL logs the last one only).
+20. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
 """
 
 import importlib.util

@@ -16,7 +16,9 @@ Usage: python reinforce.py --env-id CartPole-v1 --psi reward-to-go-baseline --to
 
 Implementation details:
 1. One update per batch of num-envs whole episodes, each env plays exactly one episode from a reset:
-   Psi is a Monte-Carlo return, so it needs the episode's end; the batch averages out some noise.
+   Psi is a Monte-Carlo return, so it needs the episode's end; the batch averages out some noise. An env
+   whose episode is over keeps stepping until the batch is complete; those steps are masked out and
+   not counted in global_step.
 2. An episode ended by the time limit (truncation) is treated as ended: there is no critic to bootstrap
    from in Monte-Carlo REINFORCE (ppo_classic.py bootstraps).
 3. Loss = mean over all valid steps of the batch of -log pi(a_t|s_t) * Psi_t (Spinning Up's estimator).
@@ -29,7 +31,9 @@ Implementation details:
 7. Optional entropy bonus (--ent-coef, off by default): slows the collapse onto one action.
 8. Orthogonal init with a 0.01 policy head and a Gaussian with state-independent log-std for Box
    actions, exactly as ppo_classic.py: the two scripts differ only in the algorithm.
-9. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
+9. Plain Adam at a constant learning rate, no gradient clipping: REINFORCE as written; PPO's extra
+   machinery stays in ppo_classic.py.
+10. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
 """
 
 import importlib.util

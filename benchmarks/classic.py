@@ -1,0 +1,221 @@
+"""Classic-control benchmark: PPO vs REINFORCE learning curves on CartPole-v1, and PPO's speed.
+
+Usage (from the repository root, ~20 minutes on 2 CPU cores):
+    python benchmarks/classic.py                                  # curves (5 seeds each) + speed
+    python benchmarks/classic.py --cleanrl /tmp/cleanrl/ppo.py    # also time a local copy of CleanRL's ppo.py
+
+1. Learning curves: ppo_classic.py and reinforce.py (reward-to-go minus a learned baseline), both with
+   their defaults, CartPole-v1, --total-timesteps steps, one run per seed (at most --jobs at once, under
+   `nice`). Each run's episodes are read back from its metrics.jsonl.
+2. Speed: ppo_classic.py with its defaults, run with 1 and with 2 torch threads (and CleanRL's ppo.py
+   the same way when --cleanrl is given), each run stopped after --speed-seconds, the runs interleaved
+   --speed-repeats times so that every configuration sees the same machine load; the figure is the
+   last charts/SPS the run printed (steps / seconds since its start), the median over repeats.
+Writes benchmarks/results/classic.csv (per-seed figures), classic_curves.csv (the plotted curves),
+classic_speed.csv, classic.md (the tables) and classic_return.png (mean and min-max over seeds).
+"""
+
+import argparse
+import csv
+import glob
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+ALGOS = {"ppo_classic.py": "PPO (ppo_classic.py)", "reinforce.py": "REINFORCE + baseline (reinforce.py)"}
+SOLVED = 475.0  # CartPole-v1's reward threshold
+# Runs a script with a given torch thread count: the scripts set 1 thread themselves, so the call is disabled.
+THREADS = (
+    "import runpy, sys, torch; torch.set_num_threads(int(sys.argv.pop(1))); "
+    "torch.set_num_threads = lambda n: None; sys.argv[0] = sys.argv[1]; sys.argv.pop(1); "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def train(script, seed, total_timesteps):
+    """Runs one training run and returns its run directory."""
+    exp_name = f"bench-{script[:-3]}"
+    cmd = ["nice", sys.executable, script, "--seed", str(seed), "--total-timesteps", str(total_timesteps)]
+    out = subprocess.run([*cmd, "--exp-name", exp_name], cwd=REPO, capture_output=True, text=True, check=True)
+    run_dir = re.search(r"^run directory: (\S+)$", out.stdout, re.M).group(1)
+    print(f"{script} seed {seed}: {out.stdout.strip().splitlines()[-1]}", flush=True)
+    return os.path.join(REPO, run_dir)
+
+
+def latest_run(script, seed):
+    runs = sorted(glob.glob(os.path.join(REPO, "runs", f"bench-{script[:-3]}__CartPole-v1__{seed}__*")))
+    return runs[-1] if runs else None
+
+
+def episodes(run_dir):
+    """(global_step, episodic_return) of every episode of a run, in order."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    rows = [(r["global_step"], r["charts/episodic_return"]) for r in records if "charts/episodic_return" in r]
+    return np.array(rows, dtype=np.float64)  # (num_episodes, 2)
+
+
+def trailing_mean(returns, window=100):
+    """Mean of the last `window` episodes at each episode (fewer at the start)."""
+    csum = np.concatenate([[0.0], np.cumsum(returns)])
+    idx = np.arange(1, len(returns) + 1)
+    lo = np.maximum(idx - window, 0)
+    return (csum[idx] - csum[lo]) / (idx - lo)
+
+
+def speed(script, threads, seconds):
+    """Runs `script` (defaults, `threads` torch threads) for `seconds`; returns (steps/s, steps/CPU-s).
+
+    steps/s is the last charts/SPS the script printed (wall clock, what a user sees); steps/CPU-s
+    divides the steps of the finished iterations (one SPS line each, 512 steps) by the process's CPU
+    time, start-up included, which depends much less on what else runs on a shared machine.
+    """
+    cmd = [sys.executable, "-u", "-c", THREADS, str(threads), script]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        out = subprocess.run(cmd, cwd=os.path.dirname(script), capture_output=True, timeout=seconds).stdout
+    except subprocess.TimeoutExpired as e:  # the usual end: the run is killed, its output kept
+        out = e.stdout
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    sps = [int(v) for v in re.findall(r"SPS[=:] ?(\d+)", out.decode())]
+    return sps[-1], int(len(sps) * 512 / cpu)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    p.add_argument("--total-timesteps", type=int, default=500000)
+    p.add_argument("--jobs", type=int, default=2, help="training runs at once")
+    p.add_argument("--reuse", action="store_true", help="reuse the latest runs/bench-* run of each seed")
+    p.add_argument("--cleanrl", default=None, help="path of a local copy of CleanRL's ppo.py to time too")
+    p.add_argument("--speed-seconds", type=int, default=40, help="wall time of each speed run")
+    p.add_argument("--speed-repeats", type=int, default=3)
+    p.add_argument("--skip-speed", action="store_true")
+    args = p.parse_args()
+    os.makedirs(RESULTS, exist_ok=True)
+
+    # 1. learning curves
+    jobs = [(s, seed) for s in ALGOS for seed in args.seeds]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = {
+            (s, seed): pool.submit(train, s, seed, args.total_timesteps)
+            for s, seed in jobs
+            if not (args.reuse and latest_run(s, seed))
+        }
+    runs = {job: futures[job].result() if job in futures else latest_run(*job) for job in jobs}
+
+    grid = np.linspace(0, args.total_timesteps, 101)[1:]  # (100,) global steps
+    per_seed, curves = [], {}
+    for (script, seed), run_dir in runs.items():
+        ep = episodes(run_dir)
+        smooth = trailing_mean(ep[:, 1])
+        solved = np.nonzero(smooth >= SOLVED)[0]
+        per_seed.append(
+            {
+                "algorithm": script,
+                "seed": seed,
+                "episodes": len(ep),
+                "last100_mean_return": round(float(smooth[-1]), 2),
+                "first_step_last100_ge_475": int(ep[solved[0], 0]) if len(solved) else "",
+                "run_dir": os.path.relpath(run_dir, REPO),
+            }
+        )
+        # the trailing-100 mean as of each grid step (nan before the first episode)
+        idx = np.searchsorted(ep[:, 0], grid, side="right") - 1
+        curves[(script, seed)] = np.where(idx >= 0, smooth[np.maximum(idx, 0)], np.nan)
+
+    with open(os.path.join(RESULTS, "classic.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(per_seed[0]))
+        w.writeheader()
+        w.writerows(per_seed)
+    with open(os.path.join(RESULTS, "classic_curves.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["algorithm", "seed", "global_step", "last100_mean_return"])
+        for (script, seed), curve in curves.items():
+            w.writerows([script, seed, int(g), round(float(v), 2)] for g, v in zip(grid, curve))
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for script, label in ALGOS.items():
+        stack = np.array([curves[(script, seed)] for seed in args.seeds])  # (seeds, 100)
+        line = ax.plot(grid, np.nanmean(stack, 0), label=f"{label}, mean of {len(args.seeds)} seeds")[0]
+        ax.fill_between(grid, np.nanmin(stack, 0), np.nanmax(stack, 0), color=line.get_color(), alpha=0.2)
+    ax.axhline(SOLVED, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="environment steps", ylabel="mean return of the last 100 episodes", ylim=(0, 520))
+    ax.set_title("CartPole-v1: mean and min-max over seeds", fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, "classic_return.png"), dpi=110)
+
+    lines = [
+        f"## CartPole-v1, {args.total_timesteps:,} steps, seeds {' '.join(map(str, args.seeds))}",
+        "",
+        "Mean return of the last 100 training episodes (sampled actions), per seed and over seeds;",
+        "steps = first step at which that mean reached 475 (median over the seeds that did).",
+        "",
+        "| script | per seed | mean ± std over seeds | seeds ≥ 475 | steps to 475 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for script in ALGOS:
+        rows = [r for r in per_seed if r["algorithm"] == script]
+        last = np.array([r["last100_mean_return"] for r in rows])
+        steps = [r["first_step_last100_ge_475"] for r in rows if r["first_step_last100_ge_475"] != ""]
+        median_steps = f"{int(np.median(steps)):,}" if steps else "-"
+        lines.append(
+            f"| {script} | {', '.join(f'{v:.1f}' for v in last)} | {last.mean():.1f} ± {last.std():.1f} "
+            f"| {int((last >= SOLVED).sum())}/{len(last)} | {median_steps} |"
+        )
+
+    # 2. speed: configurations interleaved so each sees the same load
+    if not args.skip_speed:
+        configs = [("ppo_classic.py", os.path.join(REPO, "ppo_classic.py"), n) for n in (1, 2)]
+        if args.cleanrl:
+            configs += [("CleanRL ppo.py", os.path.abspath(args.cleanrl), n) for n in (1, 2)]
+        sps = {c: [] for c in configs}
+        for repeat in range(args.speed_repeats):
+            for c in configs:
+                sps[c].append(speed(c[1], c[2], args.speed_seconds))
+                print(f"speed {c[0]} {c[2]} thread(s), repeat {repeat}: {sps[c][-1]}", flush=True)
+        with open(os.path.join(RESULTS, "classic_speed.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["script", "torch_threads", "repeat", "steps_per_s", "steps_per_cpu_s"])
+            w.writerows([c[0], c[2], i, *v] for c in configs for i, v in enumerate(sps[c]))
+        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = re.search(r"Model name:\s*(.+)", cpu).group(1).strip()
+        lines += [
+            "",
+            f"## Speed: CartPole-v1, defaults, one process, stopped after {args.speed_seconds} s",
+            "",
+            f"Machine: {os.cpu_count()} CPU cores ({model}), shared; load average "
+            f"{os.getloadavg()[0]:.1f} at the end; {time.strftime('%Y-%m-%d')}. Median of "
+            f"{args.speed_repeats} interleaved runs. steps/s: the last charts/SPS the script printed;",
+            "steps/CPU-s: steps of its finished iterations / its CPU time (less sensitive to load).",
+            "",
+            "| script | torch threads | steps/s (median) | steps/s, all runs | steps/CPU-s (median) |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for c in configs:
+            wall, cpu = np.array(sps[c]).T
+            runs = ", ".join(map(str, wall))
+            lines.append(f"| {c[0]} | {c[2]} | {int(np.median(wall)):,} | {runs} | {int(np.median(cpu)):,} |")
+
+    with open(os.path.join(RESULTS, "classic.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
