@@ -364,7 +364,8 @@ def main(args: Args) -> dict:
 
     policy = train_sft(args, tokenizer)
     policy.save_pretrained(sft_dir)
-    tokenizer.save_pretrained(sft_dir)
+    # a fresh tokenizer is saved: padding calls leave their settings behind in the backend tokenizer
+    make_tokenizer().save_pretrained(sft_dir)
     eval_set = arithmetic_eval_set()
     greedy_acc, greedy_eos = policy_accuracy(policy, tokenizer, eval_set, False, args.eval_max_new_tokens)
     torch.manual_seed(args.seed)
@@ -373,7 +374,7 @@ def main(args: Args) -> dict:
     rm = train_rm(args, tokenizer, sft_dir)
     rm.config.pad_token_id = tokenizer.pad_token_id
     rm.save_pretrained(rm_dir)
-    tokenizer.save_pretrained(rm_dir)
+    make_tokenizer().save_pretrained(rm_dir)
     rm_acc = rm_pairwise_accuracy(rm, tokenizer, eval_set, args.rm_random_share, ARITH_EVAL_SEED + 1)
     near_acc = rm_pairwise_accuracy(rm, tokenizer, eval_set, 0.0, ARITH_EVAL_SEED + 1)
     rand_acc = rm_pairwise_accuracy(rm, tokenizer, eval_set, 1.0, ARITH_EVAL_SEED + 1)

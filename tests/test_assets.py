@@ -40,7 +40,10 @@ def test_tiny_build_writes_loadable_models(tiny_build):
     tok = AutoTokenizer.from_pretrained(out / "arith-sft")
     policy = AutoModelForCausalLM.from_pretrained(out / "arith-sft")
     rm = AutoModelForSequenceClassification.from_pretrained(out / "arith-rm")
-    assert AutoTokenizer.from_pretrained(out / "arith-rm").get_vocab() == tok.get_vocab()
+    # both dirs get the same tokenizer files, with no padding state left over from the evaluation
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / "arith-sft" / name).read_text() == (out / "arith-rm" / name).read_text()
+        assert (out / "arith-sft" / name).read_text() == open(os.path.join(SFT_DIR, name)).read()
     assert type(policy).__name__ == "GPT2LMHeadModel" and type(rm).__name__ == "GPT2ForSequenceClassification"
     assert policy.config.n_embd == 32 and policy.config.n_layer == 1
     assert rm.config.num_labels == 1 and rm.config.pad_token_id == tok.pad_token_id
