@@ -133,7 +133,7 @@ class Args:
     """completions per update = prompts x --num-generations (detail 1)"""
     num_generations: int = 8
     """G, completions per prompt: the group whose rewards are the baseline"""
-    micro_batch_size: int = 16
+    micro_batch_size: int = 64
     """sequences per forward pass: gradient accumulation in training, chunking in no-grad passes"""
     num_iterations: int = 1
     """mu, optimizer steps on each generation batch (old log-probs recomputed when > 1, detail 8)"""
@@ -570,7 +570,7 @@ def main(args: Args | None = None):
     prompts = load_prompts(args)
     eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every else None
 
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
     run_dir = os.path.join(args.output_dir, run_name)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "args.json"), "w") as f:
@@ -580,7 +580,9 @@ def main(args: Args | None = None):
     if args.track:
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=vars(args))
+        wandb.init(
+            project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=vars(args), dir=run_dir
+        )
 
     def log(metrics):
         metrics_file.write(json.dumps(metrics) + "\n")

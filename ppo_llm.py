@@ -122,13 +122,13 @@ class Args:
     # Algorithm
     total_steps: int = 200
     """number of PPO updates (one rollout batch and its epochs each)"""
-    batch_size: int = 64
+    batch_size: int = 128
     """prompts (and responses) per rollout batch"""
-    num_mini_batches: int = 4
+    num_mini_batches: int = 2
     """minibatches (optimizer steps) per epoch"""
-    micro_batch_size: int = 16
+    micro_batch_size: int = 64
     """sequences per forward pass: gradient accumulation in training, chunking in no-grad passes"""
-    num_ppo_epochs: int = 4
+    num_ppo_epochs: int = 2
     """passes over each rollout batch"""
     learning_rate: float | None = None
     """AdamW learning rate (default: 1e-4 below 50M parameters, 1e-5 above; printed at start)"""
@@ -596,7 +596,7 @@ def main(args: Args | None = None):
     prompts = load_prompts(args)
     eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every else None
 
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
     run_dir = os.path.join(args.output_dir, run_name)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "args.json"), "w") as f:
@@ -606,7 +606,9 @@ def main(args: Args | None = None):
     if args.track:
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=vars(args))
+        wandb.init(
+            project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=vars(args), dir=run_dir
+        )
 
     def log(metrics):
         metrics_file.write(json.dumps(metrics) + "\n")

@@ -305,10 +305,9 @@ def test_ratio_is_exactly_one_at_unchanged_weights(tiny, tmp_path, num_iteration
 
 def test_track_with_wandb_offline(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    run(tiny, tmp_path, track=True, total_steps=1)
-    assert any(name.startswith("offline-run") for name in os.listdir(tmp_path / "wandb"))
+    run_dir, _ = run(tiny, tmp_path, track=True, total_steps=1)
+    assert any(name.startswith("offline-run") for name in os.listdir(os.path.join(run_dir, "wandb")))
 
 
 def test_learning_raises_the_reward(tiny, tmp_path):
