@@ -5,8 +5,8 @@ Usage (from the repository root, ~20 minutes on 2 CPU cores):
     python benchmarks/classic.py --cleanrl /tmp/cleanrl/ppo.py    # also time a local copy of CleanRL's ppo.py
 
 1. Learning curves: ppo_classic.py and reinforce.py (reward-to-go minus a learned baseline), both with
-   their defaults, CartPole-v1, --total-timesteps steps, one run per seed (at most --jobs at once, under
-   `nice`). Each run's episodes are read back from its metrics.jsonl.
+   their defaults, and reinforce.py with the two other choices of Psi; CartPole-v1, --total-timesteps
+   steps, one run per seed (at most --jobs at once, under `nice`). Episodes are read from metrics.jsonl.
 2. Speed: ppo_classic.py with its defaults, run with 1 and with 2 torch threads (and CleanRL's ppo.py
    the same way when --cleanrl is given), each run stopped after --speed-seconds, the runs interleaved
    --speed-repeats times so that every configuration sees the same machine load; the figure is the
@@ -35,7 +35,13 @@ import numpy as np  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
-ALGOS = {"ppo_classic.py": "PPO (ppo_classic.py)", "reinforce.py": "REINFORCE + baseline (reinforce.py)"}
+# name -> (script, flags, label); the first two are the headline comparison, the rest REINFORCE's Psi choices
+ALGOS = {
+    "ppo_classic": ("ppo_classic.py", [], "PPO (ppo_classic.py)"),
+    "reinforce": ("reinforce.py", [], "REINFORCE, Psi = G_t - V(s_t) (reinforce.py)"),
+    "reinforce-rtg": ("reinforce.py", ["--psi", "reward-to-go"], "REINFORCE, Psi = G_t"),
+    "reinforce-return": ("reinforce.py", ["--psi", "episode-return"], "REINFORCE, Psi = R(tau)"),
+}
 SOLVED = 475.0  # CartPole-v1's reward threshold
 # Runs a script with a given torch thread count: the scripts set 1 thread themselves, so the call is disabled.
 THREADS = (
@@ -45,18 +51,19 @@ THREADS = (
 )
 
 
-def train(script, seed, total_timesteps):
+def train(name, seed, total_timesteps):
     """Runs one training run and returns its run directory."""
-    exp_name = f"bench-{script[:-3]}"
-    cmd = ["nice", sys.executable, script, "--seed", str(seed), "--total-timesteps", str(total_timesteps)]
-    out = subprocess.run([*cmd, "--exp-name", exp_name], cwd=REPO, capture_output=True, text=True, check=True)
+    script, flags, _ = ALGOS[name]
+    cmd = ["nice", sys.executable, script, *flags, f"--seed={seed}", f"--total-timesteps={total_timesteps}"]
+    cmd += [f"--exp-name=bench-{name}"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
     run_dir = re.search(r"^run directory: (\S+)$", out.stdout, re.M).group(1)
-    print(f"{script} seed {seed}: {out.stdout.strip().splitlines()[-1]}", flush=True)
+    print(f"{name} seed {seed}: {out.stdout.strip().splitlines()[-1]}", flush=True)
     return os.path.join(REPO, run_dir)
 
 
-def latest_run(script, seed):
-    runs = sorted(glob.glob(os.path.join(REPO, "runs", f"bench-{script[:-3]}__CartPole-v1__{seed}__*")))
+def latest_run(name, seed):
+    runs = sorted(glob.glob(os.path.join(REPO, "runs", f"bench-{name}__CartPole-v1__{seed}__*")))
     return runs[-1] if runs else None
 
 
@@ -120,13 +127,13 @@ def main():
 
     grid = np.linspace(0, args.total_timesteps, 101)[1:]  # (100,) global steps
     per_seed, curves = [], {}
-    for (script, seed), run_dir in runs.items():
+    for (name, seed), run_dir in runs.items():
         ep = episodes(run_dir)
         smooth = trailing_mean(ep[:, 1])
         solved = np.nonzero(smooth >= SOLVED)[0]
         per_seed.append(
             {
-                "algorithm": script,
+                "algorithm": name,
                 "seed": seed,
                 "episodes": len(ep),
                 "last100_mean_return": round(float(smooth[-1]), 2),
@@ -136,7 +143,7 @@ def main():
         )
         # the trailing-100 mean as of each grid step (nan before the first episode)
         idx = np.searchsorted(ep[:, 0], grid, side="right") - 1
-        curves[(script, seed)] = np.where(idx >= 0, smooth[np.maximum(idx, 0)], np.nan)
+        curves[(name, seed)] = np.where(idx >= 0, smooth[np.maximum(idx, 0)], np.nan)
 
     with open(os.path.join(RESULTS, "classic.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(per_seed[0]))
@@ -145,18 +152,22 @@ def main():
     with open(os.path.join(RESULTS, "classic_curves.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["algorithm", "seed", "global_step", "last100_mean_return"])
-        for (script, seed), curve in curves.items():
-            w.writerows([script, seed, int(g), round(float(v), 2)] for g, v in zip(grid, curve))
+        for (name, seed), curve in curves.items():
+            w.writerows([name, seed, int(g), round(float(v), 2)] for g, v in zip(grid, curve))
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for script, label in ALGOS.items():
-        stack = np.array([curves[(script, seed)] for seed in args.seeds])  # (seeds, 100)
-        line = ax.plot(grid, np.nanmean(stack, 0), label=f"{label}, mean of {len(args.seeds)} seeds")[0]
-        ax.fill_between(grid, np.nanmin(stack, 0), np.nanmax(stack, 0), color=line.get_color(), alpha=0.2)
-    ax.axhline(SOLVED, color="grey", lw=0.8, ls="--")
-    ax.set(xlabel="environment steps", ylabel="mean return of the last 100 episodes", ylim=(0, 520))
-    ax.set_title("CartPole-v1: mean and min-max over seeds", fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
+    # left: PPO next to REINFORCE with baseline; right: REINFORCE's three choices of Psi
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    names = list(ALGOS)
+    for ax, panel, colors in [(axes[0], names[:2], ["C0", "C1"]), (axes[1], names[1:], ["C1", "C2", "C3"])]:
+        for name, color in zip(panel, colors):
+            stack = np.array([curves[(name, seed)] for seed in args.seeds])  # (seeds, 100)
+            ax.plot(grid, np.nanmean(stack, 0), color=color, label=ALGOS[name][2])
+            ax.fill_between(grid, np.nanmin(stack, 0), np.nanmax(stack, 0), color=color, alpha=0.2)
+        ax.axhline(SOLVED, color="grey", lw=0.8, ls="--")
+        ax.set(xlabel="environment steps", ylim=(0, 520))
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0].set_ylabel("mean return of the last 100 episodes")
+    fig.suptitle(f"CartPole-v1: mean (line) and min-max (band) over {len(args.seeds)} seeds", fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "classic_return.png"), dpi=110)
 
@@ -166,20 +177,25 @@ def main():
         "Mean return of the last 100 training episodes (sampled actions), per seed and over seeds;",
         "steps = first step at which that mean reached 475 (median over the seeds that did).",
         "",
-        "| script | per seed | mean ± std over seeds | seeds ≥ 475 | steps to 475 |",
+        "| command | per seed | mean ± std over seeds | seeds ≥ 475 | steps to 475 |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for script in ALGOS:
-        rows = [r for r in per_seed if r["algorithm"] == script]
+    for name, (script, flags, _) in ALGOS.items():
+        rows = [r for r in per_seed if r["algorithm"] == name]
         last = np.array([r["last100_mean_return"] for r in rows])
         steps = [r["first_step_last100_ge_475"] for r in rows if r["first_step_last100_ge_475"] != ""]
         median_steps = f"{int(np.median(steps)):,}" if steps else "-"
         lines.append(
-            f"| {script} | {', '.join(f'{v:.1f}' for v in last)} | {last.mean():.1f} ± {last.std():.1f} "
+            f"| `python {' '.join([script, *flags])}` | {', '.join(f'{v:.1f}' for v in last)} "
+            f"| {last.mean():.1f} ± {last.std():.1f} "
             f"| {int((last >= SOLVED).sum())}/{len(last)} | {median_steps} |"
         )
 
-    # 2. speed: configurations interleaved so each sees the same load
+    # 2. speed: configurations interleaved so each sees the same load; --skip-speed keeps the old table
+    md_path = os.path.join(RESULTS, "classic.md")
+    old = open(md_path).read() if os.path.exists(md_path) else ""
+    if args.skip_speed and "## Speed" in old:
+        lines += ["", old[old.index("## Speed") :].rstrip("\n")]
     if not args.skip_speed:
         configs = [("ppo_classic.py", os.path.join(REPO, "ppo_classic.py"), n) for n in (1, 2)]
         if args.cleanrl:
@@ -212,7 +228,7 @@ def main():
             runs = ", ".join(map(str, wall))
             lines.append(f"| {c[0]} | {c[2]} | {int(np.median(wall)):,} | {runs} | {int(np.median(cpu)):,} |")
 
-    with open(os.path.join(RESULTS, "classic.md"), "w") as f:
+    with open(md_path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
