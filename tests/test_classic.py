@@ -1,4 +1,6 @@
-"""Tests of ppo_classic.py: GAE against hand-computed values, short end-to-end runs, bad input."""
+"""Tests of the two classic scripts, ppo_classic.py and reinforce.py: GAE and reward-to-go against hand-computed
+values, the functions they share, short end-to-end runs, bad input. A test that does the same for both scripts is
+parametrized over `script`."""
 
 import glob
 import inspect
@@ -19,6 +21,8 @@ import reinforce
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNKNOWN_ENV = "error: --env-id NoSuchEnv-v0 is not a registered Gymnasium environment"
 BAD_MINIBATCHES = "error: --num-minibatches must divide --num-envs * --num-steps (got 3 and 512)"
+SCRIPTS = {"ppo_classic": ppo_classic, "reinforce": reinforce}
+SHORT_RUN = {"ppo_classic": "1024", "reinforce": "500"}  # --total-timesteps of a short run: 2 or 3 updates
 METRICS = [
     "charts/learning_rate",
     "charts/SPS",
@@ -112,6 +116,34 @@ def test_gae_with_zero_values_and_lambda_one_equals_reward_to_go():
     torch.testing.assert_close(ret, reinforce.reward_to_go(rewards, dones, 0.9))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# reward_to_go: (T, N) tensors, dones[t] = 1 when the episode ended at step t, G after the last step = 0
+# ---------------------------------------------------------------------------------------------------------
+def test_reward_to_go_episode_ends_mid_batch_several_envs():
+    rewards = t([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0], [1.0, 4.0]])
+    dones = t([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, 0.0]])
+    returns = reinforce.reward_to_go(rewards, dones, gamma=0.5)
+    # env 0, two episodes (t=0..1 and t=2..3):
+    #   G3 = 1, G2 = 1 + 0.5*1 = 1.5, G1 = 1 (ended), G0 = 1 + 0.5*1 = 1.5
+    # env 1, one unfinished episode, G after the last step = 0:
+    #   G3 = 4, G2 = 3 + 0.5*4 = 5, G1 = 2 + 0.5*5 = 4.5, G0 = 1 + 0.5*4.5 = 3.25
+    torch.testing.assert_close(returns, t([[1.5, 3.25], [1.0, 4.5], [1.5, 5.0], [1.0, 4.0]]))
+
+
+def test_reward_to_go_gamma_one_is_the_sum_of_the_rest_of_the_episode():
+    rewards, dones = t([[2.0], [3.0], [5.0], [7.0]]), t([[0.0], [0.0], [1.0], [1.0]])
+    returns = reinforce.reward_to_go(rewards, dones, gamma=1.0)
+    # episode t=0..2: 2+3+5 = 10, 3+5 = 8, 5; episode t=3: 7
+    torch.testing.assert_close(returns, t([[10.0], [8.0], [5.0], [7.0]]))
+
+
+def test_reward_to_go_padding_after_the_end_adds_nothing():
+    # reinforce.py pads an env that finished early with reward 0, done 1: the real steps must not change
+    rewards, dones = t([[1.0], [1.0], [0.0], [0.0]]), t([[0.0], [1.0], [1.0], [1.0]])
+    returns = reinforce.reward_to_go(rewards, dones, gamma=0.9)
+    torch.testing.assert_close(returns, t([[1.9], [1.0], [0.0], [0.0]]))  # G0 = 1 + 0.9*1
+
+
 @pytest.mark.parametrize("name", ["layer_init", "mlp", "make_env", "check_env", "log"])
 def test_shared_functions_are_identical(name):
     assert inspect.getsource(getattr(ppo_classic, name)) == inspect.getsource(getattr(reinforce, name))
@@ -120,18 +152,18 @@ def test_shared_functions_are_identical(name):
 # ---------------------------------------------------------------------------------------------------------
 # end to end, in-process (the scripts are importable) in a temporary directory
 # ---------------------------------------------------------------------------------------------------------
-def run(monkeypatch, tmp_path, *flags):
+def run(monkeypatch, tmp_path, script, *flags):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["ppo_classic.py", *flags])
-    ppo_classic.main()
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *flags])
+    SCRIPTS[script].main()
     run_dirs = sorted(glob.glob(str(tmp_path / "runs" / "*")))
     with open(os.path.join(run_dirs[-1], "metrics.jsonl")) as f:
         return run_dirs[-1], [json.loads(line) for line in f]
 
 
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "Acrobot-v1", "Pendulum-v1"])
-def test_runs_on_each_env(monkeypatch, tmp_path, env_id):
-    run_dir, records = run(monkeypatch, tmp_path, "--env-id", env_id, "--total-timesteps", "2048")
+def test_ppo_runs_on_each_env(monkeypatch, tmp_path, env_id):
+    run_dir, records = run(monkeypatch, tmp_path, "ppo_classic", "--env-id", env_id, "--total-timesteps", "2048")
     updates = [r for r in records if "losses/value_loss" in r]
     episodes = [r for r in records if "charts/episodic_return" in r]
     assert len(updates) == 4  # 2048 / (4 envs * 128 steps)
@@ -141,29 +173,53 @@ def test_runs_on_each_env(monkeypatch, tmp_path, env_id):
     assert os.path.basename(run_dir).startswith(f"ppo_classic__{env_id}__1__")
 
 
-def test_same_seed_same_run(monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "env_id, psi",
+    [
+        ("CartPole-v1", "episode-return"),
+        ("CartPole-v1", "reward-to-go"),
+        ("CartPole-v1", "reward-to-go-baseline"),
+        ("Acrobot-v1", "reward-to-go-baseline"),
+        ("Pendulum-v1", "reward-to-go-baseline"),
+    ],
+)
+def test_reinforce_runs(monkeypatch, tmp_path, env_id, psi):
+    _, records = run(monkeypatch, tmp_path, "reinforce", "--env-id", env_id, "--psi", psi, "--total-timesteps", "2000")
+    updates = [r for r in records if "losses/policy_loss" in r]
+    episodes = [r for r in records if "charts/episodic_return" in r]
+    assert updates and len(episodes) == 8 * len(updates)  # 8 envs = 8 whole episodes per update
+    assert records[-1]["global_step"] == sum(r["charts/episodic_length"] for r in episodes) >= 2000
+    names = {"charts/learning_rate", "charts/SPS", "losses/policy_loss", "losses/entropy"}
+    if psi == "reward-to-go-baseline":
+        names |= {"losses/value_loss", "losses/explained_variance"}
+    assert all(names <= set(r) and np.isfinite(r["losses/policy_loss"]) for r in updates)
+    assert ("losses/value_loss" in updates[0]) == (psi == "reward-to-go-baseline")
+
+
+def test_ppo_same_seed_same_run(monkeypatch, tmp_path):
     flags = ["--total-timesteps", "1024"]
-    _, a = run(monkeypatch, tmp_path, "--exp-name", "a", *flags)
-    _, b = run(monkeypatch, tmp_path, "--exp-name", "b", *flags)
+    _, a = run(monkeypatch, tmp_path, "ppo_classic", "--exp-name", "a", *flags)
+    _, b = run(monkeypatch, tmp_path, "ppo_classic", "--exp-name", "b", *flags)
     drop = ("charts/SPS",)
     assert [{k: v for k, v in r.items() if k not in drop} for r in a] == [
         {k: v for k, v in r.items() if k not in drop} for r in b
     ]
 
 
-def test_learns_cartpole_a_little(monkeypatch, tmp_path):
-    _, records = run(monkeypatch, tmp_path, "--total-timesteps", "16384")
+@pytest.mark.parametrize("script, total_timesteps, window", [("ppo_classic", "16384", 20), ("reinforce", "20000", 24)])
+def test_learns_cartpole_a_little(monkeypatch, tmp_path, script, total_timesteps, window):
+    _, records = run(monkeypatch, tmp_path, script, "--total-timesteps", total_timesteps)
     returns = [r["charts/episodic_return"] for r in records if "charts/episodic_return" in r]
     # a uniform random policy averages about 22 on CartPole
-    assert np.mean(returns[:20]) < 30 and np.mean(returns[-20:]) > 45
+    assert np.mean(returns[:window]) < 30 and np.mean(returns[-window:]) > 45
 
 
-def test_truncation_bootstraps_the_value(monkeypatch, tmp_path):
+def test_ppo_truncation_bootstraps_the_value(monkeypatch, tmp_path):
     # Reward 1 forever, episodes cut by a 10-step time limit. With the bootstrap the value target is
     # 1 / (1 - 0.9) = 10; if truncation counted as termination no target could exceed
     # sum_{k<10} 0.9^k = 6.51. The observation is constant, so V is one number.
     flags = ["--env-id=tests/ConstantReward-v0", "--gamma=0.9", "--no-clip-vloss", "--learning-rate=1e-2"]
-    run_dir, _ = run(monkeypatch, tmp_path, *flags, "--total-timesteps", "8192", "--save-model")
+    run_dir, _ = run(monkeypatch, tmp_path, "ppo_classic", *flags, "--total-timesteps", "8192", "--save-model")
     checkpoint = torch.load(glob.glob(os.path.join(run_dir, "*.cleanrl_model"))[0])
     agent = ppo_classic.Agent(1, gym.spaces.Discrete(2))
     agent.load_state_dict(checkpoint["state_dict"])
@@ -171,27 +227,30 @@ def test_truncation_bootstraps_the_value(monkeypatch, tmp_path):
     assert 8.0 < value < 12.0
 
 
-def test_save_and_eval(monkeypatch, tmp_path, capsys):
-    flags = ["--total-timesteps", "1024", "--save-model", "--eval-episodes", "2"]
-    run_dir, records = run(monkeypatch, tmp_path, *flags)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_save_and_eval(monkeypatch, tmp_path, capsys, script):
+    flags = ["--total-timesteps", SHORT_RUN[script], "--save-model", "--eval-episodes", "2"]
+    run_dir, records = run(monkeypatch, tmp_path, script, *flags)
     assert len([r for r in records if "eval/episodic_return" in r]) == 2
-    model = os.path.join(run_dir, "ppo_classic.cleanrl_model")
+    model = os.path.join(run_dir, f"{script}.cleanrl_model")
     capsys.readouterr()
-    monkeypatch.setattr(sys, "argv", ["ppo_classic.py", "--eval-checkpoint", model, "--eval-episodes", "3"])
-    ppo_classic.main()
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--eval-checkpoint", model, "--eval-episodes", "3"])
+    SCRIPTS[script].main()
     assert "over 3" in capsys.readouterr().out.strip().splitlines()[-1]
 
 
-def test_track_wandb_offline(tmp_path):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_track_wandb_offline(tmp_path, script):
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-    cmd = [sys.executable, os.path.join(REPO, "ppo_classic.py"), "--track", "--total-timesteps", "1024"]
+    cmd = [sys.executable, os.path.join(REPO, f"{script}.py"), "--track", "--total-timesteps", SHORT_RUN[script]]
     subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
     offline_runs = glob.glob(str(tmp_path / "runs" / "*" / "wandb" / "offline-run-*" / "*.wandb"))
     assert len(offline_runs) == 1 and os.path.getsize(offline_runs[0]) > 0
 
 
-def test_ctrl_c_saves_model_and_metrics(tmp_path):
-    cmd = [sys.executable, os.path.join(REPO, "ppo_classic.py"), "--save-model", "--total-timesteps=9999999"]
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_ctrl_c_saves_model_and_metrics(tmp_path, script):
+    cmd = [sys.executable, os.path.join(REPO, f"{script}.py"), "--save-model", "--total-timesteps=9999999"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:  # wait for the first finished update
         if line.startswith("iter="):
@@ -200,36 +259,41 @@ def test_ctrl_c_saves_model_and_metrics(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted" in out
     run_dir = glob.glob(str(tmp_path / "runs" / "*"))[0]
-    assert os.path.getsize(os.path.join(run_dir, "ppo_classic.cleanrl_model")) > 0
+    assert os.path.getsize(os.path.join(run_dir, f"{script}.cleanrl_model")) > 0
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        assert any("losses/value_loss" in json.loads(line) for line in f)
+        assert any("losses/policy_loss" in json.loads(line) for line in f)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # bad input: one line naming the flag
 # ---------------------------------------------------------------------------------------------------------
+BAD_INPUT = [
+    (["--env-id", "NoSuchEnv-v0"], UNKNOWN_ENV),
+    (["--env-id", "tests/MultiBinaryAction-v0"], "error: --env-id tests/MultiBinaryAction-v0 has action space "),
+    (["--env-id", "FrozenLake-v1"], "error: --env-id FrozenLake-v1 has observation space Discrete(16)"),
+    (["--env-id", "Blackjack-v1"], "error: --env-id Blackjack-v1 has observation space Tuple("),
+    (["--eval-checkpoint", "missing.pt"], "error: --eval-checkpoint missing.pt is not a file"),
+]
+
+
 @pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--env-id", "NoSuchEnv-v0"], UNKNOWN_ENV),
-        (["--num-minibatches", "3"], BAD_MINIBATCHES),
-        (["--env-id", "tests/MultiBinaryAction-v0"], "error: --env-id tests/MultiBinaryAction-v0 has action"),
-        (["--env-id", "FrozenLake-v1"], "error: --env-id FrozenLake-v1 has observation space Discrete(16)"),
-        (["--eval-checkpoint", "missing.pt"], "error: --eval-checkpoint missing.pt is not a file"),
-    ],
+    "script, flags, message",
+    [(script, flags, message) for script in SCRIPTS for flags, message in BAD_INPUT]
+    + [("ppo_classic", ["--num-minibatches", "3"], BAD_MINIBATCHES)],
 )
-def test_bad_input(monkeypatch, tmp_path, flags, message):
+def test_bad_input(monkeypatch, tmp_path, script, flags, message):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["ppo_classic.py", *flags])
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *flags])
     with pytest.raises(SystemExit) as e:
-        ppo_classic.main()
+        SCRIPTS[script].main()
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "runs")  # nothing is created before the input is checked
 
 
-def test_cli_error_is_one_line_and_import_prints_nothing(tmp_path):
-    cmd = [sys.executable, os.path.join(REPO, "ppo_classic.py"), "--env-id", "NoSuchEnv-v0"]
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_cli_error_is_one_line_and_import_prints_nothing(tmp_path, script):
+    cmd = [sys.executable, os.path.join(REPO, f"{script}.py"), "--env-id", "NoSuchEnv-v0"]
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and p.stderr == UNKNOWN_ENV + "\n"
-    p = subprocess.run([sys.executable, "-c", "import ppo_classic"], cwd=REPO, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", f"import {script}"], cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout == "" and p.stderr == ""
