@@ -436,11 +436,7 @@ def reward_model_scores(reward_model, rm_tokenizer, tokenizer, query_responses, 
     rm_tokenizer None: same vocabulary, the ids are used as they are; otherwise decode and re-encode."""
     if rm_tokenizer is None:
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        inputs = {
-            "input_ids": query_responses,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-        }
+        inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids)
     else:
         texts = tokenizer.batch_decode(query_responses, skip_special_tokens=True)
         inputs = rm_tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
