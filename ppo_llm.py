@@ -33,7 +33,8 @@ Implementation details (cited as "detail N" in the comments):
 12. Several epochs of shuffled minibatches with gradient accumulation over micro-batches, global
     grad-norm clipping, AdamW, optional linear learning-rate decay and early stop on approx-KL.
 13. beta fixed, or adapted towards a target KL (Ziegler et al.'s proportional controller).
-14. Optional penalty for responses without EOS; optional score normalisation and clipping.
+14. Optional penalty for responses without EOS and score clipping; scores whitened per batch by default
+    with a reward model, whose scale is arbitrary (unnormalised, beta*KL was too weak to stop reward hacking).
 15. A non-finite gradient stops the run before the optimizer step and saves the last good weights;
     Ctrl-C saves before exiting.
 """
@@ -164,8 +165,8 @@ class Args:
     """whiten the per-token rewards (scale only) before GAE"""
     missing_eos_penalty: float | None = None
     """subtract this from the score of a response that never emits EOS"""
-    score_norm: bool = False
-    """whiten the scores of each batch (mean 0, std 1)"""
+    score_norm: bool | None = None
+    """whiten the scores of each batch (mean 0, std 1); default: on with --reward-model, off with --reward-fn"""
     score_clip: float | None = None
     """clip the scores to [-c, c] (after --score-norm)"""
 
@@ -530,6 +531,12 @@ def main(args: Args | None = None):
             f"exceeds the model's context of {context} tokens"
         )
 
+    if args.score_norm is None:
+        # Detail 14: a learned reward model's offset and scale are arbitrary (the Bradley-Terry loss sees only
+        # differences), and at its raw scale beta*KL is no brake: the policy chases the model's errors.
+        args.score_norm = args.reward_model is not None
+        print(f"score normalisation {'on' if args.score_norm else 'off'}: the default with a reward "
+              f"{'model' if args.score_norm else 'function'} (--score-norm True/False overrides)")  # fmt: skip
     reward_model = rm_tokenizer = None
     if args.reward_model is not None:
         args.reward_model = resolve(args.reward_model)
@@ -677,6 +684,7 @@ def main(args: Args | None = None):
             contains_eos = (responses == tokenizer.eos_token_id).any(1)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contains_eos).float()
+            raw_scores = scores  # what the logs show: before normalisation and clipping
             if args.score_norm:
                 scores = (scores - scores.mean()) / (scores.std() + 1e-8)
             if args.score_clip is not None:
@@ -756,8 +764,8 @@ def main(args: Args | None = None):
                 "objective/kl_coef": kl_coef,
                 "objective/entropy": (-logprobs * mask).sum(1).mean().item(),
                 "objective/non_score_reward": mean_non_score_reward,
-                "objective/rlhf_reward": scores.mean().item() + mean_non_score_reward,
-                "objective/scores": scores.mean().item(),
+                "objective/rlhf_reward": raw_scores.mean().item() + mean_non_score_reward,
+                "objective/scores": raw_scores.mean().item(),
                 "policy/approxkl_avg": mean["approxkl"],
                 "policy/clipfrac_avg": mean["clipfrac"],
                 "policy/entropy_avg": mean["entropy"],
@@ -793,7 +801,7 @@ def main(args: Args | None = None):
             if args.sample_every and update % args.sample_every == 0:
                 for j in range(min(args.num_samples, args.batch_size)):
                     sample = {"update": update, "prompt": batch[j]["prompt"], "completion": completions[j]}
-                    sample["score"] = scores[j].item()
+                    sample["score"] = raw_scores[j].item()
                     samples_file.write(json.dumps(sample) + "\n")
                     print(f"  {sample['prompt']!r} -> {sample['completion']!r}  score {sample['score']:.2f}")
                 samples_file.flush()
