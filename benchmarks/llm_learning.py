@@ -102,15 +102,15 @@ def main():
     data = {name: runs for name, runs in data.items() if runs}
 
     # Table: accuracy at start and end, time and samples to 90%, final KL (mean +- std over seeds).
-    def stat(values, fmt):
+    def stat(values, fmt, missing="not reached"):
         values = np.array(values, dtype=float)
         ok = values[~np.isnan(values)]
         if not len(ok):
-            return "not reached"
+            return missing
         text = f"{np.mean(ok):{fmt}} ± {np.std(ok):{fmt}}"
         return text + (f" ({len(ok)}/{len(values)} seeds)" if len(ok) < len(values) else "")
 
-    rows = ["| configuration | seeds | held-out accuracy, start | end | seconds to 90% | samples to 90% | final KL |",
+    rows = ["| configuration | seeds | held-out accuracy, start | end | seconds to 90% | samples to 90% | final KL* |",
             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, runs in data.items():
         start = [series(r, "eval/accuracy")[1][0] for r in runs]
@@ -119,8 +119,13 @@ def main():
         rows.append(
             f"| {name} (`{' '.join(CONFIGS[name])}`) | {len(runs)} | {stat(start, '.3f')} | {stat(end, '.3f')} | "
             f"{stat([first_reaching(r, 'time/elapsed') for r in runs], '.0f')} | "
-            f"{stat([first_reaching(r, 'episode') for r in runs], '.0f')} | {stat(kl, '.3f')} |"
+            f"{stat([first_reaching(r, 'episode') for r in runs], '.0f')} | {stat(kl, '.3f', 'none (beta 0)')} |"
         )
+    rows.append(
+        "\n*ppo_llm.py: `objective/kl`, nats per response (k1 summed over its tokens); grpo_llm.py: `kl`, "
+        "nats per token (k3, mean); both the mean of the last 5 updates. Accuracy: `eval/accuracy`, 256 "
+        "held-out problems sampled at temperature 1; seconds: `time/elapsed` at the first evaluation >= 0.9."
+    )
     table = "\n".join(rows)
     print(table)
     with open(os.path.join(args.out_dir, "llm_learning.md"), "w") as f:
@@ -130,16 +135,21 @@ def main():
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     for name, runs in data.items():
         for col, x in enumerate(["update", "episode", "time/elapsed"]):
-            for row, key in enumerate(["eval/accuracy", "objective/kl"]):
-                curves = [series(r, key, x) for r in runs]
+            for row, key in enumerate(["eval/accuracy", "kl"]):
+                curves = [series(r, kl_key(r) if key == "kl" else key, x) for r in runs]
                 n = min(len(c[0]) for c in curves)
+                if n == 0:
+                    continue  # grpo with beta 0 loads no reference and logs no KL
                 xs = np.mean([c[0][:n] for c in curves], axis=0)
                 ys = np.array([c[1][:n] for c in curves])
                 (line,) = axes[row, col].plot(xs, ys.mean(0), label=name)
                 axes[row, col].fill_between(xs, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
                 axes[row, col].set_xlabel({"update": "updates", "episode": "samples", "time/elapsed": "seconds"}[x])
                 axes[row, col].set_ylabel(
-                    {"eval/accuracy": "held-out accuracy", "objective/kl": "KL to reference"}[key]
+                    {
+                        "eval/accuracy": "held-out accuracy",
+                        "kl": "KL to reference (ppo: per response, grpo: per token)",
+                    }[key]
                 )
     axes[0, 0].axhline(0.9, color="gray", ls=":")
     axes[0, 0].legend()
