@@ -33,12 +33,12 @@ class Args:
     gpt2_shape: bool = False
     """benchmark a GPT-2-124M-shaped model built from its config (random weights, no download) instead of
     the embedded default; responses then run to --max-new-tokens (EOS is 1 token in 50257)"""
-    batch_size: int = 64
-    """sequences per update (PPO: prompts; GRPO: completions)"""
+    batch_size: int | None = None
+    """sequences per update (PPO: prompts; GRPO: completions); default: each script's own default"""
     max_new_tokens: int = 8
     """response length limit"""
-    micro_batch_size: int = 16
-    """sequences per forward pass"""
+    micro_batch_size: int | None = None
+    """sequences per forward pass; default: each script's own default"""
     updates: int = 5
     """timed updates per script"""
     warmup: int = 2
@@ -70,7 +70,7 @@ def gpt2_shaped_model(path):
     return path
 
 
-def bare_generate_seconds(model_path, args, device, n):
+def bare_generate_seconds(model_path, batch_size, args, device, n):
     """Median seconds of one policy.generate of `batch_size` arithmetic prompts (after one warm-up call)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -81,7 +81,7 @@ def bare_generate_seconds(model_path, args, device, n):
     stream = ppo_llm.arithmetic_train_problems(seed=0)
     times = []
     for _ in range(n + 1):
-        enc = tokenizer([next(stream)["prompt"] for _ in range(args.batch_size)], padding=True, return_tensors="pt")
+        enc = tokenizer([next(stream)["prompt"] for _ in range(batch_size)], padding=True, return_tensors="pt")
         enc = enc.to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             if device.type == "cuda":
@@ -95,21 +95,23 @@ def bare_generate_seconds(model_path, args, device, n):
 
 
 def run_script(module, model_path, args, extra):
-    """Per-update times (medians over the timed updates) from a short run of the script's main()."""
+    """Per-update times (medians over the timed updates) from a short run of the script's main(), and the
+    batch and micro-batch sizes it ran with."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    sizes = {k: getattr(args, k) for k in ["batch_size", "micro_batch_size"] if getattr(args, k) is not None}
     with tempfile.TemporaryDirectory() as out:
-        common = dict(model=model_path, total_steps=args.warmup + args.updates, batch_size=args.batch_size,
-                      micro_batch_size=args.micro_batch_size, max_new_tokens=args.max_new_tokens, eval_every=0,
-                      sample_every=0, output_dir=out, cuda=args.cuda)  # fmt: skip
-        run_dir = module.main(module.Args(**common, **extra))
+        common = dict(model=model_path, total_steps=args.warmup + args.updates, max_new_tokens=args.max_new_tokens,
+                      eval_every=0, sample_every=0, output_dir=out, cuda=args.cuda)  # fmt: skip
+        script_args = module.Args(**common, **sizes, **extra)
+        run_dir = module.main(script_args)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             metrics = [json.loads(line) for line in f][args.warmup :]
     keys = ["time/generation", "time/scoring", "time/update", "perf/tokens_per_sec", "perf/peak_memory_mb"]
     result = {k: sorted(m[k] for m in metrics)[len(metrics) // 2] for k in keys}
-    result["time/total"] = sorted(m["time/generation"] + m["time/scoring"] + m["time/update"] for m in metrics)[
-        len(metrics) // 2
-    ]
+    totals = sorted(m["time/generation"] + m["time/scoring"] + m["time/update"] for m in metrics)
+    result["time/total"] = totals[len(totals) // 2]
+    result["batch_size"], result["micro_batch_size"] = script_args.batch_size, script_args.micro_batch_size
     return result
 
 
@@ -132,22 +134,25 @@ def main():
             "GRPO (beta 0, mu 1)": (grpo_llm, dict(beta=0.0, num_iterations=1)),
         }
         results = {name: run_script(module, model_path, args, extra) for name, (module, extra) in runs.items()}
-        floor = bare_generate_seconds(model_path, args, device, n=args.updates)
+        floors = {b: bare_generate_seconds(model_path, b, args, device, args.updates)
+                  for b in {r["batch_size"] for r in results.values()}}  # fmt: skip
     machine = machine_name(device)
     name = "gpt2-124m-shape" if args.gpt2_shape else "arith-sft"
     lines = [
-        f"Model {name}, {args.batch_size} sequences x up to {args.max_new_tokens} new tokens, micro-batch "
-        f"{args.micro_batch_size}, {'bf16 autocast on ' if device.type == 'cuda' else ''}{machine}.",
-        f"Bare generate of the same batch: {floor * 1000:.0f} ms (median of {args.updates}).",
+        f"Model {name}, up to {args.max_new_tokens} new tokens, {'bf16 autocast on ' if device.type == 'cuda' else ''}"
+        f"{machine}. Medians over {args.updates} updates after {args.warmup} of warm-up.",
         "",
-        "| script | generation | scoring | optimisation | total | total / bare generate | tokens/s | peak MB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| script | batch / micro-batch | generation | scoring | optimisation | total | bare generate | total / bare "
+        "generate | tokens/s | peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run, r in results.items():
+        floor = floors[r["batch_size"]]
         ms = [r[k] * 1000 for k in ["time/generation", "time/scoring", "time/update", "time/total"]]
         lines.append(
-            f"| {run} | {ms[0]:.0f} ms | {ms[1]:.0f} ms | {ms[2]:.0f} ms | {ms[3]:.0f} ms | "
-            f"{r['time/total'] / floor:.2f}x | {r['perf/tokens_per_sec']:.0f} | {r['perf/peak_memory_mb']:.0f} |"
+            f"| {run} | {r['batch_size']} / {r['micro_batch_size']} | {ms[0]:.0f} ms | {ms[1]:.0f} ms | {ms[2]:.0f} ms "
+            f"| {ms[3]:.0f} ms | {floor * 1000:.0f} ms | {r['time/total'] / floor:.2f}x | "
+            f"{r['perf/tokens_per_sec']:.0f} | {r['perf/peak_memory_mb']:.0f} |"
         )
     table = "\n".join(lines)
     print(table)
@@ -157,7 +162,7 @@ def main():
         f.write(f"Command: `python benchmarks/llm_speed.py{' --gpt2-shape' if args.gpt2_shape else ''}` "
                 f"({platform.platform()})\n\n{table}\n")  # fmt: skip
     with open(stem + ".json", "w") as f:
-        json.dump({"machine": machine, "bare_generate_s": floor, "args": vars(args), "results": results}, f, indent=1)
+        json.dump({"machine": machine, "bare_generate_s": floors, "args": vars(args), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
