@@ -32,6 +32,7 @@ CONFIGS = {
     "ppo": ["ppo_llm.py"],
     "ppo-head": ["ppo_llm.py", "--critic", "head"],
     "ppo-rm": ["ppo_llm.py", "--reward-model", "assets/arith-rm"],
+    "ppo-rm-raw": ["ppo_llm.py", "--reward-model", "assets/arith-rm", "--score-norm", "False"],
     "grpo": ["grpo_llm.py", "--loss-type", "grpo", "--beta", "0.04"],  # the paper's beta, so the KL is measured
     "dr_grpo": ["grpo_llm.py", "--loss-type", "dr_grpo", "--scale-rewards", "none"],
     "dapo": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28"],
@@ -157,16 +158,26 @@ def main():
     fig.tight_layout()
     fig.savefig(os.path.join(args.out_dir, "llm_accuracy.png"), dpi=80)
 
-    if "ppo-rm" in data:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for i, run in enumerate(data["ppo-rm"]):
-            xs, score = series(run, "objective/scores")
-            _, acc = series(run, "objective/accuracy")
-            ax.plot(xs, score, color=f"C{i}", label=f"seed {i + 1}: reward-model score")
-            ax.plot(xs, acc, color=f"C{i}", ls="--", label=f"seed {i + 1}: true accuracy")
-        ax.set_xlabel("updates")
-        ax.set_title("PPO with the learned reward model: its score vs the true accuracy of the same rollouts")
-        ax.legend(fontsize=8)
+    # Reward hacking: the reward model's score of the rollouts against their true accuracy, mean over seeds.
+    rm_runs = [name for name in ["ppo-rm", "ppo-rm-raw"] if name in data]
+    if rm_runs:
+        fig, axes = plt.subplots(1, len(rm_runs), figsize=(7 * len(rm_runs), 4.5), squeeze=False)
+        for ax, name in zip(axes[0], rm_runs):
+            acc_ax = ax.twinx()
+            for key, axis, color in [("objective/scores", ax, "C0"), ("objective/accuracy", acc_ax, "C3")]:
+                curves = [series(r, key)[1] for r in data[name]]
+                n = min(len(c) for c in curves)
+                ys = np.array([np.convolve(c[:n], np.ones(10) / 10, mode="valid") for c in curves])  # 10-update mean
+                xs = np.arange(len(ys[0])) + 10
+                axis.plot(xs, ys.mean(0), color=color)
+                axis.fill_between(xs, ys.min(0), ys.max(0), color=color, alpha=0.2)
+            ax.set_ylabel("reward-model score (raw)", color="C0")
+            acc_ax.set_ylabel("true accuracy of the same rollouts", color="C3")
+            ax.set_xlabel("updates")
+            ax.set_title(f"{name}: `{' '.join(CONFIGS[name][1:])}`", fontsize=9)
+        fig.suptitle(
+            "PPO against the learned reward model: its score (blue) vs the truth (red), mean and min-max of 3 seeds"
+        )
         fig.tight_layout()
         fig.savefig(os.path.join(args.out_dir, "llm_reward_hacking.png"), dpi=80)
 
