@@ -23,8 +23,9 @@ Implementation details (cited as "detail N" in the comments):
 6. Dropout is off in every model: the ratio and the KL then measure policy change and nothing else.
 7. Prompts are left-padded for batched generation; position ids come from the attention mask, so a
    padded prompt sees the positions an unpadded one would.
-8. The value function is a zero-initialised scalar head on the policy's last hidden states (shared
-   trunk), or on a separate critic initialised from the reward model (same tokenizer) or the policy.
+8. The value function is a zero-initialised scalar head on a separate critic initialised from the reward
+   model (same tokenizer) or the policy (default: fewer samples to 90% on the embedded task than the
+   head on the policy's own trunk, --critic head, which is cheaper per update; benchmarks/).
 9. The logits are computed only at response positions, and log-probs as gather - logsumexp: no
    (B, T, V) log-softmax copy. No-grad forwards run in micro-batches.
 10. GAE (gamma=1, lam=0.95) over response tokens; returns = advantages + values; the advantages are
