@@ -490,6 +490,49 @@ def save(path, policy, tokenizer, value_head, critic):
         critic.save_pretrained(os.path.join(path, "critic"))
 
 
+def load_models(args, device):
+    """--model's tokenizer and policy and --reward-model's model, each failure a one-line error.
+
+    Returns (tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length): rm_tokenizer is None when
+    the reward model reads the policy's own tokens (the ids are then scored as they are); the policy stays
+    on the CPU, the reward model goes to `device`, frozen."""
+    args.model = resolve(args.model)
+    tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left")
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
+    policy = from_pretrained(AutoModelForCausalLM, args.model, "--model")
+    context = context_length_of(policy.config)
+    if context is not None and args.max_new_tokens >= context:
+        raise SystemExit(
+            f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
+            f"context of {context} tokens"
+        )
+    max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
+    if context is not None and max_prompt_length + args.max_new_tokens > context:
+        raise SystemExit(
+            f"error: --max-prompt-length {max_prompt_length} + --max-new-tokens {args.max_new_tokens} "
+            f"exceeds the model's context of {context} tokens"
+        )
+    reward_model = rm_tokenizer = None
+    if args.reward_model is not None:
+        args.reward_model = resolve(args.reward_model)
+        reward_model = from_pretrained(AutoModelForSequenceClassification, args.reward_model, "--reward-model")
+        if reward_model.config.num_labels != 1 and args.reward_label is None:
+            raise SystemExit(
+                f"error: --reward-model {args.reward_model} has num_labels={reward_model.config.num_labels}; "
+                "a reward model gives one score: pass --reward-label to choose the logit"
+            )
+        rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model")
+        if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
+            rm_tokenizer = None  # same tokens: score the ids directly, no decode / re-encode
+        else:
+            add_pad_token(rm_tokenizer, [reward_model])
+        reward_model.to(device).eval().requires_grad_(False)
+        disable_dropout(reward_model)
+    add_pad_token(tokenizer, [policy] + ([reward_model] if reward_model is not None and rm_tokenizer is None else []))
+    return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length
+
+
 def main(args: Args | None = None):
     args = tyro.cli(Args) if args is None else args
     # TRY NOT TO MODIFY: checks, seeding, device, models
@@ -514,47 +557,13 @@ def main(args: Args | None = None):
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
-    args.model = resolve(args.model)
-    tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left")
-    if tokenizer.eos_token_id is None:
-        raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
-    policy = from_pretrained(AutoModelForCausalLM, args.model, "--model")
-    context = context_length_of(policy.config)
-    if context is not None and args.max_new_tokens >= context:
-        raise SystemExit(
-            f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
-            f"context of {context} tokens"
-        )
-    max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
-    if context is not None and max_prompt_length + args.max_new_tokens > context:
-        raise SystemExit(
-            f"error: --max-prompt-length {max_prompt_length} + --max-new-tokens {args.max_new_tokens} "
-            f"exceeds the model's context of {context} tokens"
-        )
-
+    tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length = load_models(args, device)
     if args.score_norm is None:
         # Detail 14: a learned reward model's offset and scale are arbitrary (the Bradley-Terry loss sees only
         # differences), and at its raw scale beta*KL is no brake: the policy chases the model's errors.
         args.score_norm = args.reward_model is not None
         print(f"score normalisation {'on' if args.score_norm else 'off'}: the default with a reward "
               f"{'model' if args.score_norm else 'function'} (--score-norm True/False overrides)")  # fmt: skip
-    reward_model = rm_tokenizer = None
-    if args.reward_model is not None:
-        args.reward_model = resolve(args.reward_model)
-        reward_model = from_pretrained(AutoModelForSequenceClassification, args.reward_model, "--reward-model")
-        if reward_model.config.num_labels != 1 and args.reward_label is None:
-            raise SystemExit(
-                f"error: --reward-model {args.reward_model} has num_labels={reward_model.config.num_labels}; "
-                "a reward model gives one score: pass --reward-label to choose the logit"
-            )
-        rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model")
-        if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
-            rm_tokenizer = None  # same tokens: score the ids directly, no decode / re-encode
-        else:
-            add_pad_token(rm_tokenizer, [reward_model])
-        reward_model.to(device).eval().requires_grad_(False)
-        disable_dropout(reward_model)
-    add_pad_token(tokenizer, [policy] + ([reward_model] if reward_model is not None and rm_tokenizer is None else []))
 
     # Detail 8: the critic starts from the reward model when it reads the same tokens, else from the policy.
     critic = None

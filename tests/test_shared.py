@@ -19,7 +19,7 @@ ARITHMETIC = ["arithmetic_problem", "arithmetic_eval_set", "arithmetic_train_pro
 SHARED = ARITHMETIC + ["logprobs_from_logits", "entropy_from_logits", "masked_mean", "kl_penalty", "gsm8k_reward",
                        "load_prompts", "resolve", "from_pretrained", "add_pad_token", "disable_dropout",
                        "context_length_of", "generate", "truncate_after_eos", "hidden_states", "reward_model_scores",
-                       "evaluate", "peak_memory_mb"]  # fmt: skip
+                       "evaluate", "peak_memory_mb", "load_models"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SHARED)
