@@ -683,7 +683,7 @@ def main(args: Args | None = None):
             stats, losses, grad_norms = {}, [], []
             n_tokens = loss_mask.sum()
             for _ in range(args.num_iterations if n_tokens > 0 else 0):
-                loss_sum = 0.0
+                loss_sum = torch.zeros((), device=device)
                 for mc in torch.arange(args.batch_size, device=device).split(args.micro_batch_size):
                     mc_mask = loss_mask[mc]
                     if mc_mask.sum() == 0:
@@ -699,7 +699,7 @@ def main(args: Args | None = None):
                     )  # fmt: skip
                     weight = mc_mask.sum() / n_tokens if args.loss_type == "dapo" else len(mc) / args.batch_size
                     (loss * weight).backward()
-                    loss_sum += (loss * weight).item()
+                    loss_sum += (loss * weight).detach()  # no .item() per micro-batch: one sync at logging
                     with torch.no_grad():
                         mc_stats["entropy"] = masked_mean(entropy_from_logits(logits), mc_mask)
                     for key, value in mc_stats.items():
@@ -714,7 +714,7 @@ def main(args: Args | None = None):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 losses.append(loss_sum)
-                grad_norms.append(grad_norm.item())
+                grad_norms.append(grad_norm)
             t3 = timer()
 
             # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
@@ -742,7 +742,10 @@ def main(args: Args | None = None):
                 metrics[f"rewards/{name}/mean"] = scores[:, j].mean().item()
                 metrics[f"rewards/{name}/std"] = scores[:, j].std().item()
             if losses:
-                metrics |= {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms)}
+                metrics |= {
+                    "loss": torch.stack(losses).mean().item(),
+                    "grad_norm": torch.stack(grad_norms).mean().item(),
+                }
                 metrics |= mean
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
                 policy.eval()
