@@ -24,8 +24,7 @@ SHARED = ARITHMETIC + ["logprobs_from_logits", "entropy_from_logits", "masked_me
 
 @pytest.mark.parametrize("name", SHARED)
 def test_llm_scripts_share_identical_copies(name):
-    if hasattr(grpo_llm, name):
-        assert inspect.getsource(getattr(ppo_llm, name)) == inspect.getsource(getattr(grpo_llm, name))
+    assert inspect.getsource(getattr(ppo_llm, name)) == inspect.getsource(getattr(grpo_llm, name))
 
 
 @pytest.mark.parametrize("name", ARITHMETIC)
