@@ -17,24 +17,44 @@ Implementation details (cited as "detail N" in the comments):
    statistic, so the policy is not trained on text it would never show.
 3. Advantage = reward - group mean, divided by the group's std + 1e-4 (Bessel), the batch's, or nothing;
    one advantage per completion, broadcast to its tokens. No value model, no GAE.
-4. A group whose rewards are all equal gets advantage exactly 0: nothing to prefer, and no 0 / 0.
-5. Log-probs divide the logits by the sampling temperature, or the ratio and KL start away from 1 and 0.
-6. Dropout is off in every model: the ratio and the KL then measure policy change and nothing else.
+4. Log-probs divide the logits by the sampling temperature, or the ratio and KL start away from 1 and 0.
+5. A group whose rewards are all equal gets advantage exactly 0: nothing to prefer, and no 0 / 0.
+6. Dropout is off in every model, set to 0 in the config before the model is built (Llama-style attention
+   reads config.attention_dropout in train mode) and in every nn.Dropout: the ratio and the KL then measure
+   policy change and nothing else.
 7. Prompts are left-padded for batched generation; position ids come from the attention mask, so a
    padded prompt sees the positions an unpadded one would.
 8. With --num-iterations 1 the old log-probs are the current ones detached (ratio exactly 1, one gradient
    step per batch); with more, they are recomputed after generation in the training's micro-batch shapes.
-9. KL to the frozen reference is a loss term beta * k3 (unbiased, >= 0), not a reward penalty, so it
-   stays out of the advantages; beta = 0 loads no reference at all (TRL's default since Dr. GRPO).
+9. The LM head runs on completion positions only, in chunks of tokens (lm_head_logprobs): at most 2^24 logits
+   exist at once, and under autograd each chunk is recomputed in backward instead of kept, so memory does
+   not grow with completion length x vocabulary. Log-probs and entropy come from one fp32 log-sum-exp.
 10. Clipped surrogate per token with asymmetric bounds [1 - epsilon, 1 + epsilon_high]: a higher upper
     bound lets unlikely tokens with a positive advantage grow (DAPO's clip-higher, against entropy collapse).
-11. Loss aggregation by --loss-type; micro-batches weight their loss so the accumulated gradient is the
-    whole batch's (by completions for grpo and dr_grpo, by loss tokens for dapo).
-12. The logits are computed only at completion positions, and log-probs as gather - logsumexp: no
-    (B, T, V) log-softmax copy. No-grad forwards run in micro-batches.
+11. Loss aggregation by --loss-type: per-completion token mean then mean (grpo), one token mean over the
+    batch (dapo), or the token sum over completions x --max-new-tokens (dr_grpo).
+12. KL to the frozen reference is a loss term beta * k3 (unbiased, >= 0), not a reward penalty, so it
+    stays out of the advantages; beta = 0 loads no reference at all (TRL's default since Dr. GRPO).
 13. Several reward functions are summed with --reward-weights (TRL); a reward model scores alone.
-14. A non-finite gradient stops the run before the optimizer step and saves the last good weights;
+14. Micro-batches weight their loss so that the accumulated gradient is the whole batch's: by completions
+    for grpo and dr_grpo, by their share of the batch's loss tokens for dapo (the normalisers are global).
+15. A non-finite gradient stops the run before the optimizer step and saves the last good weights;
     Ctrl-C saves before exiting.
+16. A completion ends at any EOS id: the tokenizer's and the checkpoint's generation_config's (chat models
+    declare several), in generation, truncation, --mask-truncated-completions, evaluation and the logs.
+17. Embeddings are resized to the tokenizer only to grow: checkpoints carry spare rows the model can sample.
+18. The family's logit post-processing (Gemma's final_logit_softcapping, Cohere's logit_scale, Granite's
+    logits_scaling) is applied inside each head chunk, before the temperature; at start the script checks
+    its log-probs against the model's own forward and refuses a model whose logits it does not reproduce.
+19. Dtypes: the policy trains in fp32 (master weights, whatever the checkpoint dtype: bf16 AdamW updates
+    of lr 1e-5 mostly round away); compute runs under bf16 autocast on CUDA (--mixed-precision). The
+    reference is an fp32 copy of the policy, scored by the same function in the same shapes, so the first
+    KL is exactly 0; the frozen reward model keeps its checkpoint dtype.
+20. Sampling is softmax(logits / temperature) and nothing else: the checkpoint's generation_config
+    (repetition_penalty, top_k, min_p, ...) is replaced, since transformers would apply it silently, and
+    --top-k / --top-p are refused: the ratio and the KL need the log-probs of the distribution sampled,
+    and a truncated one would also give the reference -inf log-probs for tokens outside its own support.
+    The saved policy carries this generation config.
 
 The variants, as differences from GRPO (loss-type grpo, scale-rewards group, epsilon-high = epsilon):
 - Dr. GRPO (Liu et al. 2025): --loss-type dr_grpo --scale-rewards none. Dividing by each completion's
@@ -58,16 +78,23 @@ import random
 import re
 import resource
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import transformers
 import tyro
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+from torch.utils.checkpoint import checkpoint
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
 
 
 @dataclass
@@ -78,7 +105,9 @@ class Args:
     seed: int = 1
     """seed of python, numpy, torch and the prompt order"""
     cuda: bool = True
-    """use CUDA (bf16 autocast) when it is available"""
+    """use CUDA when it is available"""
+    mixed_precision: Literal["auto", "bf16", "no"] = "auto"
+    """bf16 autocast over fp32 weights (detail 19); auto: on CUDA, not on CPU"""
     track: bool = False
     """log to Weights & Biases (WANDB_MODE=offline works)"""
     wandb_project_name: str = "rlhf-reference"
@@ -120,11 +149,13 @@ class Args:
     max_prompt_length: int | None = None
     """prompts are cut to their first N tokens (default: the model's context minus --max-new-tokens)"""
     temperature: float = 1.0
-    """sampling temperature; log-probs use the same one (detail 5)"""
+    """sampling temperature; log-probs use the same one (detail 4)"""
     top_k: int = 0
-    """sample from the k most likely tokens only (0: off)"""
+    """must stay 0: truncated sampling is refused for training (detail 20)"""
     top_p: float = 1.0
-    """nucleus sampling mass (1.0: off)"""
+    """must stay 1.0: truncated sampling is refused for training (detail 20)"""
+    cast_lm_head_to_fp32: bool = True
+    """the LM head's matmul in fp32 under autocast (TRL's name); the log-sum-exp is fp32 either way"""
 
     # Algorithm
     total_steps: int = 500
@@ -178,18 +209,6 @@ class Args:
 # ALGO LOGIC: the numerics, small pure functions on tensors (checked by tests/ against hand-computed values)
 
 
-def logprobs_from_logits(logits, labels):
-    """log softmax(logits)[label] = logit[label] - logsumexp(logits), without a (B, T, V) log-softmax copy.
-
-    logits (B, T, V), labels (B, T) -> (B, T)."""
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits):
-    """H = logsumexp(l) - sum softmax(l) * l, per position: (B, T, V) -> (B, T)."""
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-
-
 def masked_mean(values, mask, axis=None):
     """sum(values * mask) / sum(mask), over `axis` or over everything."""
     if axis is None:
@@ -213,7 +232,7 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
 
     A_i = r_i - mean(group), or r_i - mean of the other G - 1 (leave_one_out, RLOO); then divided by
     std(group) + 1e-4 (scale "group"), std(batch) + 1e-4 ("batch") or nothing ("none"), std Bessel-corrected.
-    A group of equal rewards gets exactly 0 (detail 4)."""
+    A group of equal rewards gets exactly 0 (detail 5)."""
     grouped = rewards.view(-1, group_size)  # (P, G)
     if leave_one_out:
         baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
@@ -356,7 +375,9 @@ def load_prompts(args):
     return cycle()
 
 
-# MODELS: loading, generation, forward passes, scores
+# MODELS: loading, generation, the forward pass and its head, scores
+
+LM_HEAD_CHUNK = 2**24  # logits that exist at once in lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
 
 
 def resolve(path):
@@ -377,56 +398,158 @@ def from_pretrained(cls, name, flag, **kwargs):
         ) from None
 
 
-def add_pad_token(tokenizer, models):
+def load_model(cls, name, flag, dtype=torch.float32):
+    """A model with every dropout probability zeroed before it is built (detail 6), in fp32 by default (detail 19).
+
+    Llama-style attention copies config.attention_dropout at construction and applies it in train mode, so
+    zeroing nn.Dropout modules afterwards is not enough; those are zeroed too, for models that hard-code one."""
+    config = from_pretrained(AutoConfig, name, flag)
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+    model = from_pretrained(cls, name, flag, config=config, dtype=dtype)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def add_pad_token(tokenizer):
     """Give a tokenizer without a pad token its own one (never EOS: a padded EOS would look like an end)."""
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
         print(f"note: the tokenizer had no pad token distinct from EOS; added [PAD] (id {tokenizer.pad_token_id})")
-        for model in models:
-            model.resize_token_embeddings(len(tokenizer))
-    for model in models:
-        model.config.pad_token_id = tokenizer.pad_token_id
 
 
-def disable_dropout(model):
-    """Detail 6: dropout would make the ratio and the KL differ from 1 and 0 at unchanged weights."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
+def fit_embeddings(model, tokenizer):
+    """Grow the embeddings to the tokenizer, never shrink them (detail 17): checkpoints carry spare rows
+    (Qwen2: 151,936 for ~151.6k tokens) that the model can still sample, and a shrunk table cannot embed them."""
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
 
 
-def context_length_of(config):
+def context_window_of(config):
     return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
 
 
+def eos_token_ids(tokenizer, generation_config):
+    """Every id that ends a response (detail 16): the tokenizer's EOS and the checkpoint's generation_config's
+    (chat models declare several: Qwen2.5-Instruct ends a turn with <|im_end|>, a document with <|endoftext|>)."""
+    ids = generation_config.eos_token_id
+    return sorted({tokenizer.eos_token_id, *([] if ids is None else [ids] if isinstance(ids, int) else ids)})
+
+
+def sampling_config(max_new_tokens, temperature, pad_token_id, eos_ids):
+    """What generate() samples with (detail 20): softmax(logits / temperature), nothing else. It replaces the
+    checkpoint's generation_config, whose other fields (repetition_penalty, top_k, min_p, ...) would otherwise
+    fill every field left unset here and change the distribution that the log-probs never see."""
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+        pad_token_id=pad_token_id, eos_token_id=eos_ids,
+    )  # fmt: skip
+
+
 @torch.no_grad()
-def generate(policy, queries, query_mask, generation_config):
-    """Sample responses (B, R) for left-padded prompts (B, Q); generate() derives position ids from the mask."""
-    output = policy.generate(input_ids=queries, attention_mask=query_mask, generation_config=generation_config)
+def generate(policy, queries, query_mask):
+    """Sample responses (B, R) for left-padded prompts (B, Q) with policy.generation_config (sampling_config);
+    generate() derives position ids from the mask."""
+    output = policy.generate(input_ids=queries, attention_mask=query_mask)
     return output[:, queries.shape[1] :]
 
 
-def truncate_after_eos(responses, eos_token_id, pad_token_id):
-    """Detail 2: keep the tokens up to and including the first EOS. Returns (responses, mask), (B, R)."""
-    is_eos = responses == eos_token_id
+def truncate_after_eos(responses, eos_ids, pad_token_id):
+    """Detail 2: keep the tokens up to and including the first EOS (any of eos_ids). Returns (responses, mask)."""
+    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
     after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # an EOS strictly before this position
     return responses.masked_fill(after_eos, pad_token_id), ~after_eos
 
 
-def hidden_states(model, query_responses, attention_mask, context_length):
-    """Last hidden states (B, R, H) at the positions that predict the response tokens (context_length - 1 ...)."""
+def hidden_states(model, query_responses, attention_mask, prompt_width):
+    """The trunk's last hidden states (B, R, H) at the positions that predict the response tokens.
+
+    The state at position t predicts token t + 1, so the response query_responses[:, prompt_width:] is predicted
+    by positions prompt_width - 1 ... -2: this slice is the off-by-one shift between logits and tokens."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # detail 7
     out = model.base_model(
         input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )
-    return out.last_hidden_state[:, context_length - 1 : -1]
+    return out.last_hidden_state[:, prompt_width - 1 : -1]
 
 
-def forward(policy, query_responses, attention_mask, context_length, temperature):
-    """One pass over prompt + completion: completion log-probs (B, T) and logits (B, T, V) (ppo_llm's, no values)."""
-    hidden = hidden_states(policy, query_responses, attention_mask, context_length)
-    logits = policy.get_output_embeddings()(hidden).float() / temperature  # details 5 and 12
-    return logprobs_from_logits(logits, query_responses[:, context_length:]), logits
+def logit_postprocessing(config):
+    """What the family's forward does to the output embedding's logits (detail 18), as (scale, softcap):
+    logits * scale (Cohere's logit_scale, Granite's 1 / logits_scaling), then softcap * tanh(logits / softcap)
+    (Gemma 2 and 3's final_logit_softcapping)."""
+    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+    return scale, getattr(config, "final_logit_softcapping", None)
+
+
+def head_chunk(hidden, weight, bias, labels, temperature, scale, softcap, with_entropy, fp32):
+    """lm_head_logprobs on one chunk of tokens: hidden (N, H), labels (N,) -> log-probs (N,), entropy (N,) or None."""
+    if fp32:  # the matmul in fp32 even under autocast (--cast-lm-head-to-fp32)
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+    else:
+        logits = F.linear(hidden, weight, bias)
+    logits = logits.float() * scale  # the log-sum-exp arithmetic is always fp32
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
+    logsumexp = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, labels[:, None])[:, 0] - logsumexp
+    entropy = logsumexp - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
+    return logprobs, entropy
+
+
+def lm_head_logprobs(hidden, head, labels, temperature, scale=1.0, softcap=None, with_entropy=False, fp32=True):
+    """Log-probs of labels (B, T) and, optionally, entropies (B, T) of the next-token distributions, from the last
+    hidden states (B, T, H) and the output embedding `head`, in chunks of tokens (details 4, 9, 18).
+
+    logits = softcap(scale * head(h)) / temperature;  log p(y) = logits[y] - logsumexp(logits);
+    H = logsumexp(logits) - sum_v softmax(logits)_v * logits_v.
+    At most LM_HEAD_CHUNK logits exist at once: under autograd each chunk is recomputed in backward
+    (torch.utils.checkpoint) instead of kept, so memory does not grow with tokens x vocabulary."""
+    (B, T), V = labels.shape, head.weight.shape[0]
+    hidden, labels, n = hidden.reshape(B * T, -1), labels.reshape(B * T), max(1, LM_HEAD_CHUNK // V)
+    logprobs, entropy = [], []
+    for i in range(0, B * T, n):
+        inputs = (hidden[i : i + n], head.weight, head.bias, labels[i : i + n], temperature, scale, softcap)
+        if torch.is_grad_enabled():
+            lp, h = checkpoint(head_chunk, *inputs, with_entropy, fp32, use_reentrant=False, preserve_rng_state=False)
+        else:
+            lp, h = head_chunk(*inputs, with_entropy, fp32)
+        logprobs.append(lp)
+        entropy.append(h)
+    return torch.cat(logprobs).view(B, T), torch.cat(entropy).view(B, T) if with_entropy else None
+
+
+def response_logprobs(model, hidden, responses, args, with_entropy=False):
+    """lm_head_logprobs with the model's own output embedding and logit post-processing, at --temperature."""
+    scale, softcap = logit_postprocessing(model.config)
+    return lm_head_logprobs(
+        hidden, model.get_output_embeddings(), responses, args.temperature, scale, softcap, with_entropy,
+        args.cast_lm_head_to_fp32,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def check_logits(model, flag, name):
+    """Refuse a model whose forward does something to its logits that lm_head_logprobs does not reproduce
+    (detail 18): its own log-softmax and ours, on a few tokens, must agree."""
+    ids = torch.arange(1, 9, device=model.device)[None] % model.get_output_embeddings().weight.shape[0]
+    mask = torch.ones_like(ids)
+    expected = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), dim=-1)
+    expected = expected.gather(-1, ids[:, 1:, None])[..., 0]
+    scale, softcap = logit_postprocessing(model.config)
+    got, _ = lm_head_logprobs(hidden_states(model, ids, mask, 1), model.get_output_embeddings(), ids[:, 1:], 1.0,
+                              scale, softcap)  # fmt: skip
+    error = (got - expected).abs().max().item()
+    if error > 1e-3:
+        raise SystemExit(
+            f"error: {flag} {name}: its forward changes the logits in a way this script does not reproduce (log-probs "
+            f"{error:.3g} apart); supported: logit_scale, logits_scaling, final_logit_softcapping"
+        )
 
 
 @torch.no_grad()
@@ -447,14 +570,14 @@ def reward_model_scores(reward_model, rm_tokenizer, tokenizer, query_responses, 
 
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, problems, generation_config, reward_fn, chunk):
+def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, chunk):
     """Held-out accuracy: mean reward-function score over `problems`, sampling as in training."""
     correct = []
     for i in range(0, len(problems), chunk):
         batch = problems[i : i + chunk]
         enc = tokenizer([p["prompt"] for p in batch], padding=True, return_tensors="pt").to(policy.device)
-        responses = generate(policy, enc.input_ids, enc.attention_mask, generation_config)
-        responses, _ = truncate_after_eos(responses, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        responses = generate(policy, enc.input_ids, enc.attention_mask)
+        responses, _ = truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
         completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
         correct += reward_fn(completions, [p["answer"] for p in batch])
     return sum(correct) / len(correct)
@@ -470,15 +593,17 @@ def peak_memory_mb(device):
 def load_models(args, device):
     """--model's tokenizer and policy and --reward-model's model, each failure a one-line error.
 
-    Returns (tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length): rm_tokenizer is None when
-    the reward model reads the policy's own tokens (the ids are then scored as they are); the policy stays
-    on the CPU, the reward model goes to `device`, frozen."""
+    Returns (tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids). The policy is fp32
+    (detail 19), checked against its own logits (detail 18), samples with sampling_config (detail 20) and
+    stays on the CPU; rm_tokenizer is None when the reward model reads the policy's own tokens (the ids are
+    then scored as they are); the reward model keeps its checkpoint dtype, frozen, on `device`."""
     args.model = resolve(args.model)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
-    policy = from_pretrained(AutoModelForCausalLM, args.model, "--model")
-    context = context_length_of(policy.config)
+    policy = load_model(AutoModelForCausalLM, args.model, "--model")
+    check_logits(policy, "--model", args.model)
+    context = context_window_of(policy.config)
     if context is not None and args.max_new_tokens >= context:
         raise SystemExit(
             f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
@@ -493,7 +618,7 @@ def load_models(args, device):
     reward_model = rm_tokenizer = None
     if args.reward_model is not None:
         args.reward_model = resolve(args.reward_model)
-        reward_model = from_pretrained(AutoModelForSequenceClassification, args.reward_model, "--reward-model")
+        reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
         if reward_model.config.num_labels != 1 and args.reward_label is None:
             raise SystemExit(
                 f"error: --reward-model {args.reward_model} has num_labels={reward_model.config.num_labels}; "
@@ -503,11 +628,15 @@ def load_models(args, device):
         if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
             rm_tokenizer = None  # same tokens: score the ids directly, no decode / re-encode
         else:
-            add_pad_token(rm_tokenizer, [reward_model])
+            add_pad_token(rm_tokenizer)
+            fit_embeddings(reward_model, rm_tokenizer)
         reward_model.to(device).eval().requires_grad_(False)
-        disable_dropout(reward_model)
-    add_pad_token(tokenizer, [policy] + ([reward_model] if reward_model is not None and rm_tokenizer is None else []))
-    return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length
+    eos_ids = eos_token_ids(tokenizer, policy.generation_config)
+    add_pad_token(tokenizer)
+    for model in [policy] + ([reward_model] if reward_model is not None and rm_tokenizer is None else []):
+        fit_embeddings(model, tokenizer)
+    policy.generation_config = sampling_config(args.max_new_tokens, args.temperature, tokenizer.pad_token_id, eos_ids)
+    return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
 
 
 def main(args: Args | None = None):
@@ -529,6 +658,11 @@ def main(args: Args | None = None):
         raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {epsilon_high} and {args.epsilon})")
     if args.temperature <= 0:
         raise SystemExit(f"error: --temperature must be > 0: log-probs divide by it (got {args.temperature})")
+    if args.top_k or args.top_p < 1.0:
+        raise SystemExit(
+            f"error: --top-k {args.top_k} / --top-p {args.top_p} would sample from a truncated distribution whose "
+            "log-probs the update never sees (detail 20); train with --temperature alone"
+        )
     unknown = [name for name in args.reward_fn if name not in REWARD_FNS]
     if unknown or not args.reward_fn:
         raise SystemExit(f"error: --reward-fn must be among {sorted(REWARD_FNS)} (got {' '.join(args.reward_fn)})")
@@ -544,16 +678,17 @@ def main(args: Args | None = None):
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    print(f"device {device}, fp32 weights, {'bf16 autocast' if bf16 else 'fp32 compute'}")
 
-    tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length = load_models(args, device)
+    tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
 
-    # Reference: a frozen copy of the initial policy, only when the KL term is on (detail 9).
+    # Reference: a frozen copy of the initial policy, only when the KL term is on (detail 12).
     ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta else None
     for model in [policy, ref_policy]:
         if model is not None:
             model.to(device)
-            disable_dropout(model)
             model.config.use_cache = True
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
@@ -568,10 +703,6 @@ def main(args: Args | None = None):
         )
     params = list(policy.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5)
-    generation_config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
     prompts = load_prompts(args)
     eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every else None
 
@@ -606,7 +737,7 @@ def main(args: Args | None = None):
 
     if eval_problems:
         with autocast:
-            accuracy = evaluate(policy, tokenizer, eval_problems, generation_config, arithmetic_reward, args.batch_size)
+            accuracy = evaluate(policy, tokenizer, eval_problems, arithmetic_reward, eos_ids, args.batch_size)
         log({"update": 0, "episode": 0, "eval/accuracy": accuracy})
         print(f"update 0: held-out accuracy {accuracy:.3f}")
 
@@ -622,11 +753,11 @@ def main(args: Args | None = None):
                 [row["prompt"] for row in batch], padding=True, truncation=max_prompt_length is not None,
                 max_length=max_prompt_length, return_tensors="pt",
             ).to(device)  # fmt: skip
-            queries, context_length = enc.input_ids, enc.input_ids.shape[1]
+            queries, prompt_width = enc.input_ids, enc.input_ids.shape[1]
             policy.eval()
             with autocast:
-                responses = generate(policy, queries, enc.attention_mask, generation_config)
-            responses, response_mask = truncate_after_eos(responses, tokenizer.eos_token_id, tokenizer.pad_token_id)
+                responses = generate(policy, queries, enc.attention_mask)
+            responses, response_mask = truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
             query_responses = torch.cat([queries, responses], dim=1)
             attention_mask = torch.cat([enc.attention_mask, response_mask.long()], dim=1)
             mask = response_mask.float()  # (B, T)
@@ -654,11 +785,11 @@ def main(args: Args | None = None):
                 over = (lengths - (args.max_new_tokens - args.overlong_buffer)).clamp(min=0) / args.overlong_buffer
                 rewards = rewards - args.overlong_penalty * over
 
-            # 3. advantages relative to the group (details 3, 4); which completions the loss sees
+            # 3. advantages relative to the group (details 3, 5); which completions the loss sees
             advantages = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)  # (B,)
             grouped = rewards.view(-1, G)  # (prompts, G)
             zero_std = (grouped.max(1).values == grouped.min(1).values).float()
-            truncated = ~(responses == tokenizer.eos_token_id).any(1)
+            truncated = ~torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
             loss_mask = mask.clone()
             if args.dynamic_sampling:
                 loss_mask *= 1 - zero_std.repeat_interleave(G)[:, None]
@@ -671,14 +802,16 @@ def main(args: Args | None = None):
                 for mc in torch.arange(args.batch_size, device=device).split(args.micro_batch_size):
                     qr, am = query_responses[mc], attention_mask[mc]
                     if args.num_iterations > 1:
-                        old_logprobs.append(forward(policy, qr, am, context_length, args.temperature)[0])
+                        hidden = hidden_states(policy, qr, am, prompt_width)
+                        old_logprobs.append(response_logprobs(policy, hidden, responses[mc], args)[0])
                     if ref_policy is not None:
-                        ref_logprobs.append(forward(ref_policy, qr, am, context_length, args.temperature)[0])
+                        hidden = hidden_states(ref_policy, qr, am, prompt_width)
+                        ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
             old_logprobs = torch.cat(old_logprobs) if old_logprobs else None
             ref_logprobs = torch.cat(ref_logprobs) if ref_logprobs else None
             t2 = timer()
 
-            # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 11)
+            # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 14)
             policy.train()
             stats, losses, grad_norms = {}, [], []
             n_tokens = loss_mask.sum()
@@ -689,9 +822,8 @@ def main(args: Args | None = None):
                     if mc_mask.sum() == 0:
                         continue  # nothing of it is in the loss: its gradient would be 0
                     with autocast:
-                        logprobs, logits = forward(
-                            policy, query_responses[mc], attention_mask[mc], context_length, args.temperature
-                        )
+                        hidden = hidden_states(policy, query_responses[mc], attention_mask[mc], prompt_width)
+                        logprobs, entropy = response_logprobs(policy, hidden, responses[mc], args, with_entropy=True)
                     loss, mc_stats = grpo_loss(
                         logprobs, logprobs.detach() if old_logprobs is None else old_logprobs[mc],
                         None if ref_logprobs is None else ref_logprobs[mc], advantages[mc], mc_mask, args.epsilon,
@@ -700,12 +832,11 @@ def main(args: Args | None = None):
                     weight = mc_mask.sum() / n_tokens if args.loss_type == "dapo" else len(mc) / args.batch_size
                     (loss * weight).backward()
                     loss_sum += (loss * weight).detach()  # no .item() per micro-batch: one sync at logging
-                    with torch.no_grad():
-                        mc_stats["entropy"] = masked_mean(entropy_from_logits(logits), mc_mask)
+                    mc_stats["entropy"] = masked_mean(entropy.detach(), mc_mask)
                     for key, value in mc_stats.items():
                         stats.setdefault(key, []).append(value)
                 grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                if not torch.isfinite(grad_norm):  # detail 14: the weights are still the last good ones
+                if not torch.isfinite(grad_norm):  # detail 15: the weights are still the last good ones
                     save(os.path.join(run_dir, "policy"))
                     raise SystemExit(
                         f"error: the loss became non-finite at update {update}; the last good weights are "
@@ -751,7 +882,7 @@ def main(args: Args | None = None):
                 policy.eval()
                 with autocast:
                     metrics["eval/accuracy"] = evaluate(
-                        policy, tokenizer, eval_problems, generation_config, arithmetic_reward, args.batch_size
+                        policy, tokenizer, eval_problems, arithmetic_reward, eos_ids, args.batch_size
                     )
             log(metrics)
             print(

@@ -20,24 +20,45 @@ Implementation details (cited as "detail N" in the comments):
 4. Log-probs divide the logits by the sampling temperature, or the ratio and KL start away from 1 and 0.
 5. Old log-probs and values are recomputed after generation with the same function, dtype and
    micro-batch shape as the training forward, so the first ratio of every update is exactly 1.
-6. Dropout is off in every model: the ratio and the KL then measure policy change and nothing else.
+6. Dropout is off in every model, set to 0 in the config before the model is built (Llama-style attention
+   reads config.attention_dropout in train mode) and in every nn.Dropout: the ratio and the KL then measure
+   policy change and nothing else.
 7. Prompts are left-padded for batched generation; position ids come from the attention mask, so a
    padded prompt sees the positions an unpadded one would.
 8. The value function is a zero-initialised scalar head on a separate critic initialised from the reward
    model (same tokenizer) or the policy (default: fewer samples to 90% on the embedded task than the
-   head on the policy's own trunk, --critic head, which is cheaper per update; benchmarks/).
-9. The logits are computed only at response positions, and log-probs as gather - logsumexp: no
-   (B, T, V) log-softmax copy. No-grad forwards run in micro-batches.
+   head on the policy's own trunk, --critic head, which is cheaper per update; benchmarks/). The head runs
+   in fp32 outside autocast: bf16 would round the values by ~0.4%.
+9. The LM head runs on response positions only, in chunks of tokens (lm_head_logprobs): at most 2^24 logits
+   exist at once, and under autograd each chunk is recomputed in backward instead of kept, so memory does
+   not grow with response length x vocabulary. Log-probs and entropy come from one fp32 log-sum-exp.
 10. GAE (gamma=1, lam=0.95) over response tokens; returns = advantages + values; the advantages are
     whitened over the batch's real tokens, the rewards optionally (masked, Bessel-corrected).
 11. Clipped surrogate and clipped value loss, each a mean over real tokens; optional entropy bonus.
 12. Several epochs of shuffled minibatches with gradient accumulation over micro-batches, global
-    grad-norm clipping, AdamW, optional linear learning-rate decay and early stop on approx-KL.
+    grad-norm clipping, AdamW, optional linear learning-rate decay and early stop on approx-KL. Each
+    micro-batch's token mean is weighted by its share of the minibatch's real tokens (not of its
+    sequences: EOS makes their lengths differ), so the gradient does not depend on --micro-batch-size.
 13. beta fixed, or adapted towards a target KL (Ziegler et al.'s proportional controller).
 14. Optional penalty for responses without EOS and score clipping; scores whitened per batch by default
     with a reward model, whose scale is arbitrary (unnormalised, beta*KL was too weak to stop reward hacking).
 15. A non-finite gradient stops the run before the optimizer step and saves the last good weights;
     Ctrl-C saves before exiting.
+16. A response ends at any EOS id: the tokenizer's and the checkpoint's generation_config's (chat models
+    declare several), in generation, truncation, the missing-EOS penalty, evaluation and the logs.
+17. Embeddings are resized to the tokenizer only to grow: checkpoints carry spare rows the model can sample.
+18. The family's logit post-processing (Gemma's final_logit_softcapping, Cohere's logit_scale, Granite's
+    logits_scaling) is applied inside each head chunk, before the temperature; at start the script checks
+    its log-probs against the model's own forward and refuses a model whose logits it does not reproduce.
+19. Dtypes: the policy, critic and value head train in fp32 (master weights, whatever the checkpoint
+    dtype: bf16 AdamW updates of lr 1e-5 mostly round away); compute runs under bf16 autocast on CUDA
+    (--mixed-precision). The reference is an fp32 copy of the policy, scored by the same function in the
+    same shapes, so the first KL is exactly 0; the frozen reward model keeps its checkpoint dtype.
+20. Sampling is softmax(logits / temperature) and nothing else: the checkpoint's generation_config
+    (repetition_penalty, top_k, min_p, ...) is replaced, since transformers would apply it silently, and
+    --top-k / --top-p are refused: the ratio and the KL need the log-probs of the distribution sampled,
+    and a truncated one would also give the reference -inf log-probs for tokens outside its own support.
+    The saved policy carries this generation config.
 """
 
 import copy
@@ -47,16 +68,18 @@ import random
 import re
 import resource
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import transformers
 import tyro
+from torch.utils.checkpoint import checkpoint
 from transformers import (
+    AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -73,7 +96,9 @@ class Args:
     seed: int = 1
     """seed of python, numpy, torch and the prompt order"""
     cuda: bool = True
-    """use CUDA (bf16 autocast) when it is available"""
+    """use CUDA when it is available"""
+    mixed_precision: Literal["auto", "bf16", "no"] = "auto"
+    """bf16 autocast over fp32 weights (detail 19); auto: on CUDA, not on CPU"""
     track: bool = False
     """log to Weights & Biases (WANDB_MODE=offline works)"""
     wandb_project_name: str = "rlhf-reference"
@@ -117,9 +142,11 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; log-probs use the same one (detail 4)"""
     top_k: int = 0
-    """sample from the k most likely tokens only (0: off)"""
+    """must stay 0: truncated sampling is refused for training (detail 20)"""
     top_p: float = 1.0
-    """nucleus sampling mass (1.0: off)"""
+    """must stay 1.0: truncated sampling is refused for training (detail 20)"""
+    cast_lm_head_to_fp32: bool = True
+    """the LM head's matmul in fp32 under autocast (TRL's name); the log-sum-exp is fp32 either way"""
 
     # Algorithm
     total_steps: int = 300
@@ -183,18 +210,6 @@ class Args:
 # ALGO LOGIC: the numerics, small pure functions on tensors (checked by tests/ against hand-computed values)
 
 
-def logprobs_from_logits(logits, labels):
-    """log softmax(logits)[label] = logit[label] - logsumexp(logits), without a (B, T, V) log-softmax copy.
-
-    logits (B, T, V), labels (B, T) -> (B, T)."""
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits):
-    """H = logsumexp(l) - sum softmax(l) * l, per position: (B, T, V) -> (B, T)."""
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-
-
 def masked_mean(values, mask, axis=None):
     """sum(values * mask) / sum(mask), over `axis` or over everything."""
     if axis is None:
@@ -243,27 +258,29 @@ def compute_gae(rewards, values, mask, gamma, lam):
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_range):
     """PPO's clipped surrogate: masked mean of max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps)),
-    rho = exp(logprobs - old_logprobs). Returns (loss, clipfrac, approxkl = mean (log rho)^2 / 2, mean rho)."""
+    rho = exp(logprobs - old_logprobs). Returns (loss, stats): clipfrac, approxkl = mean (log rho)^2 / 2, mean rho."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     losses = -advantages * ratio
     clipped_losses = -advantages * ratio.clamp(1 - clip_range, 1 + clip_range)
     loss = masked_mean(torch.max(losses, clipped_losses), mask)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped_losses > losses).float(), mask)
-        approxkl = 0.5 * masked_mean(log_ratio**2, mask)
-        ratio_mean = masked_mean(ratio, mask)
-    return loss, clipfrac, approxkl, ratio_mean
+        stats = {
+            "policy/clipfrac_avg": masked_mean((clipped_losses > losses).float(), mask),
+            "policy/approxkl_avg": 0.5 * masked_mean(log_ratio**2, mask),
+            "val/ratio": masked_mean(ratio, mask),
+        }
+    return loss, stats
 
 
 def value_loss(values, old_values, returns, mask, clip_range):
-    """1/2 * masked mean of max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2). Returns (loss, clipfrac)."""
+    """1/2 * masked mean of max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2). Returns (loss, stats)."""
     clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
     losses, clipped_losses = (values - returns) ** 2, (clipped_values - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(losses, clipped_losses), mask)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped_losses > losses).float(), mask)
-    return loss, clipfrac
+        stats = {"val/clipfrac_avg": masked_mean((clipped_losses > losses).float(), mask)}
+    return loss, stats
 
 
 class AdaptiveKLController:
@@ -363,7 +380,9 @@ def load_prompts(args):
     return cycle()
 
 
-# MODELS: loading, generation, forward passes, scores
+# MODELS: loading, generation, the forward pass and its head, scores
+
+LM_HEAD_CHUNK = 2**24  # logits that exist at once in lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
 
 
 def resolve(path):
@@ -384,63 +403,158 @@ def from_pretrained(cls, name, flag, **kwargs):
         ) from None
 
 
-def add_pad_token(tokenizer, models):
+def load_model(cls, name, flag, dtype=torch.float32):
+    """A model with every dropout probability zeroed before it is built (detail 6), in fp32 by default (detail 19).
+
+    Llama-style attention copies config.attention_dropout at construction and applies it in train mode, so
+    zeroing nn.Dropout modules afterwards is not enough; those are zeroed too, for models that hard-code one."""
+    config = from_pretrained(AutoConfig, name, flag)
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+    model = from_pretrained(cls, name, flag, config=config, dtype=dtype)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def add_pad_token(tokenizer):
     """Give a tokenizer without a pad token its own one (never EOS: a padded EOS would look like an end)."""
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
         print(f"note: the tokenizer had no pad token distinct from EOS; added [PAD] (id {tokenizer.pad_token_id})")
-        for model in models:
-            model.resize_token_embeddings(len(tokenizer))
-    for model in models:
-        model.config.pad_token_id = tokenizer.pad_token_id
 
 
-def disable_dropout(model):
-    """Detail 6: dropout would make the ratio and the KL differ from 1 and 0 at unchanged weights."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
+def fit_embeddings(model, tokenizer):
+    """Grow the embeddings to the tokenizer, never shrink them (detail 17): checkpoints carry spare rows
+    (Qwen2: 151,936 for ~151.6k tokens) that the model can still sample, and a shrunk table cannot embed them."""
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
 
 
-def context_length_of(config):
+def context_window_of(config):
     return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
 
 
+def eos_token_ids(tokenizer, generation_config):
+    """Every id that ends a response (detail 16): the tokenizer's EOS and the checkpoint's generation_config's
+    (chat models declare several: Qwen2.5-Instruct ends a turn with <|im_end|>, a document with <|endoftext|>)."""
+    ids = generation_config.eos_token_id
+    return sorted({tokenizer.eos_token_id, *([] if ids is None else [ids] if isinstance(ids, int) else ids)})
+
+
+def sampling_config(max_new_tokens, temperature, pad_token_id, eos_ids):
+    """What generate() samples with (detail 20): softmax(logits / temperature), nothing else. It replaces the
+    checkpoint's generation_config, whose other fields (repetition_penalty, top_k, min_p, ...) would otherwise
+    fill every field left unset here and change the distribution that the log-probs never see."""
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+        pad_token_id=pad_token_id, eos_token_id=eos_ids,
+    )  # fmt: skip
+
+
 @torch.no_grad()
-def generate(policy, queries, query_mask, generation_config):
-    """Sample responses (B, R) for left-padded prompts (B, Q); generate() derives position ids from the mask."""
-    output = policy.generate(input_ids=queries, attention_mask=query_mask, generation_config=generation_config)
+def generate(policy, queries, query_mask):
+    """Sample responses (B, R) for left-padded prompts (B, Q) with policy.generation_config (sampling_config);
+    generate() derives position ids from the mask."""
+    output = policy.generate(input_ids=queries, attention_mask=query_mask)
     return output[:, queries.shape[1] :]
 
 
-def truncate_after_eos(responses, eos_token_id, pad_token_id):
-    """Detail 2: keep the tokens up to and including the first EOS. Returns (responses, mask), (B, R)."""
-    is_eos = responses == eos_token_id
+def truncate_after_eos(responses, eos_ids, pad_token_id):
+    """Detail 2: keep the tokens up to and including the first EOS (any of eos_ids). Returns (responses, mask)."""
+    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
     after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # an EOS strictly before this position
     return responses.masked_fill(after_eos, pad_token_id), ~after_eos
 
 
-def hidden_states(model, query_responses, attention_mask, context_length):
-    """Last hidden states (B, R, H) at the positions that predict the response tokens (context_length - 1 ...)."""
+def hidden_states(model, query_responses, attention_mask, prompt_width):
+    """The trunk's last hidden states (B, R, H) at the positions that predict the response tokens.
+
+    The state at position t predicts token t + 1, so the response query_responses[:, prompt_width:] is predicted
+    by positions prompt_width - 1 ... -2: this slice is the off-by-one shift between logits and tokens."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # detail 7
     out = model.base_model(
         input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )
-    return out.last_hidden_state[:, context_length - 1 : -1]
+    return out.last_hidden_state[:, prompt_width - 1 : -1]
 
 
-def forward(policy, value_model, value_head, query_responses, attention_mask, context_length, temperature):
-    """One pass over prompt + response: response log-probs (B, R), logits (B, R, V) and values (B, R).
+def logit_postprocessing(config):
+    """What the family's forward does to the output embedding's logits (detail 18), as (scale, softcap):
+    logits * scale (Cohere's logit_scale, Granite's 1 / logits_scaling), then softcap * tanh(logits / softcap)
+    (Gemma 2 and 3's final_logit_softcapping)."""
+    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+    return scale, getattr(config, "final_logit_softcapping", None)
 
-    value_model None: the value head sits on the policy's own trunk; with value_head None too, no values."""
-    hidden = hidden_states(policy, query_responses, attention_mask, context_length)
-    logits = policy.get_output_embeddings()(hidden).float() / temperature  # details 4 and 9
-    logprobs = logprobs_from_logits(logits, query_responses[:, context_length:])
-    if value_head is None:
-        return logprobs, logits, None
-    if value_model is not None:
-        hidden = hidden_states(value_model, query_responses, attention_mask, context_length)
-    return logprobs, logits, value_head(hidden).squeeze(-1).float()
+
+def head_chunk(hidden, weight, bias, labels, temperature, scale, softcap, with_entropy, fp32):
+    """lm_head_logprobs on one chunk of tokens: hidden (N, H), labels (N,) -> log-probs (N,), entropy (N,) or None."""
+    if fp32:  # the matmul in fp32 even under autocast (--cast-lm-head-to-fp32)
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+    else:
+        logits = F.linear(hidden, weight, bias)
+    logits = logits.float() * scale  # the log-sum-exp arithmetic is always fp32
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
+    logsumexp = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, labels[:, None])[:, 0] - logsumexp
+    entropy = logsumexp - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
+    return logprobs, entropy
+
+
+def lm_head_logprobs(hidden, head, labels, temperature, scale=1.0, softcap=None, with_entropy=False, fp32=True):
+    """Log-probs of labels (B, T) and, optionally, entropies (B, T) of the next-token distributions, from the last
+    hidden states (B, T, H) and the output embedding `head`, in chunks of tokens (details 4, 9, 18).
+
+    logits = softcap(scale * head(h)) / temperature;  log p(y) = logits[y] - logsumexp(logits);
+    H = logsumexp(logits) - sum_v softmax(logits)_v * logits_v.
+    At most LM_HEAD_CHUNK logits exist at once: under autograd each chunk is recomputed in backward
+    (torch.utils.checkpoint) instead of kept, so memory does not grow with tokens x vocabulary."""
+    (B, T), V = labels.shape, head.weight.shape[0]
+    hidden, labels, n = hidden.reshape(B * T, -1), labels.reshape(B * T), max(1, LM_HEAD_CHUNK // V)
+    logprobs, entropy = [], []
+    for i in range(0, B * T, n):
+        inputs = (hidden[i : i + n], head.weight, head.bias, labels[i : i + n], temperature, scale, softcap)
+        if torch.is_grad_enabled():
+            lp, h = checkpoint(head_chunk, *inputs, with_entropy, fp32, use_reentrant=False, preserve_rng_state=False)
+        else:
+            lp, h = head_chunk(*inputs, with_entropy, fp32)
+        logprobs.append(lp)
+        entropy.append(h)
+    return torch.cat(logprobs).view(B, T), torch.cat(entropy).view(B, T) if with_entropy else None
+
+
+def response_logprobs(model, hidden, responses, args, with_entropy=False):
+    """lm_head_logprobs with the model's own output embedding and logit post-processing, at --temperature."""
+    scale, softcap = logit_postprocessing(model.config)
+    return lm_head_logprobs(
+        hidden, model.get_output_embeddings(), responses, args.temperature, scale, softcap, with_entropy,
+        args.cast_lm_head_to_fp32,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def check_logits(model, flag, name):
+    """Refuse a model whose forward does something to its logits that lm_head_logprobs does not reproduce
+    (detail 18): its own log-softmax and ours, on a few tokens, must agree."""
+    ids = torch.arange(1, 9, device=model.device)[None] % model.get_output_embeddings().weight.shape[0]
+    mask = torch.ones_like(ids)
+    expected = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), dim=-1)
+    expected = expected.gather(-1, ids[:, 1:, None])[..., 0]
+    scale, softcap = logit_postprocessing(model.config)
+    got, _ = lm_head_logprobs(hidden_states(model, ids, mask, 1), model.get_output_embeddings(), ids[:, 1:], 1.0,
+                              scale, softcap)  # fmt: skip
+    error = (got - expected).abs().max().item()
+    if error > 1e-3:
+        raise SystemExit(
+            f"error: {flag} {name}: its forward changes the logits in a way this script does not reproduce (log-probs "
+            f"{error:.3g} apart); supported: logit_scale, logits_scaling, final_logit_softcapping"
+        )
 
 
 @torch.no_grad()
@@ -461,14 +575,14 @@ def reward_model_scores(reward_model, rm_tokenizer, tokenizer, query_responses, 
 
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, problems, generation_config, reward_fn, chunk):
+def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, chunk):
     """Held-out accuracy: mean reward-function score over `problems`, sampling as in training."""
     correct = []
     for i in range(0, len(problems), chunk):
         batch = problems[i : i + chunk]
         enc = tokenizer([p["prompt"] for p in batch], padding=True, return_tensors="pt").to(policy.device)
-        responses = generate(policy, enc.input_ids, enc.attention_mask, generation_config)
-        responses, _ = truncate_after_eos(responses, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        responses = generate(policy, enc.input_ids, enc.attention_mask)
+        responses, _ = truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
         completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
         correct += reward_fn(completions, [p["answer"] for p in batch])
     return sum(correct) / len(correct)
@@ -481,27 +595,20 @@ def peak_memory_mb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
-def save(path, policy, tokenizer, value_head, critic):
-    """save_pretrained for the policy (transformers loads it back), the value head and critic beside it."""
-    policy.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    torch.save(value_head.state_dict(), os.path.join(path, "value_head.pt"))
-    if critic is not None:
-        critic.save_pretrained(os.path.join(path, "critic"))
-
-
 def load_models(args, device):
     """--model's tokenizer and policy and --reward-model's model, each failure a one-line error.
 
-    Returns (tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length): rm_tokenizer is None when
-    the reward model reads the policy's own tokens (the ids are then scored as they are); the policy stays
-    on the CPU, the reward model goes to `device`, frozen."""
+    Returns (tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids). The policy is fp32
+    (detail 19), checked against its own logits (detail 18), samples with sampling_config (detail 20) and
+    stays on the CPU; rm_tokenizer is None when the reward model reads the policy's own tokens (the ids are
+    then scored as they are); the reward model keeps its checkpoint dtype, frozen, on `device`."""
     args.model = resolve(args.model)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
-    policy = from_pretrained(AutoModelForCausalLM, args.model, "--model")
-    context = context_length_of(policy.config)
+    policy = load_model(AutoModelForCausalLM, args.model, "--model")
+    check_logits(policy, "--model", args.model)
+    context = context_window_of(policy.config)
     if context is not None and args.max_new_tokens >= context:
         raise SystemExit(
             f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
@@ -516,7 +623,7 @@ def load_models(args, device):
     reward_model = rm_tokenizer = None
     if args.reward_model is not None:
         args.reward_model = resolve(args.reward_model)
-        reward_model = from_pretrained(AutoModelForSequenceClassification, args.reward_model, "--reward-model")
+        reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
         if reward_model.config.num_labels != 1 and args.reward_label is None:
             raise SystemExit(
                 f"error: --reward-model {args.reward_model} has num_labels={reward_model.config.num_labels}; "
@@ -526,11 +633,57 @@ def load_models(args, device):
         if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
             rm_tokenizer = None  # same tokens: score the ids directly, no decode / re-encode
         else:
-            add_pad_token(rm_tokenizer, [reward_model])
+            add_pad_token(rm_tokenizer)
+            fit_embeddings(reward_model, rm_tokenizer)
         reward_model.to(device).eval().requires_grad_(False)
-        disable_dropout(reward_model)
-    add_pad_token(tokenizer, [policy] + ([reward_model] if reward_model is not None and rm_tokenizer is None else []))
-    return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length
+    eos_ids = eos_token_ids(tokenizer, policy.generation_config)
+    add_pad_token(tokenizer)
+    for model in [policy] + ([reward_model] if reward_model is not None and rm_tokenizer is None else []):
+        fit_embeddings(model, tokenizer)
+    policy.generation_config = sampling_config(args.max_new_tokens, args.temperature, tokenizer.pad_token_id, eos_ids)
+    return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
+
+
+def values_of(value_head, hidden):
+    """Values (B, R) of the value head, in fp32 outside autocast (detail 8: bf16 would round them by ~0.4%)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        return value_head(hidden.float()).squeeze(-1)
+
+
+def accumulate_gradients(policy, critic, value_head, rollout, mb_inds, args, autocast):
+    """Forward and backward one minibatch, micro-batch by micro-batch; returns each micro-batch's stats.
+
+    Every loss term is a mean over the minibatch's real tokens, so a micro-batch's own token mean is weighted by
+    its share of those tokens: the accumulated gradient is the minibatch's whatever --micro-batch-size (detail 12)."""
+    r, stats = rollout, []
+    n_tokens = r["mask"][mb_inds].sum()
+    for mc in mb_inds.split(args.micro_batch_size):
+        qr, am, mask = r["query_responses"][mc], r["attention_mask"][mc], r["mask"][mc]
+        with autocast:
+            hidden = hidden_states(policy, qr, am, r["prompt_width"])
+            logprobs, entropy = response_logprobs(policy, hidden, r["responses"][mc], args, with_entropy=True)
+            if critic is not None:
+                hidden = hidden_states(critic, qr, am, r["prompt_width"])
+            values = values_of(value_head, hidden)
+        pg_loss, pg_stats = policy_loss(logprobs, r["logprobs"][mc], r["advantages"][mc], mask, args.cliprange)
+        vf_loss, vf_stats = value_loss(values, r["values"][mc], r["returns"][mc], mask, args.cliprange_value)
+        entropy = masked_mean(entropy, mask)
+        loss = pg_loss + args.vf_coef * vf_loss
+        if args.ent_coef:  # only then does backward go through the entropy
+            loss = loss - args.ent_coef * entropy
+        (loss * mask.sum() / n_tokens).backward()
+        stats.append(pg_stats | vf_stats | {"loss/policy_avg": pg_loss.detach(), "loss/value_avg": vf_loss.detach(),
+                                            "policy/entropy_avg": entropy.detach()})  # fmt: skip
+    return stats
+
+
+def save(path, policy, tokenizer, value_head, critic):
+    """save_pretrained for the policy (transformers loads it back), the value head and critic beside it."""
+    policy.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    torch.save(value_head.state_dict(), os.path.join(path, "value_head.pt"))
+    if critic is not None:
+        critic.save_pretrained(os.path.join(path, "critic"))
 
 
 def main(args: Args | None = None):
@@ -550,14 +703,21 @@ def main(args: Args | None = None):
         raise SystemExit(f"error: --temperature must be > 0: log-probs divide by it (got {args.temperature})")
     if args.reward_model is None and args.reward_fn not in REWARD_FNS:
         raise SystemExit(f"error: --reward-fn must be one of {sorted(REWARD_FNS)} (got {args.reward_fn})")
+    if args.top_k or args.top_p < 1.0:
+        raise SystemExit(
+            f"error: --top-k {args.top_k} / --top-p {args.top_p} would sample from a truncated distribution whose "
+            "log-probs the update never sees (detail 20); train with --temperature alone"
+        )
     transformers.utils.logging.disable_progress_bar()
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    print(f"device {device}, fp32 weights, {'bf16 autocast' if bf16 else 'fp32 compute'}")
 
-    tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length = load_models(args, device)
+    tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
     if args.score_norm is None:
         # Detail 14: a learned reward model's offset and scale are arbitrary (the Bradley-Terry loss sees only
         # differences), and at its raw scale beta*KL is no brake: the policy chases the model's errors.
@@ -569,24 +729,23 @@ def main(args: Args | None = None):
     critic = None
     if args.critic == "separate":
         source = args.reward_model if reward_model is not None and rm_tokenizer is None else args.model
-        critic = from_pretrained(AutoModel, source, "--critic source")
-        critic.resize_token_embeddings(len(tokenizer))
+        critic = load_model(AutoModel, source, "--critic source")
+        fit_embeddings(critic, tokenizer)
         print(f"critic: a separate network initialised from {source}")
     value_head = nn.Linear(policy.config.hidden_size if critic is None else critic.config.hidden_size, 1)
     nn.init.zeros_(value_head.weight)
     nn.init.zeros_(value_head.bias)
     # Reference: a frozen copy of the initial policy (not needed at all when there is no KL penalty).
     ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef or args.kl_target else None
+    trained = [m for m in [policy, critic] if m is not None]
     for model in [policy, critic, ref_policy]:
         if model is not None:
             model.to(device)
-            disable_dropout(model)
             model.config.use_cache = True
     value_head.to(device)
-    if args.gradient_checkpointing:
-        for model in [policy, critic]:
-            if model is not None:
-                model.gradient_checkpointing_enable()
+    if args.gradient_checkpointing:  # HF checkpoints in train mode only: both models switch to it in step 5
+        for model in trained:
+            model.gradient_checkpointing_enable()
 
     n_params = sum(p.numel() for p in policy.parameters())
     if device.type == "cpu" and n_params < 50e6:
@@ -601,10 +760,6 @@ def main(args: Args | None = None):
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5)
     kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
     kl_coef = args.kl_coef
-    generation_config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
     reward_fn = REWARD_FNS[args.reward_fn]
     prompts = load_prompts(args)
     eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every else None
@@ -636,7 +791,7 @@ def main(args: Args | None = None):
 
     if eval_problems:
         with autocast:
-            accuracy = evaluate(policy, tokenizer, eval_problems, generation_config, reward_fn, args.batch_size)
+            accuracy = evaluate(policy, tokenizer, eval_problems, reward_fn, eos_ids, args.batch_size)
         log({"update": 0, "episode": 0, "eval/accuracy": accuracy})
         print(f"update 0: held-out accuracy {accuracy:.3f}")
 
@@ -652,11 +807,11 @@ def main(args: Args | None = None):
                 [row["prompt"] for row in batch], padding=True, truncation=max_prompt_length is not None,
                 max_length=max_prompt_length, return_tensors="pt",
             ).to(device)  # fmt: skip
-            queries, context_length = enc.input_ids, enc.input_ids.shape[1]
+            queries, prompt_width = enc.input_ids, enc.input_ids.shape[1]
             policy.eval()
             with autocast:
-                responses = generate(policy, queries, enc.attention_mask, generation_config)
-            responses, response_mask = truncate_after_eos(responses, tokenizer.eos_token_id, tokenizer.pad_token_id)
+                responses = generate(policy, queries, enc.attention_mask)
+            responses, response_mask = truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
             query_responses = torch.cat([queries, responses], dim=1)
             attention_mask = torch.cat([enc.attention_mask, response_mask.long()], dim=1)
             mask = response_mask.float()  # (B, R)
@@ -665,16 +820,16 @@ def main(args: Args | None = None):
             # 2. log-probs of policy and reference, values and scores; chunks of the training shape (detail 5)
             logprobs, ref_logprobs, values = [], [], []
             with torch.no_grad(), autocast:
-                for i in range(0, args.batch_size, args.micro_batch_size):
-                    chunk = slice(i, i + args.micro_batch_size)
-                    qr, am = query_responses[chunk], attention_mask[chunk]
-                    lp, _, v = forward(policy, critic, value_head, qr, am, context_length, args.temperature)
-                    logprobs.append(lp)
-                    values.append(v)
+                for mc in torch.arange(args.batch_size, device=device).split(args.micro_batch_size):
+                    qr, am = query_responses[mc], attention_mask[mc]
+                    hidden = hidden_states(policy, qr, am, prompt_width)
+                    logprobs.append(response_logprobs(policy, hidden, responses[mc], args)[0])
+                    if critic is not None:
+                        hidden = hidden_states(critic, qr, am, prompt_width)
+                    values.append(values_of(value_head, hidden))
                     if ref_policy is not None:
-                        ref_logprobs.append(
-                            forward(ref_policy, None, None, qr, am, context_length, args.temperature)[0]
-                        )
+                        hidden = hidden_states(ref_policy, qr, am, prompt_width)
+                        ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
                 logprobs, values = torch.cat(logprobs), torch.cat(values)
                 ref_logprobs = torch.cat(ref_logprobs) if ref_policy is not None else logprobs
                 completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -691,7 +846,7 @@ def main(args: Args | None = None):
                     scores = accuracy.clone()
                 else:
                     raise SystemExit(f"error: --reward-fn needs answers: --answer-column {args.answer_column} is empty")
-            contains_eos = (responses == tokenizer.eos_token_id).any(1)
+            contains_eos = torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contains_eos).float()
             raw_scores = scores  # what the logs show: before normalisation and clipping
@@ -715,33 +870,17 @@ def main(args: Args | None = None):
             advantages = masked_whiten(advantages, mask)
 
             # 5. PPO update: epochs of shuffled minibatches, micro-batches accumulate gradients (details 11, 12)
-            policy.train()
-            stats = {k: [] for k in ["approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio"]}
+            rollout = dict(
+                query_responses=query_responses, attention_mask=attention_mask, responses=responses, mask=mask,
+                prompt_width=prompt_width, logprobs=logprobs, values=values, advantages=advantages, returns=returns,
+            )  # fmt: skip
+            for model in trained:
+                model.train()
+            stats = []
             for _ in range(args.num_ppo_epochs):
-                epoch_approxkl = []
+                epoch_stats = []
                 for mb_inds in torch.randperm(args.batch_size, device=device).split(mini_batch_size):
-                    for mc_inds in mb_inds.split(args.micro_batch_size):
-                        mc_mask = mask[mc_inds]
-                        with autocast:
-                            new_logprobs, logits, new_values = forward(
-                                policy, critic, value_head, query_responses[mc_inds], attention_mask[mc_inds],
-                                context_length, args.temperature,
-                            )  # fmt: skip
-                        pg_loss, clipfrac, approxkl, ratio = policy_loss(
-                            new_logprobs, logprobs[mc_inds], advantages[mc_inds], mc_mask, args.cliprange
-                        )
-                        vf_loss, vf_clipfrac = value_loss(
-                            new_values, values[mc_inds], returns[mc_inds], mc_mask, args.cliprange_value
-                        )
-                        with torch.set_grad_enabled(args.ent_coef > 0):
-                            entropy = masked_mean(entropy_from_logits(logits), mc_mask)
-                        loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy
-                        (loss * len(mc_inds) / len(mb_inds)).backward()
-                        for key, value in zip(
-                            stats, [approxkl, clipfrac, pg_loss, vf_loss, vf_clipfrac, entropy, ratio]
-                        ):
-                            stats[key].append(value.detach())
-                        epoch_approxkl.append(approxkl)
+                    epoch_stats += accumulate_gradients(policy, critic, value_head, rollout, mb_inds, args, autocast)
                     grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                     if not torch.isfinite(grad_norm):  # detail 15: the weights are still the last good ones
                         save(os.path.join(run_dir, "policy"), policy, tokenizer, value_head, critic)
@@ -751,7 +890,9 @@ def main(args: Args | None = None):
                         )
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                if args.target_kl is not None and torch.stack(epoch_approxkl).mean() > args.target_kl:
+                stats += epoch_stats
+                approxkl = torch.stack([x["policy/approxkl_avg"] for x in epoch_stats]).mean()
+                if args.target_kl is not None and approxkl > args.target_kl:
                     break
             t3 = timer()
 
@@ -764,7 +905,7 @@ def main(args: Args | None = None):
                 ref_policy.load_state_dict(policy.state_dict())
 
             # TRY NOT TO MODIFY: log (TRL's metric names), evaluate, show samples, save
-            mean = {k: torch.stack(v).mean().item() for k, v in stats.items()}
+            mean = {k: torch.stack([x[k] for x in stats]).mean().item() for k in stats[0]}
             mean_non_score_reward = non_score_reward.sum(1).mean().item()
             n_tokens = int(mask.sum().item())
             metrics = {
@@ -776,13 +917,6 @@ def main(args: Args | None = None):
                 "objective/non_score_reward": mean_non_score_reward,
                 "objective/rlhf_reward": raw_scores.mean().item() + mean_non_score_reward,
                 "objective/scores": raw_scores.mean().item(),
-                "policy/approxkl_avg": mean["approxkl"],
-                "policy/clipfrac_avg": mean["clipfrac"],
-                "policy/entropy_avg": mean["entropy"],
-                "loss/policy_avg": mean["pg_loss"],
-                "loss/value_avg": mean["vf_loss"],
-                "val/clipfrac_avg": mean["vf_clipfrac"],
-                "val/ratio": mean["ratio"],
                 "val/num_eos_tokens": int(contains_eos.sum().item()),
                 "val/mean_length": n_tokens / args.batch_size,
                 "lr": optimizer.param_groups[0]["lr"],
@@ -792,19 +926,19 @@ def main(args: Args | None = None):
                 "time/elapsed": time.time() - start_time,
                 "perf/tokens_per_sec": n_tokens / (t3 - t0),
                 "perf/peak_memory_mb": peak_memory_mb(device),
-            }
+            } | mean
             if accuracy is not None:
                 metrics["objective/accuracy"] = accuracy.mean().item()
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
                 policy.eval()
                 with autocast:
                     metrics["eval/accuracy"] = evaluate(
-                        policy, tokenizer, eval_problems, generation_config, reward_fn, args.batch_size
+                        policy, tokenizer, eval_problems, reward_fn, eos_ids, args.batch_size
                     )
             log(metrics)
             print(
                 f"update {update}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
-                f"approxkl {mean['approxkl']:.4f}  clipfrac {mean['clipfrac']:.3f}  "
+                f"approxkl {mean['policy/approxkl_avg']:.4f}  clipfrac {mean['policy/clipfrac_avg']:.3f}  "
                 + (f"held-out accuracy {metrics['eval/accuracy']:.3f}  " if "eval/accuracy" in metrics else "")
                 + f"{t3 - t0:.2f}s  ({time.time() - start_time:.0f}s total)"
             )

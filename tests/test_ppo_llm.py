@@ -14,7 +14,7 @@ from ppo_llm import (
     AdaptiveKLController,
     compute_gae,
     kl_penalty,
-    logprobs_from_logits,
+    lm_head_logprobs,
     masked_mean,
     masked_whiten,
     policy_loss,
@@ -28,11 +28,57 @@ T = torch.tensor
 # ---- numerics ---------------------------------------------------------------------------------------------
 
 
-def test_logprobs_from_logits():
+def head(*logit_per_unit_hidden):
+    """An output embedding whose logits at hidden state [1.0] are the given numbers."""
+    layer = torch.nn.Linear(1, len(logit_per_unit_hidden), bias=False)
+    layer.weight.data = T([[x] for x in logit_per_unit_hidden])
+    return layer
+
+
+def test_lm_head_logprobs_and_entropy_by_hand():
     # logits (0, 0, ln 2): softmax = (1/4, 1/4, 2/4); label 2 -> ln(1/2), label 0 -> ln(1/4)
-    logits = T([[[0.0, 0.0, math.log(2)], [0.0, 0.0, math.log(2)]]])
-    got = logprobs_from_logits(logits, T([[2, 0]]))
-    assert torch.allclose(got, T([[math.log(0.5), math.log(0.25)]]))
+    # entropy = -(2 * 1/4 * ln(1/4) + 1/2 * ln(1/2)) = ln 2 + ln(2) / 2 = 1.5 ln 2 = 1.039721
+    hidden = torch.ones(1, 2, 1)
+    logprobs, entropy = lm_head_logprobs(hidden, head(0.0, 0.0, math.log(2)), T([[2, 0]]), 1.0, with_entropy=True)
+    assert torch.allclose(logprobs, T([[math.log(0.5), math.log(0.25)]]))
+    assert torch.allclose(entropy, T([[1.5 * math.log(2)] * 2]))
+    # temperature 2: logits (0, 0, ln(2) / 2): p(2) = sqrt 2 / (2 + sqrt 2) = 0.414214, ln = -0.881374
+    logprobs, _ = lm_head_logprobs(hidden[:, :1], head(0.0, 0.0, math.log(2)), T([[2]]), 2.0)
+    assert logprobs.item() == pytest.approx(-0.881374, abs=1e-6)
+    # scale 2 (Cohere's logit_scale): logits (0, 0, 2 ln 2): p(2) = 4 / 6, ln(2/3) = -0.405465
+    logprobs, _ = lm_head_logprobs(hidden[:, :1], head(0.0, 0.0, math.log(2)), T([[2]]), 1.0, scale=2.0)
+    assert logprobs.item() == pytest.approx(-0.405465, abs=1e-6)
+    # softcap 1 (Gemma 2): logits tanh(0, 0, ln 2) = (0, 0, 0.6) (tanh ln 2 = (2 - 1/2) / (2 + 1/2)):
+    # ln p(2) = 0.6 - ln(2 + e^0.6) = 0.6 - ln(3.822119) = 0.6 - 1.340805 = -0.740805
+    logprobs, _ = lm_head_logprobs(hidden[:, :1], head(0.0, 0.0, math.log(2)), T([[2]]), 1.0, softcap=1.0)
+    assert logprobs.item() == pytest.approx(-0.740805, abs=1e-6)
+
+
+@pytest.mark.parametrize("chunk_logits", [5, 13, 2**24])  # one token per chunk, a ragged split, everything at once
+def test_lm_head_logprobs_equals_the_full_computation(monkeypatch, chunk_logits):
+    # values and gradients (hidden states, weight, bias) against log_softmax over the full (B, T, V) logits
+    monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", chunk_logits)
+    g = torch.Generator().manual_seed(0)
+    hidden, labels = torch.randn(3, 4, 6, generator=g), torch.randint(0, 5, (3, 4), generator=g)
+    layer = torch.nn.Linear(6, 5)
+    weights = torch.randn(3, 4, generator=g)
+
+    def grads(logprobs, entropy):
+        hidden.grad = layer.weight.grad = layer.bias.grad = None
+        ((logprobs + 0.3 * entropy) * weights).sum().backward()
+        return [hidden.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone()]
+
+    hidden.requires_grad_(True)
+    scale, softcap, temperature = 1.5, 2.0, 0.7
+    logits = softcap * torch.tanh(scale * layer(hidden) / softcap) / temperature
+    expected = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+    expected_entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    expected_grads = grads(expected, expected_entropy)
+    got, got_entropy = lm_head_logprobs(hidden, layer, labels, temperature, scale, softcap, with_entropy=True)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got_entropy, expected_entropy)
+    for a, b in zip(grads(got, got_entropy), expected_grads):
+        torch.testing.assert_close(a, b)
 
 
 def test_masked_mean():
@@ -86,22 +132,20 @@ def test_policy_loss_clipping():
     #          token 2: rho 0.5, A -1 -> max( 0.5,  0.8) =  0.8 (clipped); token 3 is masked
     # loss = (-1.2 - 0.5 + 0.8) / 3 = -0.3, clipfrac 2/3, approxkl = (ln^2 1.5 + 2 ln^2 0.5) / 3 / 2 = 0.187551
     logprobs = torch.log(T([[1.5, 0.5, 0.5, 1.5]]))
-    loss, clipfrac, approxkl, ratio = policy_loss(
-        logprobs, torch.zeros(1, 4), T([[1.0, 1.0, -1.0, -1.0]]), T([[1.0, 1.0, 1.0, 0.0]]), 0.2
-    )
+    loss, stats = policy_loss(logprobs, torch.zeros(1, 4), T([[1.0, 1.0, -1.0, -1.0]]), T([[1.0, 1.0, 1.0, 0.0]]), 0.2)
     assert loss.item() == pytest.approx(-0.3)
-    assert clipfrac.item() == pytest.approx(2 / 3)
-    assert approxkl.item() == pytest.approx(0.187551, abs=1e-6)
-    assert ratio.item() == pytest.approx(2.5 / 3)
+    assert stats["policy/clipfrac_avg"].item() == pytest.approx(2 / 3)
+    assert stats["policy/approxkl_avg"].item() == pytest.approx(0.187551, abs=1e-6)
+    assert stats["val/ratio"].item() == pytest.approx(2.5 / 3)
 
 
 def test_value_loss_clipping():
     # c 0.2. token 0: V 1.0, V_old 0.5, R 2: (1 - 2)^2 = 1; clipped V 0.7: (0.7 - 2)^2 = 1.69 -> 1.69
     #        token 1: V 0.0, V_old 0.5, R 1: (0 - 1)^2 = 1; clipped V 0.3: (0.3 - 1)^2 = 0.49 -> 1
     # loss = 1/2 * (1.69 + 1) / 2 = 0.6725, clipfrac 1/2
-    loss, clipfrac = value_loss(T([[1.0, 0.0]]), T([[0.5, 0.5]]), T([[2.0, 1.0]]), torch.ones(1, 2), 0.2)
+    loss, stats = value_loss(T([[1.0, 0.0]]), T([[0.5, 0.5]]), T([[2.0, 1.0]]), torch.ones(1, 2), 0.2)
     assert loss.item() == pytest.approx(0.6725)
-    assert clipfrac.item() == pytest.approx(0.5)
+    assert stats["val/clipfrac_avg"].item() == pytest.approx(0.5)
 
 
 def test_adaptive_kl_controller():
@@ -113,9 +157,12 @@ def test_adaptive_kl_controller():
 
 
 def test_truncate_after_eos():
-    responses, mask = truncate_after_eos(T([[5, 1, 7, 1], [5, 6, 7, 8]]), eos_token_id=1, pad_token_id=0)
+    responses, mask = truncate_after_eos(T([[5, 1, 7, 1], [5, 6, 7, 8]]), eos_ids=[1], pad_token_id=0)
     assert responses.tolist() == [[5, 1, 0, 0], [5, 6, 7, 8]]  # the first EOS stays, what follows is pad
     assert mask.tolist() == [[True, True, False, False], [True, True, True, True]]
+    # two EOS ids (a chat model's end of turn and end of text): whichever comes first ends the response
+    responses, mask = truncate_after_eos(T([[5, 9, 1, 7], [1, 9, 6, 7]]), eos_ids=[1, 9], pad_token_id=0)
+    assert responses.tolist() == [[5, 9, 0, 0], [1, 0, 0, 0]]
 
 
 def test_reward_functions():
@@ -142,9 +189,10 @@ def test_padded_prompt_sees_unpadded_positions(tiny):
     ids = T([[20, 21, 22, 23]])
     padded = torch.cat([T([[0, 0]]), ids], dim=1)
     mask = torch.cat([T([[0, 0]]), torch.ones(1, 4, dtype=torch.long)], dim=1)
+    head = policy.get_output_embeddings()
     with torch.no_grad():
-        lp, _, _ = ppo_llm.forward(policy, None, None, ids, torch.ones_like(ids), 2, 1.0)
-        lp_padded, _, _ = ppo_llm.forward(policy, None, None, padded, mask, 4, 1.0)
+        lp, _ = lm_head_logprobs(ppo_llm.hidden_states(policy, ids, torch.ones_like(ids), 2), head, ids[:, 2:], 1.0)
+        lp_padded, _ = lm_head_logprobs(ppo_llm.hidden_states(policy, padded, mask, 4), head, ids[:, 2:], 1.0)
     assert torch.allclose(lp, lp_padded, atol=1e-5)
 
 
@@ -193,8 +241,7 @@ def test_options_all_run(tiny, tmp_path):
     # Every option at least once, combined into a few runs to stay fast.
     _, m = run(tiny, tmp_path, critic="head", kl_estimator="k3", kl_target=1.0, kl_horizon=100,
                ref_update_every=1, whiten_rewards=True, missing_eos_penalty=1.0, score_norm=True, score_clip=0.5,
-               anneal_lr=True, target_kl=1e-9, ent_coef=0.01, gradient_checkpointing=True, top_k=20, top_p=0.9,
-               temperature=0.7)  # fmt: skip
+               anneal_lr=True, target_kl=1e-9, ent_coef=0.01, gradient_checkpointing=True, temperature=0.7)  # fmt: skip
     assert m[-1]["objective/kl_coef"] != 0.05  # the adaptive controller moved beta
     assert m[-1]["lr"] == pytest.approx(1e-4 / 2)  # update 2 of 2: 1e-4 * (1 - 1/2)
     _, m = run(tiny, tmp_path, kl_coef=0.0, kl_estimator="k2", dataset=tiny["jsonl"], reward_fn="gsm8k")
@@ -268,6 +315,7 @@ def test_reward_rises(tiny, tmp_path):
         (dict(max_new_tokens=32), "--max-new-tokens 32 leaves no room"),
         (dict(max_prompt_length=30), "exceeds the model's context of 32"),
         (dict(temperature=0.0), "--temperature must be > 0"),
+        (dict(top_p=0.9), "--top-k 0 / --top-p 0.9 would sample from a truncated distribution"),
         (dict(dataset="/no/such.jsonl"), "--dataset /no/such.jsonl: no such file"),
     ],
 )
