@@ -691,7 +691,7 @@ def main(args: Args | None = None):
             model.to(device)
             model.config.use_cache = True
     if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        policy.activation_checkpointing_enable()
     n_params = sum(p.numel() for p in policy.parameters())
     if device.type == "cpu" and n_params < 50e6:
         torch.set_num_threads(1)  # measured on 2 shared cores: small models run faster on one thread

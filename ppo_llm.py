@@ -745,7 +745,7 @@ def main(args: Args | None = None):
     value_head.to(device)
     if args.gradient_checkpointing:  # HF checkpoints in train mode only: both models switch to it in step 5
         for model in trained:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
 
     n_params = sum(p.numel() for p in policy.parameters())
     if device.type == "cpu" and n_params < 50e6:
