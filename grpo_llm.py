@@ -11,33 +11,33 @@ reference log-probs -> num-iterations clipped updates -> log -> save.
     python grpo_llm.py --model gpt2 --total-steps 200   # a hub model (a GPU is advisable)
 
 Implementation details (cited as "detail N" in the comments):
-1. --batch-size counts completions (as TRL does): prompts per update = batch size / --num-generations, and
-   a prompt's G completions are contiguous, so a group is a row of rewards.view(-1, G).
+1. An update samples --num-generations (G) completions for each of --prompts-per-update prompts; a prompt's
+   G completions are contiguous, so a group is a row of rewards.view(-1, G). (TRL counts completions instead.)
 2. Completions are cut after the first EOS; later tokens become pad and are masked out of every loss and
    statistic, so the policy is not trained on text it would never show.
 3. Advantage = reward - group mean, divided by the group's std + 1e-4 (Bessel), the batch's, or nothing;
    one advantage per completion, broadcast to its tokens. No value model, no GAE.
 4. Log-probs divide the logits by the sampling temperature, or the ratio and KL start away from 1 and 0.
-5. A group whose rewards are all equal gets advantage exactly 0: nothing to prefer, and no 0 / 0.
+5. With --num-iterations 1 the old log-probs are the current ones detached (ratio exactly 1, one gradient
+   step per batch); with more, they are recomputed after generation in the training's micro-batch shapes.
 6. Dropout is off in every model, set to 0 in the config before the model is built (Llama-style attention
    reads config.attention_dropout in train mode) and in every nn.Dropout: the ratio and the KL then measure
    policy change and nothing else.
 7. Prompts are left-padded for batched generation; position ids come from the attention mask, so a
    padded prompt sees the positions an unpadded one would.
-8. With --num-iterations 1 the old log-probs are the current ones detached (ratio exactly 1, one gradient
-   step per batch); with more, they are recomputed after generation in the training's micro-batch shapes.
+8. A group whose rewards are all equal gets advantage exactly 0: nothing to prefer, and no 0 / 0.
 9. The LM head runs on completion positions only, in chunks of tokens (lm_head_logprobs): at most 2^24 logits
    exist at once, and under autograd each chunk is recomputed in backward instead of kept, so memory does
    not grow with completion length x vocabulary. Log-probs and entropy come from one fp32 log-sum-exp.
-10. Clipped surrogate per token with asymmetric bounds [1 - epsilon, 1 + epsilon_high]: a higher upper
-    bound lets unlikely tokens with a positive advantage grow (DAPO's clip-higher, against entropy collapse).
-11. Loss aggregation by --loss-type: per-completion token mean then mean (grpo), one token mean over the
+10. Loss aggregation by --loss-type: per-completion token mean then mean (grpo), one token mean over the
     batch (dapo), or the token sum over completions x --max-new-tokens (dr_grpo).
-12. KL to the frozen reference is a loss term beta * k3 (unbiased, >= 0), not a reward penalty, so it
-    stays out of the advantages; beta = 0 loads no reference at all (TRL's default since Dr. GRPO).
-13. Several reward functions are summed with --reward-weights (TRL); a reward model scores alone.
-14. Micro-batches weight their loss so that the accumulated gradient is the whole batch's: by completions
+11. Clipped surrogate per token with asymmetric bounds [1 - epsilon, 1 + epsilon_high]: a higher upper
+    bound lets unlikely tokens with a positive advantage grow (DAPO's clip-higher, against entropy collapse).
+12. Micro-batches weight their loss so that the accumulated gradient is the whole batch's: by completions
     for grpo and dr_grpo, by their share of the batch's loss tokens for dapo (the normalisers are global).
+13. KL to the frozen reference is a loss term beta * k3 (unbiased, >= 0), not a reward penalty, so it
+    stays out of the advantages; beta = 0 loads no reference at all (TRL's default since Dr. GRPO).
+14. Several reward functions are summed with --reward-weights (TRL); a reward model scores alone.
 15. A non-finite gradient stops the run before the optimizer step and saves the last good weights;
     Ctrl-C saves before exiting.
 16. A completion ends at any EOS id: the tokenizer's and the checkpoint's generation_config's (chat models
@@ -72,6 +72,7 @@ The variants, as differences from GRPO (loss-type grpo, scale-rewards group, eps
 """
 
 import copy
+import functools
 import json
 import os
 import random
@@ -160,14 +161,14 @@ class Args:
     # Algorithm
     total_steps: int = 500
     """number of GRPO updates (one generation batch and its --num-iterations each)"""
-    batch_size: int = 64
-    """completions per update = prompts x --num-generations (detail 1)"""
+    prompts_per_update: int = 8
+    """prompts per update; each gets --num-generations completions (detail 1)"""
     num_generations: int = 8
     """G, completions per prompt: the group whose rewards are the baseline"""
     micro_batch_size: int = 64
     """sequences per forward pass: gradient accumulation in training, chunking in no-grad passes"""
     num_iterations: int = 1
-    """mu, optimizer steps on each generation batch (old log-probs recomputed when > 1, detail 8)"""
+    """mu, optimizer steps on each generation batch (old log-probs recomputed when > 1, detail 5)"""
     learning_rate: float | None = None
     """AdamW learning rate (default: 1e-4 below 50M parameters, 1e-5 above; printed at start)"""
     anneal_lr: bool = False
@@ -232,7 +233,7 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
 
     A_i = r_i - mean(group), or r_i - mean of the other G - 1 (leave_one_out, RLOO); then divided by
     std(group) + 1e-4 (scale "group"), std(batch) + 1e-4 ("batch") or nothing ("none"), std Bessel-corrected.
-    A group of equal rewards gets exactly 0 (detail 5)."""
+    A group of equal rewards gets exactly 0 (detail 8)."""
     grouped = rewards.view(-1, group_size)  # (P, G)
     if leave_one_out:
         baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
@@ -569,20 +570,6 @@ def reward_model_scores(reward_model, rm_tokenizer, tokenizer, query_responses, 
     return torch.cat(logits)[:, label].float()
 
 
-@torch.no_grad()
-def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, chunk):
-    """Held-out accuracy: mean reward-function score over `problems`, sampling as in training."""
-    correct = []
-    for i in range(0, len(problems), chunk):
-        batch = problems[i : i + chunk]
-        enc = tokenizer([p["prompt"] for p in batch], padding=True, return_tensors="pt").to(policy.device)
-        responses = generate(policy, enc.input_ids, enc.attention_mask)
-        responses, _ = truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
-        completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        correct += reward_fn(completions, [p["answer"] for p in batch])
-    return sum(correct) / len(correct)
-
-
 def peak_memory_mb(device):
     """Peak memory of this process: CUDA allocations on a GPU, the resident set (ru_maxrss, KiB) on a CPU."""
     if device.type == "cuda":
@@ -639,23 +626,135 @@ def load_models(args, device):
     return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
 
 
-def main(args: Args | None = None):
-    args = tyro.cli(Args) if args is None else args
-    # TRY NOT TO MODIFY: checks, seeding, device, models
-    G = args.num_generations
+# PLUMBING: set-up, the run directory, the rollout, timing (identical in grpo_llm.py)
+
+
+def setup(args):
+    """Seeds, device and autocast (detail 19). Returns (device, autocast, a line saying which)."""
+    transformers.utils.logging.disable_progress_bar()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and device.type == "cuda")
+    precision = "fp32 weights, bf16 autocast" if bf16 else "fp32 weights and compute"
+    print(f"device: {device}, {precision}")
+    return device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), precision
+
+
+def small_model_defaults(args, policy, device):
+    """One torch thread for models under 50M parameters on CPU (measured faster on 2 shared cores), and the
+    default learning rate: 1e-4 below 50M parameters, 1e-5 above."""
+    n_params = sum(p.numel() for p in policy.parameters())
+    if device.type == "cpu" and n_params < 50e6:
+        torch.set_num_threads(1)
+    if args.learning_rate is None:
+        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
+        print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
+
+
+class RunLogger:
+    """The run directory runs/<exp-name>__<seed>__<ms>/: args.json (with the device and precision used),
+    metrics.jsonl (a line per update), samples.jsonl, the saved policy; wandb with --track."""
+
+    def __init__(self, args, device, precision):
+        name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
+        self.run_dir = os.path.join(args.output_dir, name)
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args) | {"device": str(device), "precision": precision}, f, indent=1)
+        self.metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
+        self.samples = open(os.path.join(self.run_dir, "samples.jsonl"), "a")
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=name,
+                                    config=vars(args), dir=self.run_dir)  # fmt: skip
+
+    def log(self, metrics):
+        self.metrics.write(json.dumps(metrics) + "\n")
+        self.metrics.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=metrics["update"])
+
+    def log_samples(self, samples):
+        for sample in samples:
+            self.samples.write(json.dumps(sample) + "\n")
+            numbers = "  ".join(f"{k} {v:.2f}" for k, v in sample.items() if isinstance(v, float))
+            print(f"  {sample['prompt']!r} -> {sample['completion']!r}  {numbers}")
+        self.samples.flush()
+
+    def close(self):
+        self.metrics.close()
+        self.samples.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+@torch.no_grad()
+def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast):
+    """Step 1: the prompts left-padded (detail 7), one sampled response each, cut after its first EOS (detail 2).
+
+    Returns {query_responses (B, Q + R), attention_mask (B, Q + R), responses (B, R), mask (B, R) float,
+    prompt_width Q}."""
+    enc = tokenizer(prompts, padding=True, truncation=max_prompt_length is not None, max_length=max_prompt_length,
+                    return_tensors="pt").to(policy.device)  # fmt: skip
+    policy.eval()
+    with autocast:
+        responses = generate(policy, enc.input_ids, enc.attention_mask)
+    responses, mask = truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
+    return dict(
+        query_responses=torch.cat([enc.input_ids, responses], 1), prompt_width=enc.input_ids.shape[1],
+        attention_mask=torch.cat([enc.attention_mask, mask.long()], 1), responses=responses, mask=mask.float(),
+    )  # fmt: skip
+
+
+def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, chunk, autocast):
+    """Held-out accuracy: mean reward-function score over `problems`, sampling as in training."""
+    correct = []
+    for i in range(0, len(problems), chunk):
+        batch = problems[i : i + chunk]
+        r = rollout(policy, tokenizer, [p["prompt"] for p in batch], None, eos_ids, autocast)
+        completions = tokenizer.batch_decode(r["responses"], skip_special_tokens=True)
+        correct += reward_fn(completions, [p["answer"] for p in batch])
+    return sum(correct) / len(correct)
+
+
+def check_finite(grad_norm, update, save):
+    """Detail 15: a non-finite gradient stops the run before the optimizer step, so the weights that save()
+    writes are still the last good ones."""
+    if not torch.isfinite(grad_norm):
+        raise SystemExit(
+            f"error: the loss became non-finite at update {update}; the last good weights are in {save()} "
+            "(try a lower --learning-rate)"
+        )
+
+
+def wall_clock(device):
+    """time.perf_counter() once the GPU's queued work is done, so that each step is timed by its own work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+# GRPO: arguments, scores
+
+
+def check_args(args):
+    """Every bad combination of flags, as one line each, before anything is loaded."""
+    G, B = args.num_generations, args.prompts_per_update * args.num_generations
     if G < 2:
         raise SystemExit(f"error: --num-generations must be at least 2: the group is the baseline (got {G})")
-    if args.batch_size % G:
-        raise SystemExit(f"error: --num-generations must divide --batch-size (got {G} and {args.batch_size})")
-    if args.batch_size % args.micro_batch_size:
+    if B % args.micro_batch_size:
         raise SystemExit(
-            f"error: --micro-batch-size must divide --batch-size (got {args.micro_batch_size} and {args.batch_size})"
+            f"error: --micro-batch-size must divide the completions per update, --prompts-per-update x "
+            f"--num-generations (got {args.micro_batch_size} and {B})"
         )
     if args.num_iterations < 1:
         raise SystemExit(f"error: --num-iterations must be at least 1 (got {args.num_iterations})")
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if epsilon_high < args.epsilon:
-        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {epsilon_high} and {args.epsilon})")
+    if args.epsilon_high is not None and args.epsilon_high < args.epsilon:
+        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high} and {args.epsilon})")
     if args.temperature <= 0:
         raise SystemExit(f"error: --temperature must be > 0: log-probs divide by it (got {args.temperature})")
     if args.top_k or args.top_p < 1.0:
@@ -666,126 +765,85 @@ def main(args: Args | None = None):
     unknown = [name for name in args.reward_fn if name not in REWARD_FNS]
     if unknown or not args.reward_fn:
         raise SystemExit(f"error: --reward-fn must be among {sorted(REWARD_FNS)} (got {' '.join(args.reward_fn)})")
-    reward_names = [os.path.basename(args.reward_model)] if args.reward_model else list(args.reward_fn)
-    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names))
-    if len(reward_weights) != len(reward_names):
+    n_rewards = 1 if args.reward_model else len(args.reward_fn)
+    if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
+        names = os.path.basename(args.reward_model) if args.reward_model else ", ".join(args.reward_fn)
         raise SystemExit(
-            f"error: --reward-weights needs one weight per reward ({', '.join(reward_names)}), "
-            f"got {len(reward_weights)}"
+            f"error: --reward-weights needs one weight per reward ({names}), got {len(args.reward_weights)}"
         )
-    transformers.utils.logging.disable_progress_bar()
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-    print(f"device {device}, fp32 weights, {'bf16 autocast' if bf16 else 'fp32 compute'}")
 
+
+@torch.no_grad()
+def score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args):
+    """Step 2's scores (B, number of rewards): the reward model's, or each reward function's (detail 14)."""
+    if reward_model is not None:
+        return reward_model_scores(reward_model, rm_tokenizer, tokenizer, r["query_responses"], r["attention_mask"],
+                                   args.reward_label or 0, args.micro_batch_size)[:, None]  # fmt: skip
+    answers = [row["answer"] for row in rows]
+    return torch.tensor([REWARD_FNS[name](completions, answers) for name in args.reward_fn], dtype=torch.float).T
+
+
+def save(path, policy, tokenizer):
+    """save_pretrained of the policy and its tokenizer: transformers loads them back."""
+    policy.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def main(args: Args | None = None):
+    args = tyro.cli(Args) if args is None else args
+    # TRY NOT TO MODIFY: set-up
+    check_args(args)
+    G, B = args.num_generations, args.prompts_per_update * args.num_generations
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    reward_names = [os.path.basename(args.reward_model)] if args.reward_model else list(args.reward_fn)
+    device, autocast, precision = setup(args)
+    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names), device=device)
     tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
-
-    # Reference: a frozen copy of the initial policy, only when the KL term is on (detail 12).
-    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta else None
+    ref_policy = copy.deepcopy(policy).requires_grad_(False) if args.beta else None  # details 13, 19
     for model in [policy, ref_policy]:
         if model is not None:
             model.to(device)
-            model.config.use_cache = True
-    if args.gradient_checkpointing:
+    if args.gradient_checkpointing:  # HF checkpoints in train mode only, which step 5 switches to
         policy.activation_checkpointing_enable()
-    n_params = sum(p.numel() for p in policy.parameters())
-    if device.type == "cpu" and n_params < 50e6:
-        torch.set_num_threads(1)  # measured on 2 shared cores: small models run faster on one thread
-    if args.learning_rate is None:
-        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
-        print(
-            f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters "
-            "(1e-4 below 50M, 1e-5 above; --learning-rate overrides)"
-        )
+    small_model_defaults(args, policy, device)
     params = list(policy.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5)
     prompts = load_prompts(args)
     eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every else None
+    logger = RunLogger(args, device, precision)
+    save_all = functools.partial(save, os.path.join(logger.run_dir, "policy"), policy, tokenizer)
 
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
-    run_dir = os.path.join(args.output_dir, run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "args.json"), "w") as f:
-        json.dump(asdict(args), f, indent=1)
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-    samples_file = open(os.path.join(run_dir, "samples.jsonl"), "a")
-    if args.track:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=vars(args), dir=run_dir
-        )
-
-    def log(metrics):
-        metrics_file.write(json.dumps(metrics) + "\n")
-        metrics_file.flush()
-        if args.track:
-            wandb.log(metrics, step=metrics["update"])
-
-    def timer():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def save(path):
-        policy.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+    def evaluate_policy():
+        return evaluate(policy, tokenizer, eval_problems, arithmetic_reward, eos_ids, B, autocast)
 
     if eval_problems:
-        with autocast:
-            accuracy = evaluate(policy, tokenizer, eval_problems, arithmetic_reward, eos_ids, args.batch_size)
-        log({"update": 0, "episode": 0, "eval/accuracy": accuracy})
+        accuracy = evaluate_policy()
+        logger.log({"update": 0, "episode": 0, "eval/accuracy": accuracy})
         print(f"update 0: held-out accuracy {accuracy:.3f}")
-
     update, start_time = 0, time.time()
     try:
         for update in range(1, args.total_steps + 1):
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
             # ALGO LOGIC: 1. rollout -- G completions of each prompt, contiguous (detail 1)
-            t0 = timer()
-            batch = [row for row in (next(prompts) for _ in range(args.batch_size // G)) for _ in range(G)]
-            enc = tokenizer(
-                [row["prompt"] for row in batch], padding=True, truncation=max_prompt_length is not None,
-                max_length=max_prompt_length, return_tensors="pt",
-            ).to(device)  # fmt: skip
-            queries, prompt_width = enc.input_ids, enc.input_ids.shape[1]
-            policy.eval()
-            with autocast:
-                responses = generate(policy, queries, enc.attention_mask)
-            responses, response_mask = truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
-            query_responses = torch.cat([queries, responses], dim=1)
-            attention_mask = torch.cat([enc.attention_mask, response_mask.long()], dim=1)
-            mask = response_mask.float()  # (B, T)
-            t1 = timer()
+            t0 = wall_clock(device)
+            rows = [row for row in (next(prompts) for _ in range(args.prompts_per_update)) for _ in range(G)]
+            r = rollout(policy, tokenizer, [row["prompt"] for row in rows], max_prompt_length, eos_ids, autocast)
+            query_responses, attention_mask, prompt_width = r["query_responses"], r["attention_mask"], r["prompt_width"]
+            responses, mask = r["responses"], r["mask"]  # (B, T)
+            t1 = wall_clock(device)
 
-            # 2. rewards: weighted reward functions or the reward model (detail 13), overlong punishment
+            # 2. rewards: weighted reward functions or the reward model (detail 14), overlong punishment
             completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            answers = [row["answer"] for row in batch]
-            if reward_model is not None:
-                with autocast:
-                    scores = reward_model_scores(
-                        reward_model, rm_tokenizer, tokenizer, query_responses, attention_mask,
-                        args.reward_label or 0, args.micro_batch_size,
-                    )[:, None]  # fmt: skip
-            elif answers[0] is None:
-                raise SystemExit(f"error: --reward-fn needs answers: --answer-column {args.answer_column} is empty")
-            else:
-                scores = torch.tensor(
-                    [REWARD_FNS[name](completions, answers) for name in args.reward_fn], dtype=torch.float
-                ).T
-            scores = scores.to(device)  # (B, number of rewards)
-            rewards = scores @ reward_weights.to(device)  # (B,)
+            scores = score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args).to(device)
+            rewards = scores @ reward_weights  # (B,)
             lengths = mask.sum(1)
             if args.overlong_buffer:  # DAPO: linear from 0 to -penalty over the last --overlong-buffer lengths
                 over = (lengths - (args.max_new_tokens - args.overlong_buffer)).clamp(min=0) / args.overlong_buffer
                 rewards = rewards - args.overlong_penalty * over
 
-            # 3. advantages relative to the group (details 3, 5); which completions the loss sees
+            # 3. advantages relative to the group (details 3, 8); which completions the loss sees
             advantages = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)  # (B,)
             grouped = rewards.view(-1, G)  # (prompts, G)
             zero_std = (grouped.max(1).values == grouped.min(1).values).float()
@@ -796,10 +854,10 @@ def main(args: Args | None = None):
             if args.mask_truncated_completions:
                 loss_mask *= (~truncated).float()[:, None]
 
-            # 4. old log-probs (mu > 1) and reference log-probs, in the training's micro-batch shapes (detail 8)
+            # 4. old log-probs (mu > 1) and reference log-probs, in the training's micro-batch shapes (detail 5)
             old_logprobs, ref_logprobs = [], []
             with torch.no_grad(), autocast:
-                for mc in torch.arange(args.batch_size, device=device).split(args.micro_batch_size):
+                for mc in torch.arange(B, device=device).split(args.micro_batch_size):
                     qr, am = query_responses[mc], attention_mask[mc]
                     if args.num_iterations > 1:
                         hidden = hidden_states(policy, qr, am, prompt_width)
@@ -809,15 +867,16 @@ def main(args: Args | None = None):
                         ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
             old_logprobs = torch.cat(old_logprobs) if old_logprobs else None
             ref_logprobs = torch.cat(ref_logprobs) if ref_logprobs else None
-            t2 = timer()
+            t2 = wall_clock(device)
 
-            # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 14)
+            # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 12)
             policy.train()
             stats, losses, grad_norms = {}, [], []
             n_tokens = loss_mask.sum()
-            for _ in range(args.num_iterations if n_tokens > 0 else 0):
+            num_iterations = args.num_iterations if n_tokens > 0 else 0  # no token in the loss: no update (logged)
+            for _ in range(num_iterations):
                 loss_sum = torch.zeros((), device=device)
-                for mc in torch.arange(args.batch_size, device=device).split(args.micro_batch_size):
+                for mc in torch.arange(B, device=device).split(args.micro_batch_size):
                     mc_mask = loss_mask[mc]
                     if mc_mask.sum() == 0:
                         continue  # nothing of it is in the loss: its gradient would be 0
@@ -829,31 +888,25 @@ def main(args: Args | None = None):
                         None if ref_logprobs is None else ref_logprobs[mc], advantages[mc], mc_mask, args.epsilon,
                         epsilon_high, args.beta, args.loss_type, args.max_new_tokens, args.importance_sampling_level,
                     )  # fmt: skip
-                    weight = mc_mask.sum() / n_tokens if args.loss_type == "dapo" else len(mc) / args.batch_size
+                    weight = mc_mask.sum() / n_tokens if args.loss_type == "dapo" else len(mc) / B
                     (loss * weight).backward()
                     loss_sum += (loss * weight).detach()  # no .item() per micro-batch: one sync at logging
                     mc_stats["entropy"] = masked_mean(entropy.detach(), mc_mask)
                     for key, value in mc_stats.items():
                         stats.setdefault(key, []).append(value)
                 grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                if not torch.isfinite(grad_norm):  # detail 15: the weights are still the last good ones
-                    save(os.path.join(run_dir, "policy"))
-                    raise SystemExit(
-                        f"error: the loss became non-finite at update {update}; the last good weights are "
-                        f"in {run_dir}/policy (try a lower --learning-rate)"
-                    )
+                check_finite(grad_norm, update, save_all)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 losses.append(loss_sum)
                 grad_norms.append(grad_norm)
-            t3 = timer()
+            t3 = wall_clock(device)
 
             # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
-            mean = {k: torch.stack(v).mean().item() for k, v in stats.items()}
-            n_completion_tokens = int(mask.sum().item())
+            n_completion_tokens = mask.sum().item()
             metrics = {
                 "update": update,
-                "episode": update * args.batch_size,
+                "episode": update * B,
                 "reward": rewards.mean().item(),
                 "reward_std": grouped.std(1).mean().item(),
                 "frac_reward_zero_std": zero_std.mean().item(),
@@ -873,43 +926,31 @@ def main(args: Args | None = None):
                 metrics[f"rewards/{name}/mean"] = scores[:, j].mean().item()
                 metrics[f"rewards/{name}/std"] = scores[:, j].std().item()
             if losses:
-                metrics |= {
-                    "loss": torch.stack(losses).mean().item(),
-                    "grad_norm": torch.stack(grad_norms).mean().item(),
-                }
-                metrics |= mean
+                metrics["loss"] = torch.stack(losses).mean().item()
+                metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
+                metrics |= {k: torch.stack(v).mean().item() for k, v in stats.items()}
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
-                policy.eval()
-                with autocast:
-                    metrics["eval/accuracy"] = evaluate(
-                        policy, tokenizer, eval_problems, arithmetic_reward, eos_ids, args.batch_size
-                    )
-            log(metrics)
+                metrics["eval/accuracy"] = evaluate_policy()
+            logger.log(metrics)
             print(
-                f"update {update}: reward {metrics['reward']:.3f}  "
+                f"update {update}/{args.total_steps}: reward {metrics['reward']:.3f}  "
                 + (f"kl {metrics['kl']:.4f}  " if "kl" in metrics else "")
                 + (f"clip {metrics['clip_ratio/region_mean']:.3f}  " if losses else "(no loss tokens)  ")
                 + (f"held-out accuracy {metrics['eval/accuracy']:.3f}  " if "eval/accuracy" in metrics else "")
                 + f"{t3 - t0:.2f}s  ({time.time() - start_time:.0f}s total)"
             )
             if args.sample_every and update % args.sample_every == 0:
-                for j in range(0, min(args.num_samples * G, args.batch_size), G):  # one per group
-                    sample = {"update": update, "prompt": batch[j]["prompt"], "completion": completions[j]}
-                    sample |= {"reward": rewards[j].item(), "advantage": advantages[j].item()}
-                    samples_file.write(json.dumps(sample) + "\n")
-                    print(f"  {sample['prompt']!r} -> {sample['completion']!r}  reward {sample['reward']:.2f}")
-                samples_file.flush()
+                shown = range(0, min(args.num_samples * G, B), G)  # one per group
+                logger.log_samples([{"update": update, "prompt": rows[j]["prompt"], "completion": completions[j],
+                                     "reward": rewards[j].item(), "advantage": advantages[j].item()}
+                                    for j in shown])  # fmt: skip
             if args.save_every and update % args.save_every == 0:
-                save(os.path.join(run_dir, "policy"))
+                save_all()
     except KeyboardInterrupt:
         print(f"interrupted at update {update}: saving")
-    save(os.path.join(run_dir, "policy"))
-    print(f"saved the policy to {run_dir}/policy")
-    metrics_file.close()
-    samples_file.close()
-    if args.track:
-        wandb.finish()
-    return run_dir
+    print(f"saved the policy to {save_all()}")
+    logger.close()
+    return logger.run_dir
 
 
 if __name__ == "__main__":

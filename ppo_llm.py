@@ -62,6 +62,7 @@ Implementation details (cited as "detail N" in the comments):
 """
 
 import copy
+import functools
 import json
 import os
 import random
@@ -151,8 +152,8 @@ class Args:
     # Algorithm
     total_steps: int = 300
     """number of PPO updates (one rollout batch and its epochs each)"""
-    batch_size: int = 128
-    """prompts (and responses) per rollout batch"""
+    prompts_per_update: int = 128
+    """prompts per rollout batch, one response each (TRL: batch_size)"""
     num_mini_batches: int = 2
     """minibatches (optimizer steps) per epoch"""
     micro_batch_size: int = 64
@@ -574,20 +575,6 @@ def reward_model_scores(reward_model, rm_tokenizer, tokenizer, query_responses, 
     return torch.cat(logits)[:, label].float()
 
 
-@torch.no_grad()
-def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, chunk):
-    """Held-out accuracy: mean reward-function score over `problems`, sampling as in training."""
-    correct = []
-    for i in range(0, len(problems), chunk):
-        batch = problems[i : i + chunk]
-        enc = tokenizer([p["prompt"] for p in batch], padding=True, return_tensors="pt").to(policy.device)
-        responses = generate(policy, enc.input_ids, enc.attention_mask)
-        responses, _ = truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
-        completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        correct += reward_fn(completions, [p["answer"] for p in batch])
-    return sum(correct) / len(correct)
-
-
 def peak_memory_mb(device):
     """Peak memory of this process: CUDA allocations on a GPU, the resident set (ru_maxrss, KiB) on a CPU."""
     if device.type == "cuda":
@@ -644,19 +631,180 @@ def load_models(args, device):
     return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
 
 
+# PLUMBING: set-up, the run directory, the rollout, timing (identical in grpo_llm.py)
+
+
+def setup(args):
+    """Seeds, device and autocast (detail 19). Returns (device, autocast, a line saying which)."""
+    transformers.utils.logging.disable_progress_bar()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and device.type == "cuda")
+    precision = "fp32 weights, bf16 autocast" if bf16 else "fp32 weights and compute"
+    print(f"device: {device}, {precision}")
+    return device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), precision
+
+
+def small_model_defaults(args, policy, device):
+    """One torch thread for models under 50M parameters on CPU (measured faster on 2 shared cores), and the
+    default learning rate: 1e-4 below 50M parameters, 1e-5 above."""
+    n_params = sum(p.numel() for p in policy.parameters())
+    if device.type == "cpu" and n_params < 50e6:
+        torch.set_num_threads(1)
+    if args.learning_rate is None:
+        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
+        print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
+
+
+class RunLogger:
+    """The run directory runs/<exp-name>__<seed>__<ms>/: args.json (with the device and precision used),
+    metrics.jsonl (a line per update), samples.jsonl, the saved policy; wandb with --track."""
+
+    def __init__(self, args, device, precision):
+        name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
+        self.run_dir = os.path.join(args.output_dir, name)
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args) | {"device": str(device), "precision": precision}, f, indent=1)
+        self.metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
+        self.samples = open(os.path.join(self.run_dir, "samples.jsonl"), "a")
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=name,
+                                    config=vars(args), dir=self.run_dir)  # fmt: skip
+
+    def log(self, metrics):
+        self.metrics.write(json.dumps(metrics) + "\n")
+        self.metrics.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=metrics["update"])
+
+    def log_samples(self, samples):
+        for sample in samples:
+            self.samples.write(json.dumps(sample) + "\n")
+            numbers = "  ".join(f"{k} {v:.2f}" for k, v in sample.items() if isinstance(v, float))
+            print(f"  {sample['prompt']!r} -> {sample['completion']!r}  {numbers}")
+        self.samples.flush()
+
+    def close(self):
+        self.metrics.close()
+        self.samples.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+@torch.no_grad()
+def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast):
+    """Step 1: the prompts left-padded (detail 7), one sampled response each, cut after its first EOS (detail 2).
+
+    Returns {query_responses (B, Q + R), attention_mask (B, Q + R), responses (B, R), mask (B, R) float,
+    prompt_width Q}."""
+    enc = tokenizer(prompts, padding=True, truncation=max_prompt_length is not None, max_length=max_prompt_length,
+                    return_tensors="pt").to(policy.device)  # fmt: skip
+    policy.eval()
+    with autocast:
+        responses = generate(policy, enc.input_ids, enc.attention_mask)
+    responses, mask = truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
+    return dict(
+        query_responses=torch.cat([enc.input_ids, responses], 1), prompt_width=enc.input_ids.shape[1],
+        attention_mask=torch.cat([enc.attention_mask, mask.long()], 1), responses=responses, mask=mask.float(),
+    )  # fmt: skip
+
+
+def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, chunk, autocast):
+    """Held-out accuracy: mean reward-function score over `problems`, sampling as in training."""
+    correct = []
+    for i in range(0, len(problems), chunk):
+        batch = problems[i : i + chunk]
+        r = rollout(policy, tokenizer, [p["prompt"] for p in batch], None, eos_ids, autocast)
+        completions = tokenizer.batch_decode(r["responses"], skip_special_tokens=True)
+        correct += reward_fn(completions, [p["answer"] for p in batch])
+    return sum(correct) / len(correct)
+
+
+def check_finite(grad_norm, update, save):
+    """Detail 15: a non-finite gradient stops the run before the optimizer step, so the weights that save()
+    writes are still the last good ones."""
+    if not torch.isfinite(grad_norm):
+        raise SystemExit(
+            f"error: the loss became non-finite at update {update}; the last good weights are in {save()} "
+            "(try a lower --learning-rate)"
+        )
+
+
+def wall_clock(device):
+    """time.perf_counter() once the GPU's queued work is done, so that each step is timed by its own work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+# PPO: arguments, the value model, scores, the minibatch update, saving
+
+
+def check_args(args):
+    """Every bad combination of flags, as one line each, before anything is loaded."""
+    mini_batch_size = args.prompts_per_update // args.num_mini_batches
+    if args.prompts_per_update % args.num_mini_batches or mini_batch_size % args.micro_batch_size:
+        raise SystemExit(
+            f"error: --num-mini-batches must divide --prompts-per-update, and --micro-batch-size the minibatch "
+            f"(got {args.prompts_per_update}, {args.num_mini_batches} and {args.micro_batch_size})"
+        )
+    if args.temperature <= 0:
+        raise SystemExit(f"error: --temperature must be > 0: log-probs divide by it (got {args.temperature})")
+    if args.top_k or args.top_p < 1.0:
+        raise SystemExit(
+            f"error: --top-k {args.top_k} / --top-p {args.top_p} would sample from a truncated distribution whose "
+            "log-probs the update never sees (detail 20); train with --temperature alone"
+        )
+    if args.reward_model is None and args.reward_fn not in REWARD_FNS:
+        raise SystemExit(f"error: --reward-fn must be one of {sorted(REWARD_FNS)} (got {args.reward_fn})")
+    if args.score_norm is None:
+        args.score_norm = args.reward_model is not None  # detail 14
+        print(f"score normalisation {'on' if args.score_norm else 'off'}: the default with a reward "
+              f"{'model' if args.score_norm else 'function'}")  # fmt: skip
+
+
+def build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer):
+    """Detail 8: (critic, value_head). The critic is None with --critic head (the head sits on the policy's trunk);
+    otherwise a trunk initialised from the reward model when it reads the policy's tokens, else from the policy."""
+    critic = None
+    if args.critic == "separate":
+        source = args.reward_model if reward_model is not None and rm_tokenizer is None else args.model
+        critic = load_model(AutoModel, source, "--critic source")
+        fit_embeddings(critic, tokenizer)
+        print(f"critic: a separate network initialised from {source}")
+    value_head = nn.Linear((critic or policy).config.hidden_size, 1)
+    nn.init.zeros_(value_head.weight)
+    nn.init.zeros_(value_head.bias)
+    return critic, value_head
+
+
 def values_of(value_head, hidden):
     """Values (B, R) of the value head, in fp32 outside autocast (detail 8: bf16 would round them by ~0.4%)."""
     with torch.autocast(hidden.device.type, enabled=False):
         return value_head(hidden.float()).squeeze(-1)
 
 
-def accumulate_gradients(policy, critic, value_head, rollout, mb_inds, args, autocast):
+@torch.no_grad()
+def score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args):
+    """Step 2's scores (B,), one per response: the reward model's, or the reward function's against the answers."""
+    if reward_model is None:
+        return torch.tensor(REWARD_FNS[args.reward_fn](completions, [row["answer"] for row in rows]))
+    return reward_model_scores(reward_model, rm_tokenizer, tokenizer, r["query_responses"], r["attention_mask"],
+                               args.reward_label or 0, args.micro_batch_size)  # fmt: skip
+
+
+def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast):
     """Forward and backward one minibatch, micro-batch by micro-batch; returns each micro-batch's stats.
 
     Every loss term is a mean over the minibatch's real tokens, so a micro-batch's own token mean is weighted by
     its share of those tokens: the accumulated gradient is the minibatch's whatever --micro-batch-size (detail 12)."""
-    r, stats = rollout, []
-    n_tokens = r["mask"][mb_inds].sum()
+    stats, n_tokens = [], r["mask"][mb_inds].sum()
     for mc in mb_inds.split(args.micro_batch_size):
         qr, am, mask = r["query_responses"][mc], r["attention_mask"][mc], r["mask"][mc]
         with autocast:
@@ -665,7 +813,7 @@ def accumulate_gradients(policy, critic, value_head, rollout, mb_inds, args, aut
             if critic is not None:
                 hidden = hidden_states(critic, qr, am, r["prompt_width"])
             values = values_of(value_head, hidden)
-        pg_loss, pg_stats = policy_loss(logprobs, r["logprobs"][mc], r["advantages"][mc], mask, args.cliprange)
+        pg_loss, pg_stats = policy_loss(logprobs, r["old_logprobs"][mc], r["advantages"][mc], mask, args.cliprange)
         vf_loss, vf_stats = value_loss(values, r["values"][mc], r["returns"][mc], mask, args.cliprange_value)
         entropy = masked_mean(entropy, mask)
         loss = pg_loss + args.vf_coef * vf_loss
@@ -684,184 +832,85 @@ def save(path, policy, tokenizer, value_head, critic):
     torch.save(value_head.state_dict(), os.path.join(path, "value_head.pt"))
     if critic is not None:
         critic.save_pretrained(os.path.join(path, "critic"))
+    return path
 
 
 def main(args: Args | None = None):
     args = tyro.cli(Args) if args is None else args
-    # TRY NOT TO MODIFY: checks, seeding, device, models
-    if args.batch_size % args.num_mini_batches:
-        raise SystemExit(
-            f"error: --num-mini-batches must divide --batch-size (got {args.num_mini_batches} and {args.batch_size})"
-        )
-    mini_batch_size = args.batch_size // args.num_mini_batches
-    if mini_batch_size % args.micro_batch_size:
-        raise SystemExit(
-            f"error: --micro-batch-size must divide the minibatch --batch-size / --num-mini-batches "
-            f"(got {args.micro_batch_size} and {mini_batch_size})"
-        )
-    if args.temperature <= 0:
-        raise SystemExit(f"error: --temperature must be > 0: log-probs divide by it (got {args.temperature})")
-    if args.reward_model is None and args.reward_fn not in REWARD_FNS:
-        raise SystemExit(f"error: --reward-fn must be one of {sorted(REWARD_FNS)} (got {args.reward_fn})")
-    if args.top_k or args.top_p < 1.0:
-        raise SystemExit(
-            f"error: --top-k {args.top_k} / --top-p {args.top_p} would sample from a truncated distribution whose "
-            "log-probs the update never sees (detail 20); train with --temperature alone"
-        )
-    transformers.utils.logging.disable_progress_bar()
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-    print(f"device {device}, fp32 weights, {'bf16 autocast' if bf16 else 'fp32 compute'}")
-
+    # TRY NOT TO MODIFY: set-up
+    check_args(args)
+    device, autocast, precision = setup(args)
     tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
-    if args.score_norm is None:
-        # Detail 14: a learned reward model's offset and scale are arbitrary (the Bradley-Terry loss sees only
-        # differences), and at its raw scale beta*KL is no brake: the policy chases the model's errors.
-        args.score_norm = args.reward_model is not None
-        print(f"score normalisation {'on' if args.score_norm else 'off'}: the default with a reward "
-              f"{'model' if args.score_norm else 'function'} (--score-norm True/False overrides)")  # fmt: skip
-
-    # Detail 8: the critic starts from the reward model when it reads the same tokens, else from the policy.
-    critic = None
-    if args.critic == "separate":
-        source = args.reward_model if reward_model is not None and rm_tokenizer is None else args.model
-        critic = load_model(AutoModel, source, "--critic source")
-        fit_embeddings(critic, tokenizer)
-        print(f"critic: a separate network initialised from {source}")
-    value_head = nn.Linear(policy.config.hidden_size if critic is None else critic.config.hidden_size, 1)
-    nn.init.zeros_(value_head.weight)
-    nn.init.zeros_(value_head.bias)
-    # Reference: a frozen copy of the initial policy (not needed at all when there is no KL penalty).
-    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef or args.kl_target else None
+    critic, value_head = build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer)
+    ref_policy = copy.deepcopy(policy).requires_grad_(False) if args.kl_coef or args.kl_target else None  # detail 19
     trained = [m for m in [policy, critic] if m is not None]
-    for model in [policy, critic, ref_policy]:
+    for model in [policy, critic, ref_policy, value_head]:
         if model is not None:
             model.to(device)
-            model.config.use_cache = True
-    value_head.to(device)
-    if args.gradient_checkpointing:  # HF checkpoints in train mode only: both models switch to it in step 5
+    if args.gradient_checkpointing:  # HF checkpoints in train mode only: step 5 switches both models to it
         for model in trained:
             model.activation_checkpointing_enable()
-
-    n_params = sum(p.numel() for p in policy.parameters())
-    if device.type == "cpu" and n_params < 50e6:
-        torch.set_num_threads(1)  # measured on 2 shared cores: small models run faster on one thread
-    if args.learning_rate is None:
-        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
-        print(
-            f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters "
-            "(1e-4 below 50M, 1e-5 above; --learning-rate overrides)"
-        )
+    small_model_defaults(args, policy, device)
     params = [p for m in [policy, critic, value_head] if m is not None for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5)
     kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
     kl_coef = args.kl_coef
-    reward_fn = REWARD_FNS[args.reward_fn]
     prompts = load_prompts(args)
     eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every else None
+    logger = RunLogger(args, device, precision)
+    save_all = functools.partial(save, os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head, critic)
+    B, mini_batch_size = args.prompts_per_update, args.prompts_per_update // args.num_mini_batches
 
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
-    run_dir = os.path.join(args.output_dir, run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "args.json"), "w") as f:
-        json.dump(asdict(args), f, indent=1)
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-    samples_file = open(os.path.join(run_dir, "samples.jsonl"), "a")
-    if args.track:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=vars(args), dir=run_dir
-        )
-
-    def log(metrics):
-        metrics_file.write(json.dumps(metrics) + "\n")
-        metrics_file.flush()
-        if args.track:
-            wandb.log(metrics, step=metrics["update"])
-
-    def timer():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def evaluate_policy():
+        return evaluate(policy, tokenizer, eval_problems, REWARD_FNS[args.reward_fn], eos_ids, B, autocast)
 
     if eval_problems:
-        with autocast:
-            accuracy = evaluate(policy, tokenizer, eval_problems, reward_fn, eos_ids, args.batch_size)
-        log({"update": 0, "episode": 0, "eval/accuracy": accuracy})
+        accuracy = evaluate_policy()
+        logger.log({"update": 0, "episode": 0, "eval/accuracy": accuracy})
         print(f"update 0: held-out accuracy {accuracy:.3f}")
-
     update, start_time = 0, time.time()
     try:
         for update in range(1, args.total_steps + 1):
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
-            # ALGO LOGIC: 1. rollout -- sample one response per prompt
-            t0 = timer()
-            batch = [next(prompts) for _ in range(args.batch_size)]
-            enc = tokenizer(
-                [row["prompt"] for row in batch], padding=True, truncation=max_prompt_length is not None,
-                max_length=max_prompt_length, return_tensors="pt",
-            ).to(device)  # fmt: skip
-            queries, prompt_width = enc.input_ids, enc.input_ids.shape[1]
-            policy.eval()
-            with autocast:
-                responses = generate(policy, queries, enc.attention_mask)
-            responses, response_mask = truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
-            query_responses = torch.cat([queries, responses], dim=1)
-            attention_mask = torch.cat([enc.attention_mask, response_mask.long()], dim=1)
-            mask = response_mask.float()  # (B, R)
-            t1 = timer()
+            # ALGO LOGIC: 1. rollout -- one response per prompt
+            t0 = wall_clock(device)
+            rows = [next(prompts) for _ in range(B)]
+            r = rollout(policy, tokenizer, [row["prompt"] for row in rows], max_prompt_length, eos_ids, autocast)
+            responses, mask = r["responses"], r["mask"]  # (B, R)
+            t1 = wall_clock(device)
 
-            # 2. log-probs of policy and reference, values and scores; chunks of the training shape (detail 5)
-            logprobs, ref_logprobs, values = [], [], []
+            # 2. old log-probs of policy and reference and the values, in the training's micro-batch shapes
+            # (detail 5); the scores of the responses
+            old_logprobs, ref_logprobs, values = [], [], []
             with torch.no_grad(), autocast:
-                for mc in torch.arange(args.batch_size, device=device).split(args.micro_batch_size):
-                    qr, am = query_responses[mc], attention_mask[mc]
-                    hidden = hidden_states(policy, qr, am, prompt_width)
-                    logprobs.append(response_logprobs(policy, hidden, responses[mc], args)[0])
-                    if critic is not None:
-                        hidden = hidden_states(critic, qr, am, prompt_width)
-                    values.append(values_of(value_head, hidden))
+                for mc in torch.arange(B, device=device).split(args.micro_batch_size):
+                    qr, am, W = r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"]
+                    hidden = hidden_states(policy, qr, am, W)
+                    old_logprobs.append(response_logprobs(policy, hidden, responses[mc], args)[0])
+                    values.append(values_of(value_head, hidden if critic is None else hidden_states(critic, qr, am, W)))
                     if ref_policy is not None:
-                        hidden = hidden_states(ref_policy, qr, am, prompt_width)
+                        hidden = hidden_states(ref_policy, qr, am, W)
                         ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
-                logprobs, values = torch.cat(logprobs), torch.cat(values)
-                ref_logprobs = torch.cat(ref_logprobs) if ref_policy is not None else logprobs
-                completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-                answers = [row["answer"] for row in batch]
-                accuracy = None
-                if answers[0] is not None:
-                    accuracy = torch.tensor(reward_fn(completions, answers), device=device)
-                if reward_model is not None:
-                    scores = reward_model_scores(
-                        reward_model, rm_tokenizer, tokenizer, query_responses, attention_mask,
-                        args.reward_label or 0, args.micro_batch_size,
-                    )  # fmt: skip
-                elif accuracy is not None:
-                    scores = accuracy.clone()
-                else:
-                    raise SystemExit(f"error: --reward-fn needs answers: --answer-column {args.answer_column} is empty")
+            old_logprobs, values = torch.cat(old_logprobs), torch.cat(values)
+            ref_logprobs = torch.cat(ref_logprobs) if ref_policy is not None else old_logprobs
+            completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
+            scores = score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args).to(device)
             contains_eos = torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contains_eos).float()
-            raw_scores = scores  # what the logs show: before normalisation and clipping
+            raw_scores = scores  # the logs show the scores before normalisation and clipping (detail 14)
             if args.score_norm:
                 scores = (scores - scores.mean()) / (scores.std() + 1e-8)
             if args.score_clip is not None:
                 scores = scores.clamp(-args.score_clip, args.score_clip)
-            t2 = timer()
+            t2 = wall_clock(device)
 
             # 3. per-token rewards: -beta * KL everywhere, plus the score at the last real token (detail 3)
-            kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator) * mask
+            kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator) * mask
             non_score_reward = -kl_coef * kl
             rewards = non_score_reward.clone()
-            last_index = response_mask.long().sum(1) - 1
-            rewards[torch.arange(args.batch_size, device=device), last_index] += scores
+            rewards[torch.arange(B, device=device), mask.long().sum(1) - 1] += scores
             if args.whiten_rewards:
                 rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
 
@@ -870,55 +919,43 @@ def main(args: Args | None = None):
             advantages = masked_whiten(advantages, mask)
 
             # 5. PPO update: epochs of shuffled minibatches, micro-batches accumulate gradients (details 11, 12)
-            rollout = dict(
-                query_responses=query_responses, attention_mask=attention_mask, responses=responses, mask=mask,
-                prompt_width=prompt_width, logprobs=logprobs, values=values, advantages=advantages, returns=returns,
-            )  # fmt: skip
+            r |= dict(old_logprobs=old_logprobs, values=values, advantages=advantages, returns=returns)
             for model in trained:
                 model.train()
             stats = []
             for _ in range(args.num_ppo_epochs):
                 epoch_stats = []
-                for mb_inds in torch.randperm(args.batch_size, device=device).split(mini_batch_size):
-                    epoch_stats += accumulate_gradients(policy, critic, value_head, rollout, mb_inds, args, autocast)
-                    grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                    if not torch.isfinite(grad_norm):  # detail 15: the weights are still the last good ones
-                        save(os.path.join(run_dir, "policy"), policy, tokenizer, value_head, critic)
-                        raise SystemExit(
-                            f"error: the loss became non-finite at update {update}; the last good weights are "
-                            f"in {run_dir}/policy (try a lower --learning-rate)"
-                        )
+                for mb_inds in torch.randperm(B, device=device).split(mini_batch_size):
+                    epoch_stats += accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast)
+                    check_finite(nn.utils.clip_grad_norm_(params, args.max_grad_norm), update, save_all)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 stats += epoch_stats
-                approxkl = torch.stack([x["policy/approxkl_avg"] for x in epoch_stats]).mean()
+                approxkl = torch.stack([s["policy/approxkl_avg"] for s in epoch_stats]).mean()
                 if args.target_kl is not None and approxkl > args.target_kl:
                     break
-            t3 = timer()
+            t3 = wall_clock(device)
 
             # 6. KL controller and reference refresh
             mean_kl = kl.sum(1).mean().item()
             if kl_ctl is not None:
-                kl_ctl.update(mean_kl, args.batch_size)
+                kl_ctl.update(mean_kl, B)
                 kl_coef = kl_ctl.value
             if args.ref_update_every and update % args.ref_update_every == 0 and ref_policy is not None:
                 ref_policy.load_state_dict(policy.state_dict())
 
             # TRY NOT TO MODIFY: log (TRL's metric names), evaluate, show samples, save
-            mean = {k: torch.stack([x[k] for x in stats]).mean().item() for k in stats[0]}
-            mean_non_score_reward = non_score_reward.sum(1).mean().item()
-            n_tokens = int(mask.sum().item())
+            n_tokens = mask.sum().item()
             metrics = {
                 "update": update,
-                "episode": update * args.batch_size,
+                "episode": update * B,
                 "objective/kl": mean_kl,
                 "objective/kl_coef": kl_coef,
-                "objective/entropy": (-logprobs * mask).sum(1).mean().item(),
-                "objective/non_score_reward": mean_non_score_reward,
-                "objective/rlhf_reward": raw_scores.mean().item() + mean_non_score_reward,
+                "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
+                "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
                 "objective/scores": raw_scores.mean().item(),
                 "val/num_eos_tokens": int(contains_eos.sum().item()),
-                "val/mean_length": n_tokens / args.batch_size,
+                "val/mean_length": n_tokens / B,
                 "lr": optimizer.param_groups[0]["lr"],
                 "time/generation": t1 - t0,
                 "time/scoring": t2 - t1,
@@ -926,40 +963,31 @@ def main(args: Args | None = None):
                 "time/elapsed": time.time() - start_time,
                 "perf/tokens_per_sec": n_tokens / (t3 - t0),
                 "perf/peak_memory_mb": peak_memory_mb(device),
-            } | mean
-            if accuracy is not None:
-                metrics["objective/accuracy"] = accuracy.mean().item()
+            } | {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
+            metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
+            if rows[0]["answer"] is not None:  # the reward function's verdict, beside a reward model too
+                correct = REWARD_FNS[args.reward_fn](completions, [row["answer"] for row in rows])
+                metrics["objective/accuracy"] = sum(correct) / B
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
-                policy.eval()
-                with autocast:
-                    metrics["eval/accuracy"] = evaluate(
-                        policy, tokenizer, eval_problems, reward_fn, eos_ids, args.batch_size
-                    )
-            log(metrics)
+                metrics["eval/accuracy"] = evaluate_policy()
+            logger.log(metrics)
             print(
-                f"update {update}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
-                f"approxkl {mean['policy/approxkl_avg']:.4f}  clipfrac {mean['policy/clipfrac_avg']:.3f}  "
+                f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
+                f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
                 + (f"held-out accuracy {metrics['eval/accuracy']:.3f}  " if "eval/accuracy" in metrics else "")
                 + f"{t3 - t0:.2f}s  ({time.time() - start_time:.0f}s total)"
             )
             if args.sample_every and update % args.sample_every == 0:
-                for j in range(min(args.num_samples, args.batch_size)):
-                    sample = {"update": update, "prompt": batch[j]["prompt"], "completion": completions[j]}
-                    sample["score"] = raw_scores[j].item()
-                    samples_file.write(json.dumps(sample) + "\n")
-                    print(f"  {sample['prompt']!r} -> {sample['completion']!r}  score {sample['score']:.2f}")
-                samples_file.flush()
+                shown = range(min(args.num_samples, B))
+                logger.log_samples([{"update": update, "prompt": rows[j]["prompt"], "completion": completions[j],
+                                     "score": raw_scores[j].item()} for j in shown])  # fmt: skip
             if args.save_every and update % args.save_every == 0:
-                save(os.path.join(run_dir, "policy"), policy, tokenizer, value_head, critic)
+                save_all()
     except KeyboardInterrupt:
         print(f"interrupted at update {update}: saving")
-    save(os.path.join(run_dir, "policy"), policy, tokenizer, value_head, critic)
-    print(f"saved the policy to {run_dir}/policy")
-    metrics_file.close()
-    samples_file.close()
-    if args.track:
-        wandb.finish()
-    return run_dir
+    print(f"saved the policy to {save_all()}")
+    logger.close()
+    return logger.run_dir
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ class Args:
     """benchmark a GPT-2-124M-shaped model built from its config (random weights, no download) instead of
     the embedded default; responses then run to --max-new-tokens (EOS is 1 token in 50257)"""
     batch_size: int | None = None
-    """sequences per update (PPO: prompts; GRPO: completions); default: each script's own default"""
+    """sequences (responses) per update; default: each script's own default"""
     max_new_tokens: int = 8
     """response length limit"""
     micro_batch_size: int | None = None
@@ -76,7 +76,7 @@ def bare_generate_seconds(model_path, batch_size, args, device, n):
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(model_path).to(device).eval()
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=True, top_k=0, top_p=1.0,
+    policy.generation_config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=True, top_k=0, top_p=1.0,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
     stream = ppo_llm.arithmetic_train_problems(seed=0)
     times = []
@@ -87,7 +87,7 @@ def bare_generate_seconds(model_path, batch_size, args, device, n):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            ppo_llm.generate(policy, enc.input_ids, enc.attention_mask, config)
+            ppo_llm.generate(policy, enc.input_ids, enc.attention_mask)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
@@ -99,7 +99,9 @@ def run_script(module, model_path, args, extra):
     batch and micro-batch sizes it ran with."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    sizes = {k: getattr(args, k) for k in ["batch_size", "micro_batch_size"] if getattr(args, k) is not None}
+    G = getattr(module.Args, "num_generations", 1)  # GRPO: completions per prompt
+    sizes = {"prompts_per_update": args.batch_size // G} if args.batch_size else {}
+    sizes |= {"micro_batch_size": args.micro_batch_size} if args.micro_batch_size else {}
     with tempfile.TemporaryDirectory() as out:
         common = dict(model=model_path, total_steps=args.warmup + args.updates, max_new_tokens=args.max_new_tokens,
                       eval_every=0, sample_every=0, output_dir=out, cuda=args.cuda)  # fmt: skip
@@ -111,7 +113,7 @@ def run_script(module, model_path, args, extra):
     result = {k: sorted(m[k] for m in metrics)[len(metrics) // 2] for k in keys}
     totals = sorted(m["time/generation"] + m["time/scoring"] + m["time/update"] for m in metrics)
     result["time/total"] = totals[len(totals) // 2]
-    result["batch_size"], result["micro_batch_size"] = script_args.batch_size, script_args.micro_batch_size
+    result["batch_size"], result["micro_batch_size"] = script_args.prompts_per_update * G, script_args.micro_batch_size
     return result
 
 

@@ -144,15 +144,16 @@ def test_one_update_of_each_script_with_exact_first_ratio_and_kl(families, tmp_p
     # PPO: one epoch of one minibatch, so every ratio is taken before the optimizer step: exactly 1, and the
     # reference (an fp32 copy scored in the same shapes) gives KL exactly 0. GRPO: beta > 0, KL exactly 0.
     # The tiny GPT-2 reward model scores (its vocabulary is the test tokenizer's: the scripts re-encode if not).
-    common = dict(model=families[family], total_steps=1, batch_size=8, micro_batch_size=4, max_new_tokens=4,
+    common = dict(model=families[family], total_steps=1, micro_batch_size=4, max_new_tokens=4,
                   mixed_precision=precision, reward_model=families["rm"])  # fmt: skip
     run_dir, (m,) = run(ppo_llm.main, tmp_path / "ppo", args=ppo_llm.Args(), num_mini_batches=1, num_ppo_epochs=1,
-                        learning_rate=1e-3, **common)  # fmt: skip
+                        prompts_per_update=8, learning_rate=1e-3, **common)  # fmt: skip
     assert m["val/ratio"] == 1.0 and m["policy/approxkl_avg"] == 0.0 and m["objective/kl"] == 0.0
     before = AutoModelForCausalLM.from_pretrained(families[family], dtype=torch.float32).state_dict()
     after = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "policy")).state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the update ran
-    _, (m,) = run(grpo_llm.main, tmp_path / "grpo", args=grpo_llm.Args(), num_generations=4, beta=0.1, **common)
+    grpo = dict(prompts_per_update=2, num_generations=4, beta=0.1)
+    _, (m,) = run(grpo_llm.main, tmp_path / "grpo", args=grpo_llm.Args(), **grpo, **common)
     assert m["kl"] == 0.0 and m["importance_ratio/mean"] == 1.0 and m["grad_norm"] > 0
 
 
@@ -170,7 +171,7 @@ def test_accumulated_gradient_is_the_minibatch_gradient(tiny, critic):
     mask[0, :1] = mask[1, :1] = mask[2:] = 1
     am = torch.cat([torch.ones(B, Q), mask], 1).long()
     rollout = dict(query_responses=qr, attention_mask=am, responses=qr[:, Q:], mask=mask, prompt_width=Q,
-                   logprobs=-torch.rand(B, R), values=torch.randn(B, R), advantages=torch.randn(B, R),
+                   old_logprobs=-torch.rand(B, R), values=torch.randn(B, R), advantages=torch.randn(B, R),
                    returns=torch.randn(B, R))  # fmt: skip
     params = [p for m in [policy, critic_model, value_head] if m is not None for p in m.parameters()]
     grads = {}
@@ -204,6 +205,6 @@ def test_gradient_checkpointing_reaches_the_separate_critic(tiny, tmp_path, monk
         return real(model, *args)
 
     monkeypatch.setattr(ppo_llm, "hidden_states", spy)
-    run(ppo_llm.main, tmp_path, args=ppo_llm.Args(), model=tiny["policy"], total_steps=1, batch_size=4,
+    run(ppo_llm.main, tmp_path, args=ppo_llm.Args(), model=tiny["policy"], total_steps=1, prompts_per_update=4,
         micro_batch_size=2, max_new_tokens=3, critic="separate", gradient_checkpointing=True)  # fmt: skip
     assert ("GPT2Model", True, True) in seen and ("GPT2LMHeadModel", True, True) in seen

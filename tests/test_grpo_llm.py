@@ -150,7 +150,7 @@ def test_grpo_loss_gradient_at_ratio_one_is_the_policy_gradient():
 def run(tiny, tmp_path, **kwargs):
     """main() for 2 updates of 8 completions (2 prompts x 4); returns (run_dir, metrics records)."""
     settings = dict(
-        model=tiny["policy"], output_dir=str(tmp_path / "runs"), batch_size=8, num_generations=4,
+        model=tiny["policy"], output_dir=str(tmp_path / "runs"), prompts_per_update=2, num_generations=4,
         micro_batch_size=4, max_new_tokens=4, total_steps=2, eval_every=0, sample_every=1, num_samples=2,
     )  # fmt: skip
     run_dir = grpo_llm.main(grpo_llm.Args(**(settings | kwargs)))
@@ -168,7 +168,7 @@ TRL_NAMES = {
 
 def test_default_variant_with_kl_eval_samples_and_saving(tiny, tmp_path, capsys):
     run_dir, records = run(
-        tiny, tmp_path, beta=0.1, num_iterations=2, eval_every=2, batch_size=64, num_generations=8,
+        tiny, tmp_path, beta=0.1, num_iterations=2, eval_every=2, prompts_per_update=8, num_generations=8,
         micro_batch_size=16, total_steps=2, save_every=1,
     )  # fmt: skip
     assert records[0] == {"update": 0, "episode": 0, "eval/accuracy": 0.0}  # random policy, held-out at start
@@ -284,7 +284,7 @@ def test_learning_raises_the_reward(tiny, tmp_path):
     # a fixed random reward model scores one token after each JSONL prompt; GRPO must find the tokens it
     # prefers: the mean score of the last 5 updates is well above that of the first 5 (seeded, ~1 s)
     _, records = run(
-        tiny, tmp_path, reward_model=tiny["rm"], dataset=tiny["jsonl"], batch_size=32, num_generations=8,
+        tiny, tmp_path, reward_model=tiny["rm"], dataset=tiny["jsonl"], prompts_per_update=4, num_generations=8,
         micro_batch_size=32, max_new_tokens=2, total_steps=20, learning_rate=1e-2, sample_every=0,
     )  # fmt: skip
     rewards = [r["reward"] for r in records]
@@ -330,8 +330,9 @@ def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
     "options, message",
     [
         (dict(num_generations=1), "error: --num-generations must be at least 2: the group is the baseline (got 1)"),
-        (dict(num_generations=3), "error: --num-generations must divide --batch-size (got 3 and 8)"),
-        (dict(micro_batch_size=3), "error: --micro-batch-size must divide --batch-size (got 3 and 8)"),
+        (dict(num_generations=3), "error: --micro-batch-size must divide the completions per update, "
+         "--prompts-per-update x --num-generations (got 4 and 6)"),
+        (dict(micro_batch_size=3), "(got 3 and 8)"),
         (dict(num_iterations=0), "error: --num-iterations must be at least 1 (got 0)"),
         (dict(epsilon=0.2, epsilon_high=0.1), "error: --epsilon-high must be >= --epsilon (got 0.1 and 0.2)"),
         (dict(reward_fn=("arithmetic", "nope")), "error: --reward-fn must be among ['arithmetic', 'gsm8k'] (got "

@@ -202,7 +202,7 @@ def test_padded_prompt_sees_unpadded_positions(tiny):
 def run(tiny, tmp_path, **kwargs):
     """main() for a couple of updates on the tiny policy; returns the logged metrics."""
     defaults = dict(
-        model=tiny["policy"], total_steps=2, batch_size=8, num_mini_batches=2, micro_batch_size=2,
+        model=tiny["policy"], total_steps=2, prompts_per_update=8, num_mini_batches=2, micro_batch_size=2,
         num_ppo_epochs=2, max_new_tokens=3, eval_every=0, sample_every=1, output_dir=str(tmp_path),
     )  # fmt: skip
     run_dir = ppo_llm.main(ppo_llm.Args(**{**defaults, **kwargs}))
@@ -296,7 +296,7 @@ def test_nan_loss_stops_with_last_good_weights(tiny, tmp_path, monkeypatch, caps
 
 def test_reward_rises(tiny, tmp_path):
     # Seeded learning: PPO raises the (random, tiny) reward model's score of the tiny policy's responses.
-    settings = dict(total_steps=30, batch_size=32, micro_batch_size=16, num_mini_batches=2, max_new_tokens=2)
+    settings = dict(total_steps=30, prompts_per_update=32, micro_batch_size=16, num_mini_batches=2, max_new_tokens=2)
     _, m = run(
         tiny, tmp_path, reward_model=tiny["rm"], learning_rate=3e-3, kl_coef=0.0, sample_every=0, seed=3, **settings
     )
@@ -310,8 +310,8 @@ def test_reward_rises(tiny, tmp_path):
     [
         (dict(model="/no/such/dir"), "--model /no/such/dir is not a local directory"),
         (dict(model="no-such-org/no-such-model"), "Offline, use the embedded default"),
-        (dict(num_mini_batches=3), "--num-mini-batches must divide --batch-size"),
-        (dict(micro_batch_size=3), "--micro-batch-size must divide the minibatch"),
+        (dict(num_mini_batches=3), "--num-mini-batches must divide --prompts-per-update"),
+        (dict(micro_batch_size=3), "and --micro-batch-size the minibatch (got 8, 2 and 3)"),
         (dict(max_new_tokens=32), "--max-new-tokens 32 leaves no room"),
         (dict(max_prompt_length=30), "exceeds the model's context of 32"),
         (dict(temperature=0.0), "--temperature must be > 0"),

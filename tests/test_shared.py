@@ -20,7 +20,8 @@ SHARED = ARITHMETIC + ["masked_mean", "kl_penalty", "gsm8k_reward", "load_prompt
                        "load_model", "add_pad_token", "fit_embeddings", "context_window_of", "eos_token_ids",
                        "sampling_config", "generate", "truncate_after_eos", "hidden_states", "logit_postprocessing",
                        "head_chunk", "lm_head_logprobs", "response_logprobs", "check_logits", "reward_model_scores",
-                       "evaluate", "peak_memory_mb", "load_models"]  # fmt: skip
+                       "evaluate", "peak_memory_mb", "load_models", "setup", "small_model_defaults", "RunLogger",
+                       "rollout", "check_finite", "wall_clock"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SHARED)
