@@ -1,0 +1,380 @@
+"""ppo_llm.py and grpo_llm.py at realistic sizes: s/update split into generation / scoring / training, tokens/s
+and peak memory, beside TRL at the same configuration, plus the LM head's memory and a memory estimate.
+
+Models are built from their configs with random weights (no download) into benchmarks/runs/scale_models/, with
+a WordLevel tokenizer over synthetic tokens that covers the vocabulary; EOS is 1 token in 50k+, so responses run
+to --max-new-tokens. The reward is the arithmetic reward function (all zeros on this text: timing only) or a
+random-init reward model. Each run is a subprocess; the first of --updates is warm-up. TRL runs when its directory
+exists (TRL 1.12 for PPO, `trl.experimental.ppo`; current TRL for GRPO), installed beside the shared venv:
+
+    pip install --no-deps --target benchmarks/runs/trl112 trl==1.12.0 accelerate psutil
+    pip install --no-deps --target benchmarks/runs/trl116 trl==1.16.0 accelerate psutil
+    python benchmarks/scale.py                       # every config, the head benchmark, the estimate
+    python benchmarks/scale.py --runs gpt2-ppo --no-head
+
+Results: benchmarks/results/scale_<device>.md and .json. Peak memory is ru_maxrss on CPU, max_memory_allocated
+on CUDA (what the scripts log as perf/peak_memory_mb).
+"""
+
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = os.path.join(ROOT, "benchmarks", "runs")
+PY = sys.executable
+SHAPES = {  # name: (config class, config kwargs)
+    "gpt2-124m": ("GPT2Config", {}),
+    "gpt2-qwen-vocab": ("GPT2Config", {"vocab_size": 151936}),
+    "qwen2-0.5b": ("Qwen2Config", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                       num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                                       tie_word_embeddings=True, max_position_embeddings=4096)),
+}  # fmt: skip
+# name: (shape, script, prompts, generations per prompt, new tokens, micro-batch, our extra flags)
+CONFIGS = {
+    "gpt2-ppo": ("gpt2-124m", "ppo", 16, 1, 64, 8, ["--reward-model", "RM"]),
+    "gpt2-grpo": ("gpt2-124m", "grpo", 4, 4, 64, 16, []),
+    "qwen-vocab-ppo": ("gpt2-qwen-vocab", "ppo", 8, 1, 128, 4, ["--reward-model", "RM"]),
+    "qwen2-0.5b-ppo": ("qwen2-0.5b", "ppo", 4, 1, 128, 4, ["--critic", "head"]),
+    "qwen2-0.5b-grpo": ("qwen2-0.5b", "grpo", 2, 4, 128, 8, []),
+}
+PROMPT_TOKENS = 16
+
+
+@dataclass
+class Args:
+    runs: tuple[str, ...] = tuple(CONFIGS)
+    """configs to run (names in CONFIGS)"""
+    updates: int = 3
+    """updates per run; the first is warm-up and dropped"""
+    trl: bool = True
+    """also run TRL at the same configs, where benchmarks/runs/trl112 (PPO) / trl116 (GRPO) exist"""
+    head: bool = True
+    """run the LM-head memory micro-benchmark"""
+    child: str | None = None
+    """internal: run one measurement in this process (a JSON spec) and print its result as JSON"""
+
+
+def build(shape):
+    """Directory with a random-init causal LM, a 1-label reward model of the same trunk, a tokenizer, prompts."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = os.path.join(RUNS, "scale_models", shape)
+    if os.path.exists(os.path.join(path, "done")):
+        return path
+    cls, kwargs = SHAPES[shape]
+    config = getattr(transformers, cls)(**kwargs, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {f"t{i}": i for i in range(3, config.vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                                     unk_token="<unk>", padding_side="left")  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    config.num_labels = 1
+    rm = transformers.AutoModelForSequenceClassification.from_config(config)
+    rm.save_pretrained(os.path.join(path, "rm"))
+    tokenizer.save_pretrained(os.path.join(path, "rm"))
+    rng = random.Random(0)
+    with open(os.path.join(path, "prompts.jsonl"), "w") as f:
+        for _ in range(256):
+            prompt = " ".join(f"t{rng.randrange(3, 1000)}" for _ in range(PROMPT_TOKENS))
+            f.write(json.dumps({"prompt": prompt, "answer": "0"}) + "\n")
+    open(os.path.join(path, "done"), "w").close()
+    return path
+
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def ours(name, updates):
+    """Run ppo_llm.py / grpo_llm.py as a subprocess; medians of its time/* and perf/* over the timed updates."""
+    shape, script, prompts, gens, new, micro, extra = CONFIGS[name]
+    path = build(shape)
+    with tempfile.TemporaryDirectory(dir=RUNS) as out:
+        cmd = [PY, os.path.join(ROOT, f"{script}_llm.py"), "--model", path, "--dataset", f"{path}/prompts.jsonl",
+               "--prompts-per-update", str(prompts), "--max-new-tokens", str(new), "--micro-batch-size", str(micro),
+               "--total-steps", str(updates), "--eval-every", "0", "--sample-every", "0", "--output-dir", out]  # fmt: skip
+        cmd += ["--num-generations", str(gens)] if script == "grpo" else ["--num-mini-batches", "2"]
+        cmd += [f"{path}/rm" if x == "RM" else x for x in extra]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        (run,) = os.listdir(out)
+        with open(os.path.join(out, run, "metrics.jsonl")) as f:
+            metrics = [json.loads(line) for line in f][1:]
+    keys = ["time/generation", "time/scoring", "time/update", "perf/tokens_per_sec", "perf/peak_memory_mb"]
+    result = {k: median([m[k] for m in metrics]) for k in keys}
+    result["s/update"] = median([m["time/generation"] + m["time/scoring"] + m["time/update"] for m in metrics])
+    return result
+
+
+def trl(name, updates):
+    """The same config under TRL, in a subprocess with TRL's directory on PYTHONPATH; None when it is absent."""
+    script = CONFIGS[name][1]
+    target = os.path.join(RUNS, "trl112" if script == "ppo" else "trl116")
+    if not os.path.isdir(target):
+        return None
+    env = os.environ | {"PYTHONPATH": target, "TRL_EXPERIMENTAL_SILENCE": "1"}
+    spec = json.dumps({"kind": f"trl-{script}", "name": name, "updates": updates})
+    done = subprocess.run([PY, __file__, "--child", spec], env=env, capture_output=True, text=True)
+    if done.returncode:
+        return {"error": done.stderr.strip().splitlines()[-1]}
+    return json.loads(done.stdout.split("\n")[-2])
+
+
+class Timer:
+    """Wraps a function to add its wall-clock seconds to `self.total`."""
+
+    def __init__(self, fn):
+        self.fn, self.total = fn, 0.0
+
+    def __call__(self, *a, **k):
+        start = time.perf_counter()
+        try:
+            return self.fn(*a, **k)
+        finally:
+            self.total += time.perf_counter() - start
+
+
+def trl_child(spec):
+    """One TRL run (PPO 1.12 or GRPO 1.16) in this process: per-step seconds (generation, and for GRPO scoring,
+    where a wrapper around TRL's own functions can see them) and peak RSS, from a callback at every step's end."""
+    import datasets
+    import transformers
+
+    shape, script, prompts, gens, new, micro, extra = CONFIGS[spec["name"]]
+    path = build(shape)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
+    rows = [json.loads(line) for line in open(f"{path}/prompts.jsonl")]
+    cuda = torch.cuda.is_available()
+    common = dict(output_dir=tempfile.mkdtemp(dir=RUNS), report_to=[], save_strategy="no", logging_steps=1,
+                  learning_rate=1e-5, use_cpu=not cuda, bf16=cuda, gradient_checkpointing=False)  # fmt: skip
+    if script == "ppo":
+        from trl.experimental.ppo import PPOConfig, PPOTrainer, ppo_trainer
+
+        gen = ppo_trainer.batch_generation = Timer(ppo_trainer.batch_generation)
+        config = PPOConfig(**common, per_device_train_batch_size=micro, gradient_accumulation_steps=prompts // micro,
+                           num_mini_batches=2, num_ppo_epochs=2, total_episodes=prompts * spec["updates"],
+                           response_length=new, local_rollout_forward_batch_size=micro, stop_token="eos",
+                           num_sample_generations=0, kl_coef=0.05)  # fmt: skip
+        dataset = datasets.Dataset.from_dict({"input_ids": [tokenizer(r["prompt"]).input_ids for r in rows]})
+        lm = transformers.AutoModelForCausalLM.from_pretrained
+        rm = transformers.AutoModelForSequenceClassification.from_pretrained
+        trainer = PPOTrainer(config, tokenizer, lm(path), lm(path), rm(f"{path}/rm"), dataset, rm(f"{path}/rm"))
+    else:
+        from trl import GRPOConfig, GRPOTrainer
+
+        config = GRPOConfig(**common, per_device_train_batch_size=prompts * gens, num_generations=gens,
+                            max_completion_length=new, max_steps=spec["updates"], beta=0.0)  # fmt: skip
+        dataset = datasets.Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
+        trainer = GRPOTrainer(path, lambda completions, **kw: [0.0] * len(completions), config,
+                              train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
+        gen = trainer._generate = Timer(trainer._generate)
+        both = trainer._generate_and_score_completions = Timer(trainer._generate_and_score_completions)
+    marks = [(time.perf_counter(), 0.0, 0.0)]  # cumulative (time, generation, generation + scoring)
+
+    class Mark(transformers.TrainerCallback):
+        def on_step_end(self, *a, **k):
+            marks.append((time.perf_counter(), gen.total, both.total if script == "grpo" else 0.0))
+
+    trainer.add_callback(Mark())
+    trainer.train()
+    steps = [[b - a for a, b in zip(marks[i - 1], marks[i])] for i in range(2, len(marks))]  # warm-up dropped
+    result = {"s/update": median([s[0] for s in steps]), "time/generation": median([s[1] for s in steps]),
+              "perf/peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}  # fmt: skip
+    if script == "grpo":
+        result["time/scoring"] = median([s[2] - s[1] for s in steps])
+    result["perf/tokens_per_sec"] = prompts * gens * new / result["s/update"]  # responses run to the limit
+    print(json.dumps(result))
+
+
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def head_child(spec):
+    """Peak memory of one LM-head call over the memory already resident, in U = B*T*V fp32: ppo_llm's chunked
+    lm_head_logprobs or the naive full-logits computation, no-grad (log-probs) or training (log-probs and
+    entropy, backward into the hidden states, and optionally into the head weight, whose .grad buffer then
+    exists beforehand)."""
+    sys.path.insert(0, ROOT)
+    import ppo_llm
+
+    B, T, H, V, grad = spec["B"], spec["T"], spec["H"], spec["V"], spec["grad"]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(H, V, bias=False).requires_grad_(grad == "hidden+weight")
+    head.weight.grad = torch.zeros_like(head.weight) if grad == "hidden+weight" else None
+    hidden, labels = torch.randn(B, T, H, requires_grad=bool(grad)), torch.randint(V, (B, T))
+
+    def naive(hidden, head, labels, temperature, with_entropy):  # TRL-style: full (B, T, V) logits
+        logits = head(hidden) / temperature
+        logprobs = logits.gather(-1, labels[..., None])[..., 0] - torch.logsumexp(logits, -1)
+        entropy = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1) if with_entropy else None
+        return logprobs, entropy
+
+    fn = ppo_llm.lm_head_logprobs if spec["impl"] == "chunked" else naive
+    for x, y in [(hidden[:1, :2], labels[:1, :2]), (hidden, labels)]:  # warm-up on 2 tokens, then measured
+        base = rss_mb()
+        with torch.set_grad_enabled(bool(grad)):
+            logprobs, entropy = fn(x, head, y, 1.0, with_entropy=bool(grad))
+            if grad:
+                (logprobs.sum() + entropy.sum()).backward()
+        del logprobs, entropy
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    print(json.dumps({"peak_U": (peak - base) * 2**20 / (B * T * V * 4)}))
+
+
+def head_benchmark(B=4, T=256, H=768, V=151936):
+    """Head peak memory / U for chunked vs naive, no-grad and training, each in a fresh subprocess."""
+    results = {}
+    for impl in ["chunked", "naive"]:
+        for grad in ["", "hidden", "hidden+weight"]:
+            spec = json.dumps({"kind": "head", "impl": impl, "grad": grad, "B": B, "T": T, "H": H, "V": V})
+            out = subprocess.run([PY, __file__, "--child", spec], capture_output=True, text=True, check=True).stdout
+            key = f"{impl}, {f'training (grad of {grad})' if grad else 'no-grad'}"
+            results[key] = json.loads(out.split("\n")[-2])["peak_U"]
+    return {"shape": dict(B=B, T=T, H=H, V=V), "U_mb": B * T * V * 4 / 2**20, "peak_U": results}
+
+
+def estimate_gb(params, layers, hidden, vocab, seq, micro, batch, trained=1, frozen=1, checkpointing=False, bf16=True,
+                kv_dim=None, cpu=False):  # fmt: skip
+    """Peak memory (GiB) of an update, before it runs: weights 4 B/param for every fp32 model (trained: policy,
+    critic; frozen: reference, reward model), gradients 4 B and AdamW 8 B per trained param (+2 B of bf16 weight
+    copies under autocast); activations of one micro-batch per trained trunk: ~16 hidden-sized tensors per token
+    and layer (Korthikanti et al. 2022 without dropout, no stored attention scores with SDPA), 2 B each under bf16
+    autocast, 4 B in fp32; with gradient checkpointing, each layer's input plus one layer's full set; the chunked
+    head (a few 2^24-logit chunks + the head weight's gradient); or, when larger, the generation batch's KV cache;
+    on CPU ~0.7 GiB of libraries in the resident set."""
+    act_bytes, tokens = (2 if bf16 else 4), micro * seq
+    per_layer = 16 * hidden * act_bytes * tokens
+    activations = tokens * hidden * act_bytes * layers + per_layer if checkpointing else per_layer * layers
+    head = 5 * 2**24 * 4 + vocab * hidden * 4
+    kv_cache = 2 * layers * (kv_dim or hidden) * seq * batch * act_bytes
+    persistent = 4 * params * (trained + frozen) + 8 * params * trained + (2 * params * trained if bf16 else 0)
+    step = 4 * params * trained + trained * activations + head
+    return (persistent + max(step, kv_cache) + (0.7 * 2**30 if cpu else 0)) / 2**30
+
+
+# the README's hub commands: label, params, layers, hidden, vocab, kv dim, prompt + response tokens, micro-batch,
+# generation batch, trained models, frozen models (in units of the policy's size)
+HUB = [
+    ("ppo_llm.py --model gpt2 (arithmetic, ~8+8 tokens)", 124e6, 12, 768, 50257, None, 16, 64, 128, 2, 1),
+    ("ppo_llm.py --model gpt2 IMDB (8+24 tokens, distilbert RM)", 124e6, 12, 768, 50257, None, 32, 64, 128, 2, 1.55),
+    ("grpo_llm.py Qwen2.5-0.5B GSM8K (~200+256 tokens)", 494e6, 24, 896, 151936, 128, 456, 64, 64, 1, 0),
+    ("grpo_llm.py Qwen2.5-1.5B GSM8K (~200+256 tokens)", 1.54e9, 28, 1536, 151936, 256, 456, 64, 64, 1, 0),
+]
+# the CPU configs as estimator inputs (fp32): params, layers, hidden, vocab, kv dim, trained, frozen
+MEASURED = {
+    "gpt2-ppo": (124e6, 12, 768, 50257, None, 2, 2),
+    "gpt2-grpo": (124e6, 12, 768, 50257, None, 1, 0),
+    "qwen-vocab-ppo": (202e6, 12, 768, 151936, None, 2, 2),
+    "qwen2-0.5b-ppo": (494e6, 24, 896, 151936, 128, 1, 1),
+    "qwen2-0.5b-grpo": (494e6, 24, 896, 151936, 128, 1, 0),
+}
+
+
+def hub_estimates():
+    rows = {}
+    for label, P, L, H, V, kv, seq, micro, batch, trained, frozen in HUB:
+        settings = [(micro, False), (micro // 4, False), (micro, True), (micro // 4, True)]
+        rows[label] = {f"micro {m}{' + ckpt' if ck else ''}": estimate_gb(P, L, H, V, seq, m, batch, trained, frozen,
+                                                                          ck, kv_dim=kv) for m, ck in settings}  # fmt: skip
+    return rows
+
+
+def machine_name():
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line), "?")
+    gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{model}, {os.cpu_count()} cores, {gib:.0f} GiB"
+
+
+def table_row(label, who, m, trl_m, est):
+    """One markdown row: the time split, tokens/s, peak GiB, the estimate and ours/TRL ratios."""
+    if not m or "error" in m:
+        return f"| {label} | {who} | {m['error'] if m else 'not installed'} |||||||||"
+    scoring = m.get("time/scoring")
+    training = m["s/update"] - m["time/generation"] - (scoring or 0)
+    ratios = ["", ""]
+    if est is not None and trl_m and "error" not in trl_m:
+        ratios = [f"{m['s/update'] / trl_m['s/update']:.2f}",
+                  f"{m['perf/peak_memory_mb'] / trl_m['perf/peak_memory_mb']:.2f}"]  # fmt: skip
+    return (f"| {label} | {who} | {m['s/update']:.1f} | {m['time/generation']:.1f} | "
+            f"{'-' if scoring is None else f'{scoring:.1f}'} | {training:.1f}{'' if scoring is not None else ' (+ scoring)'} "
+            f"| {m['perf/tokens_per_sec']:.1f} | {m['perf/peak_memory_mb'] / 1024:.2f} | "
+            f"{'' if est is None else f'{est:.2f}'} | {ratios[0]} | {ratios[1]} |")  # fmt: skip
+
+
+def main():
+    args = tyro.cli(Args)
+    if args.child:
+        spec = json.loads(args.child)
+        return head_child(spec) if spec["kind"] == "head" else trl_child(spec)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = os.path.join(ROOT, "benchmarks", "results", f"scale_{device}")
+    saved = json.load(open(out + ".json")) if os.path.exists(out + ".json") else {"results": {}, "head": None}
+    results, head = saved["results"], saved["head"]  # configs not run this time keep their last results
+    for name in args.runs:
+        print(f"{name}: ours ...", flush=True)
+        r = results[name] = {"ours": ours(name, args.updates), "updates": args.updates, "command": sys.argv[1:]}
+        if args.trl:
+            print(f"{name}: TRL ...", flush=True)
+            r["trl"] = trl(name, args.updates)
+        print(json.dumps(r), flush=True)
+    if args.head:
+        head = head_benchmark()
+    lines = [f"Machine: {machine_name()}, torch {torch.__version__}, {'bf16 autocast' if device == 'cuda' else 'fp32'}. "
+             "Command: `python benchmarks/scale.py --runs NAME --updates N`; seconds are medians over the N - 1 "
+             f"updates after 1 of warm-up; peak memory is {'max_memory_allocated' if device == 'cuda' else 'the peak RSS'}"
+             " of the process.", "",
+             "| config (prompts x generations x new tokens, micro-batch) | N | run | s/update | generation | scoring | "
+             "training | tokens/s | peak GiB | estimate GiB | ours/TRL s/update | ours/TRL peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, r in results.items():
+        shape, script, prompts, gens, new, micro, extra = CONFIGS[name]
+        P, L, H, V, kv, trained, frozen = MEASURED[name]
+        est = estimate_gb(P, L, H, V, PROMPT_TOKENS + new, micro, prompts * gens, trained, frozen,
+                          bf16=device == "cuda", kv_dim=kv, cpu=device == "cpu")  # fmt: skip
+        r["ours"]["estimate_gb"] = est
+        label = f"{name} ({prompts}x{gens}x{new}, {micro}{', ' + ' '.join(extra) if extra else ''}) | {r['updates']}"
+        lines.append(table_row(label, "ours", r["ours"], r.get("trl"), est))
+        if "trl" in r:
+            lines.append(table_row(label, "TRL", r["trl"], None, None))
+    if head:
+        s = head["shape"]
+        lines += ["", f"LM head: peak memory over the resident set, in U = B*T*V*4 bytes (B={s['B']}, T={s['T']}, "
+                  f"H={s['H']}, V={s['V']}: U = {head['U_mb']:.0f} MiB); training = log-probs + entropy and their "
+                  "backward. Command: `python benchmarks/scale.py --runs`", "", "| head | peak / U |", "|---|---|"]  # fmt: skip
+        lines += [f"| {k} | {v:.2f} |" for k, v in head["peak_U"].items()]
+    hub = hub_estimates()
+    cols = list(next(iter(hub.values())))
+    lines += ["", "Estimated peak GPU memory (GiB; bf16 autocast, fp32 master weights, AdamW) at the README's hub "
+              "commands; ckpt = --gradient-checkpointing", "", f"| command | {' | '.join(cols)} |",
+              "|---|" + "---|" * len(cols)]  # fmt: skip
+    lines += [f"| {label} | " + " | ".join(f"{v:.1f}" for v in gb.values()) + " |" for label, gb in hub.items()]
+    table = "\n".join(lines)
+    print(table)
+    with open(out + ".md", "w") as f:
+        f.write(table + "\n")
+    with open(out + ".json", "w") as f:
+        json.dump({"machine": machine_name(), "device": device, "results": results, "head": head,
+                   "hub_estimates_gb": hub}, f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
