@@ -60,6 +60,8 @@ class Args:
     """also run TRL at the same configs, where benchmarks/runs/trl112 (PPO) / trl116 (GRPO) exist"""
     head: bool = True
     """run the LM-head memory micro-benchmark"""
+    profile: bool = False
+    """only time one training micro-batch of the GPT-2-124M PPO config: trunk vs LM head, forward vs backward"""
     child: str | None = None
     """internal: run one measurement in this process (a JSON spec) and print its result as JSON"""
 
@@ -106,7 +108,8 @@ def ours(name, updates):
     with tempfile.TemporaryDirectory(dir=RUNS) as out:
         cmd = [PY, os.path.join(ROOT, f"{script}_llm.py"), "--model", path, "--dataset", f"{path}/prompts.jsonl",
                "--prompts-per-update", str(prompts), "--max-new-tokens", str(new), "--micro-batch-size", str(micro),
-               "--total-steps", str(updates), "--eval-every", "0", "--sample-every", "0", "--output-dir", out]  # fmt: skip
+               "--total-steps", str(updates), "--eval-every", "0", "--sample-every", "0",
+               "--output-dir", out]  # fmt: skip
         cmd += ["--num-generations", str(gens)] if script == "grpo" else ["--num-mini-batches", "2"]
         cmd += [f"{path}/rm" if x == "RM" else x for x in extra]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -249,6 +252,35 @@ def head_benchmark(B=4, T=256, H=768, V=151936):
     return {"shape": dict(B=B, T=T, H=H, V=V), "U_mb": B * T * V * 4 / 2**20, "peak_U": results}
 
 
+def profile(shape="gpt2-124m", micro=8, new=64, repeats=3):
+    """Seconds of one training micro-batch of the policy, split: trunk forward, head forward (log-probs + entropy,
+    ppo_llm's lm_head_logprobs), head backward (recomputes the chunks), trunk backward. Medians over `repeats`."""
+    import transformers
+
+    sys.path.insert(0, ROOT)
+    import ppo_llm
+
+    policy = transformers.AutoModelForCausalLM.from_pretrained(build(shape)).train()
+    ids = torch.randint(3, 1000, (micro, PROMPT_TOKENS + new))
+    mask, times = torch.ones_like(ids), []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        hidden = ppo_llm.hidden_states(policy, ids, mask, PROMPT_TOKENS)
+        t1 = time.perf_counter()
+        leaf = hidden.detach().requires_grad_()
+        logprobs, entropy = ppo_llm.lm_head_logprobs(leaf, policy.get_output_embeddings(), ids[:, PROMPT_TOKENS:],
+                                                     1.0, with_entropy=True)  # fmt: skip
+        t2 = time.perf_counter()
+        (logprobs.mean() + entropy.mean()).backward()
+        t3 = time.perf_counter()
+        hidden.backward(leaf.grad)
+        t4 = time.perf_counter()
+        policy.zero_grad(set_to_none=True)
+        times.append([t1 - t0, t2 - t1, t3 - t2, t4 - t3])
+    keys = ["trunk forward", "head forward", "head backward", "trunk backward"]
+    return {k: median([t[i] for t in times[1:]]) for i, k in enumerate(keys)}
+
+
 def estimate_gb(params, layers, hidden, vocab, seq, micro, batch, trained=1, frozen=1, checkpointing=False, bf16=True,
                 kv_dim=None, cpu=False):  # fmt: skip
     """Peak memory (GiB) of an update, before it runs: weights 4 B/param for every fp32 model (trained: policy,
@@ -290,8 +322,9 @@ def hub_estimates():
     rows = {}
     for label, P, L, H, V, kv, seq, micro, batch, trained, frozen in HUB:
         settings = [(micro, False), (micro // 4, False), (micro, True), (micro // 4, True)]
-        rows[label] = {f"micro {m}{' + ckpt' if ck else ''}": estimate_gb(P, L, H, V, seq, m, batch, trained, frozen,
-                                                                          ck, kv_dim=kv) for m, ck in settings}  # fmt: skip
+        rows[label] = {f"micro {m}{' + ckpt' if ck else ''}":
+                       estimate_gb(P, L, H, V, seq, m, batch, trained, frozen, ck, kv_dim=kv)
+                       for m, ck in settings}  # fmt: skip
     return rows
 
 
@@ -315,7 +348,8 @@ def table_row(label, who, m, trl_m, est):
         ratios = [f"{m['s/update'] / trl_m['s/update']:.2f}",
                   f"{m['perf/peak_memory_mb'] / trl_m['perf/peak_memory_mb']:.2f}"]  # fmt: skip
     return (f"| {label} | {who} | {m['s/update']:.1f} | {m['time/generation']:.1f} | "
-            f"{'-' if scoring is None else f'{scoring:.1f}'} | {training:.1f}{'' if scoring is not None else ' (+ scoring)'} "
+            f"{'-' if scoring is None else f'{scoring:.1f}'} | "
+            f"{training:.1f}{'' if scoring is not None else ' (+ scoring)'} "
             f"| {m['perf/tokens_per_sec']:.1f} | {m['perf/peak_memory_mb'] / 1024:.2f} | "
             f"{'' if est is None else f'{est:.2f}'} | {ratios[0]} | {ratios[1]} |")  # fmt: skip
 
@@ -325,6 +359,8 @@ def main():
     if args.child:
         spec = json.loads(args.child)
         return head_child(spec) if spec["kind"] == "head" else trl_child(spec)
+    if args.profile:
+        return print(json.dumps(profile()))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = os.path.join(ROOT, "benchmarks", "results", f"scale_{device}")
     saved = json.load(open(out + ".json")) if os.path.exists(out + ".json") else {"results": {}, "head": None}
@@ -335,13 +371,18 @@ def main():
         if args.trl:
             print(f"{name}: TRL ...", flush=True)
             r["trl"] = trl(name, args.updates)
-        print(json.dumps(r), flush=True)
+        write(out, device, results, head)  # after every config, so that a run cut short keeps what it measured
     if args.head:
         head = head_benchmark()
-    lines = [f"Machine: {machine_name()}, torch {torch.__version__}, {'bf16 autocast' if device == 'cuda' else 'fp32'}. "
+    print(write(out, device, results, head))
+
+
+def write(out, device, results, head):
+    """benchmarks/results/scale_<device>.md and .json from every config measured so far; returns the markdown."""
+    precision, peak = ("bf16 autocast", "max_memory_allocated") if device == "cuda" else ("fp32", "the peak RSS")
+    lines = [f"Machine: {machine_name()}, torch {torch.__version__}, {precision}. "
              "Command: `python benchmarks/scale.py --runs NAME --updates N`; seconds are medians over the N - 1 "
-             f"updates after 1 of warm-up; peak memory is {'max_memory_allocated' if device == 'cuda' else 'the peak RSS'}"
-             " of the process.", "",
+             f"updates after 1 of warm-up; peak memory is {peak} of the process.", "",
              "| config (prompts x generations x new tokens, micro-batch) | N | run | s/update | generation | scoring | "
              "training | tokens/s | peak GiB | estimate GiB | ours/TRL s/update | ours/TRL peak |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -359,7 +400,8 @@ def main():
         s = head["shape"]
         lines += ["", f"LM head: peak memory over the resident set, in U = B*T*V*4 bytes (B={s['B']}, T={s['T']}, "
                   f"H={s['H']}, V={s['V']}: U = {head['U_mb']:.0f} MiB); training = log-probs + entropy and their "
-                  "backward. Command: `python benchmarks/scale.py --runs`", "", "| head | peak / U |", "|---|---|"]  # fmt: skip
+                  "backward. Command: `python benchmarks/scale.py --runs`", "",
+                  "| head | peak / U |", "|---|---|"]  # fmt: skip
         lines += [f"| {k} | {v:.2f} |" for k, v in head["peak_U"].items()]
     hub = hub_estimates()
     cols = list(next(iter(hub.values())))
@@ -368,12 +410,12 @@ def main():
               "|---|" + "---|" * len(cols)]  # fmt: skip
     lines += [f"| {label} | " + " | ".join(f"{v:.1f}" for v in gb.values()) + " |" for label, gb in hub.items()]
     table = "\n".join(lines)
-    print(table)
     with open(out + ".md", "w") as f:
         f.write(table + "\n")
     with open(out + ".json", "w") as f:
         json.dump({"machine": machine_name(), "device": device, "results": results, "head": head,
                    "hub_estimates_gb": hub}, f, indent=1)  # fmt: skip
+    return table
 
 
 if __name__ == "__main__":
