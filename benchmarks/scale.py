@@ -43,6 +43,8 @@ SHAPES = {  # name: (config class, config kwargs)
 CONFIGS = {
     "gpt2-ppo": ("gpt2-124m", "ppo", 16, 1, 64, 8, ["--reward-model", "RM"]),
     "gpt2-grpo": ("gpt2-124m", "grpo", 4, 4, 64, 16, []),
+    "gpt2-ppo-small": ("gpt2-124m", "ppo", 8, 1, 32, 4, ["--reward-model", "RM"]),  # what a loaded 2-core CPU finishes
+    "gpt2-grpo-small": ("gpt2-124m", "grpo", 2, 4, 32, 8, []),
     "qwen-vocab-ppo": ("gpt2-qwen-vocab", "ppo", 8, 1, 128, 4, ["--reward-model", "RM"]),
     "qwen2-0.5b-ppo": ("qwen2-0.5b", "ppo", 4, 1, 128, 4, ["--critic", "head"]),
     "qwen2-0.5b-grpo": ("qwen2-0.5b", "grpo", 2, 4, 128, 8, []),
@@ -52,7 +54,7 @@ PROMPT_TOKENS = 16
 
 @dataclass
 class Args:
-    runs: tuple[str, ...] = tuple(CONFIGS)
+    runs: tuple[str, ...] = ("gpt2-ppo", "gpt2-grpo", "qwen-vocab-ppo", "qwen2-0.5b-ppo", "qwen2-0.5b-grpo")
     """configs to run (names in CONFIGS)"""
     updates: int = 3
     """updates per run; the first is warm-up and dropped"""
@@ -312,6 +314,8 @@ HUB = [
 MEASURED = {
     "gpt2-ppo": (124e6, 12, 768, 50257, None, 2, 2),
     "gpt2-grpo": (124e6, 12, 768, 50257, None, 1, 0),
+    "gpt2-ppo-small": (124e6, 12, 768, 50257, None, 2, 2),
+    "gpt2-grpo-small": (124e6, 12, 768, 50257, None, 1, 0),
     "qwen-vocab-ppo": (202e6, 12, 768, 151936, None, 2, 2),
     "qwen2-0.5b-ppo": (494e6, 24, 896, 151936, 128, 1, 1),
     "qwen2-0.5b-grpo": (494e6, 24, 896, 151936, 128, 1, 0),
