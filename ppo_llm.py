@@ -667,8 +667,7 @@ def small_model_defaults(args, policy, device):
 
 class RunLogger:
     """The run directory runs/<exp-name>__<seed>__<ms>/: args.json (with the device and precision used),
-    metrics.jsonl (a line per update), TensorBoard events with the same names (`tensorboard --logdir runs`),
-    samples.jsonl, the saved policy; wandb with --track (the resolved config and this file)."""
+    metrics.jsonl (a line per update) and TensorBoard's events, samples.jsonl, the saved policy; wandb with --track."""
 
     def __init__(self, args, device, precision):
         name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
@@ -690,9 +689,8 @@ class RunLogger:
     def log(self, metrics):
         self.metrics.write(json.dumps(metrics) + "\n")
         self.metrics.flush()
-        for key, value in metrics.items():
-            if key != "update":
-                self.tensorboard.add_scalar(key, value, metrics["update"])
+        for key in metrics.keys() - {"update"}:  # the same names as metrics.jsonl (`tensorboard --logdir runs`)
+            self.tensorboard.add_scalar(key, metrics[key], metrics["update"])
         self.tensorboard.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["update"])
@@ -760,8 +758,7 @@ def eval_rows(args):
 
 
 def eval_only(args, policy, tokenizer, reward_fn, eos_ids, autocast):
-    """--eval-only: --model's accuracy ± its standard error, no run directory. Two evaluations of one policy (another
-    --seed) differ by chance by up to 1.96 * sqrt(2) = 2.8 standard errors, 95% of the time."""
+    """--eval-only, no run directory. Evaluations of a policy differ by < 1.96 sqrt(2) = 2.8 stderr 95% of the time."""
     problems = eval_rows(args)
     result = evaluate(policy, tokenizer, problems, reward_fn, eos_ids, args.micro_batch_size, autocast)
     print(f"{eval_line(result)} (n={len(problems)}; two evaluations differing by up to "
@@ -1025,8 +1022,7 @@ def main(args: Args | None = None):
                 f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
                 f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
                 + (f"{eval_line(metrics)}  " if "eval/accuracy" in metrics else "")
-                + f"{t3 - t0:.2f}s  ({time.time() - start_time:.0f}s total, "
-                + f"ETA {eta(start_time, update, args.total_steps)})"
+                + f"{t3 - t0:.2f}s  ({time.time() - start_time:.0f}s, ETA {eta(start_time, update, args.total_steps)})"
             )
             if args.sample_every and update % args.sample_every == 0:
                 shown = range(min(args.num_samples, B))
