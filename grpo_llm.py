@@ -749,7 +749,10 @@ def eval_rows(args):
     if split is None:
         return None
     prompts = load_prompts(Args(**asdict(args) | {"dataset_split": split}))
-    return list({row["prompt"]: row for row in (next(prompts) for _ in range(args.eval_size))}.values())
+    rows = list({row["prompt"]: row for row in (next(prompts) for _ in range(args.eval_size))}.values())
+    if rows[0]["answer"] is None:  # the reward function checks answers, even beside a reward model
+        raise SystemExit(f"error: evaluation needs --answer-column {args.answer_column} in --dataset {args.dataset}")
+    return rows
 
 
 def eval_only(args, policy, tokenizer, reward_fn, eos_ids, autocast):

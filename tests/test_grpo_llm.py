@@ -201,6 +201,9 @@ def test_eval_only_on_a_dataset_and_eval_split_during_training(tiny, tmp_path, c
     # --eval-split: the periodic evaluation of a dataset (a local file has one split)
     _, records = run(tiny, tmp_path, dataset=tiny["jsonl"], reward_fn=("gsm8k",), eval_split="test", eval_every=1)
     assert [("eval/accuracy_stderr" in r) for r in records] == [True, True, True]
+    (tmp_path / "no_answers.jsonl").write_text('{"prompt": "1+1="}\n')
+    with pytest.raises(SystemExit, match=r"^error: evaluation needs --answer-column answer in --dataset .*no_answers"):
+        grpo_llm.main(grpo_llm.Args(**(vars(args) | {"dataset": str(tmp_path / "no_answers.jsonl")})))
 
 
 @pytest.mark.parametrize(
