@@ -89,6 +89,7 @@ import torch.nn.functional as F
 import transformers
 import tyro
 from torch.utils.checkpoint import checkpoint
+from torch.utils.tensorboard import SummaryWriter
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -200,7 +201,13 @@ class Args:
 
     # Logging
     eval_every: int = 10
-    """held-out accuracy on the arithmetic task every N updates (0: off)"""
+    """held-out accuracy on the arithmetic task (or --eval-split) every N updates (0: off)"""
+    eval_split: str | None = None
+    """split of --dataset evaluated with the reward function every --eval-every updates (gsm8k: test)"""
+    eval_size: int = 256
+    """distinct prompts drawn from --eval-split (the arithmetic task has its own 256 held-out problems)"""
+    eval_only: bool = False
+    """print the accuracy of --model (runs/<run>/policy) on the eval set (--eval-split or --dataset-split), exit"""
     sample_every: int = 10
     """print and store a few decoded samples every N updates (0: off)"""
     num_samples: int = 3
@@ -655,7 +662,7 @@ def small_model_defaults(args, policy, device):
 
 class RunLogger:
     """The run directory runs/<exp-name>__<seed>__<ms>/: args.json (with the device and precision used),
-    metrics.jsonl (a line per update), samples.jsonl, the saved policy; wandb with --track."""
+    metrics.jsonl (a line per update) and TensorBoard's events, samples.jsonl, the saved policy; wandb with --track."""
 
     def __init__(self, args, device, precision):
         name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
@@ -665,16 +672,21 @@ class RunLogger:
             json.dump(asdict(args) | {"device": str(device), "precision": precision}, f, indent=1)
         self.metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
         self.samples = open(os.path.join(self.run_dir, "samples.jsonl"), "a")
+        self.tensorboard = SummaryWriter(self.run_dir)
         self.wandb = None
         if args.track:
             import wandb
 
             self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=name,
-                                    config=vars(args), dir=self.run_dir)  # fmt: skip
+                                    config=vars(args) | {"device": str(device), "precision": precision},
+                                    dir=self.run_dir, save_code=True)  # fmt: skip
 
     def log(self, metrics):
         self.metrics.write(json.dumps(metrics) + "\n")
         self.metrics.flush()
+        for key in metrics.keys() - {"update"}:  # the same names as metrics.jsonl (`tensorboard --logdir runs`)
+            self.tensorboard.add_scalar(key, metrics[key], metrics["update"])
+        self.tensorboard.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["update"])
 
@@ -688,6 +700,7 @@ class RunLogger:
     def close(self):
         self.metrics.close()
         self.samples.close()
+        self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -711,14 +724,49 @@ def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast):
 
 
 def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, chunk, autocast):
-    """Held-out accuracy: mean reward-function score over `problems`, sampling as in training."""
+    """Held-out accuracy: mean reward-function score over `problems`, sampling as in training, and its standard error
+    std / sqrt(n) (sqrt(p (1 - p) / n) for a 0/1 reward): evaluations of one policy differ by chance by ~1.4x that."""
     correct = []
     for i in range(0, len(problems), chunk):
         batch = problems[i : i + chunk]
         r = rollout(policy, tokenizer, [p["prompt"] for p in batch], None, eos_ids, autocast)
         completions = tokenizer.batch_decode(r["responses"], skip_special_tokens=True)
         correct += reward_fn(completions, [p["answer"] for p in batch])
-    return sum(correct) / len(correct)
+    stderr = torch.tensor(correct, dtype=torch.float64).std(correction=0).item() / len(correct) ** 0.5
+    return {"eval/accuracy": sum(correct) / len(correct), "eval/accuracy_stderr": stderr}
+
+
+def eval_line(metrics):
+    return f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
+
+
+def eval_rows(args):
+    """What evaluate() scores: the arithmetic task's held-out set, or up to --eval-size distinct prompts of --dataset's
+    --eval-split (--eval-only: default --dataset-split); None when there is neither."""
+    if args.dataset == "arithmetic":
+        return arithmetic_eval_set()
+    split = args.eval_split or (args.dataset_split if args.eval_only else None)
+    if split is None:
+        return None
+    prompts = load_prompts(Args(**asdict(args) | {"dataset_split": split}))
+    rows = list({row["prompt"]: row for row in (next(prompts) for _ in range(args.eval_size))}.values())
+    if rows[0]["answer"] is None:  # the reward function checks answers, even beside a reward model
+        raise SystemExit(f"error: evaluation needs --answer-column {args.answer_column} in --dataset {args.dataset}")
+    return rows
+
+
+def eval_only(args, policy, tokenizer, reward_fn, eos_ids, autocast):
+    """--eval-only, no run directory. Evaluations of a policy differ by < 1.96 sqrt(2) = 2.8 stderr 95% of the time."""
+    problems = eval_rows(args)
+    result = evaluate(policy, tokenizer, problems, reward_fn, eos_ids, args.micro_batch_size, autocast)
+    print(f"{eval_line(result)} (n={len(problems)}; two evaluations differing by up to "
+          f"{2.8 * result['eval/accuracy_stderr']:.3f} are noise)")  # fmt: skip
+    return result
+
+
+def eta(start_time, done, total):
+    """Time left at the pace so far, as hh:mm:ss."""
+    return time.strftime("%H:%M:%S", time.gmtime((time.time() - start_time) * (total - done) / done))
 
 
 def check_finite(grad_norm, update, save):
@@ -800,6 +848,8 @@ def main(args: Args | None = None):
     device, autocast, precision = setup(args)
     reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names), device=device)
     tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
+    if args.eval_only:  # no training, no run directory
+        return eval_only(args, policy.to(device), tokenizer, REWARD_FNS[args.reward_fn[0]], eos_ids, autocast)
     ref_policy = copy.deepcopy(policy).requires_grad_(False) if args.beta else None  # details 13, 19
     for model in [policy, ref_policy]:
         if model is not None:
@@ -810,17 +860,17 @@ def main(args: Args | None = None):
     params = list(policy.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5)
     prompts = load_prompts(args)
-    eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every else None
+    eval_problems = eval_rows(args) if args.eval_every else None
     logger = RunLogger(args, device, precision)
     save_all = functools.partial(save, os.path.join(logger.run_dir, "policy"), policy, tokenizer)
 
     def evaluate_policy():
-        return evaluate(policy, tokenizer, eval_problems, arithmetic_reward, eos_ids, B, autocast)
+        return evaluate(policy, tokenizer, eval_problems, REWARD_FNS[args.reward_fn[0]], eos_ids, B, autocast)
 
     if eval_problems:
-        accuracy = evaluate_policy()
-        logger.log({"update": 0, "episode": 0, "eval/accuracy": accuracy})
-        print(f"update 0: held-out accuracy {accuracy:.3f}")
+        evaluation = evaluate_policy()
+        logger.log({"update": 0, "episode": 0} | evaluation)
+        print(f"update 0: {eval_line(evaluation)}")
     update, start_time = 0, time.time()
     try:
         for update in range(1, args.total_steps + 1):
@@ -930,14 +980,14 @@ def main(args: Args | None = None):
                 metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
                 metrics |= {k: torch.stack(v).mean().item() for k, v in stats.items()}
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
-                metrics["eval/accuracy"] = evaluate_policy()
+                metrics |= evaluate_policy()
             logger.log(metrics)
             print(
                 f"update {update}/{args.total_steps}: reward {metrics['reward']:.3f}  "
                 + (f"kl {metrics['kl']:.4f}  " if "kl" in metrics else "")
                 + (f"clip {metrics['clip_ratio/region_mean']:.3f}  " if losses else "(no loss tokens)  ")
-                + (f"held-out accuracy {metrics['eval/accuracy']:.3f}  " if "eval/accuracy" in metrics else "")
-                + f"{t3 - t0:.2f}s  ({time.time() - start_time:.0f}s total)"
+                + (f"{eval_line(metrics)}  " if "eval/accuracy" in metrics else "")
+                + f"{t3 - t0:.2f}s  ({time.time() - start_time:.0f}s, ETA {eta(start_time, update, args.total_steps)})"
             )
             if args.sample_every and update % args.sample_every == 0:
                 shown = range(0, min(args.num_samples * G, B), G)  # one per group

@@ -207,8 +207,21 @@ def check_env(env_id, observation_space, action_space):
         raise SystemExit(f"error: --env-id {env_id} has action space {action_space}; supported: Discrete and 1-D Box")
 
 
+TENSORBOARD = {}  # run directory -> its TensorBoard writer, made by log() on first use
+
+
 def log(metrics, step, metrics_file, wandb_run):
+    """A line of metrics.jsonl; the same scalars to TensorBoard beside it (`tensorboard --logdir runs`, as with
+    CleanRL) and to wandb with --track."""
     metrics_file.write(json.dumps({"global_step": step, **metrics}) + "\n")
+    run_dir = os.path.abspath(os.path.dirname(metrics_file.name))
+    if run_dir not in TENSORBOARD:
+        from torch.utils.tensorboard import SummaryWriter  # imported here: log() is its only user
+
+        TENSORBOARD[run_dir] = SummaryWriter(run_dir)
+    for key, value in metrics.items():
+        TENSORBOARD[run_dir].add_scalar(key, value, step)
+    TENSORBOARD[run_dir].flush()  # nothing closes the writer: each call's scalars reach the file at once
     if wandb_run is not None:
         wandb_run.log(metrics, step=step)
 
@@ -269,7 +282,7 @@ def main():
     run_dir = f"runs/{run_name}"
     os.makedirs(run_dir, exist_ok=True)
     with open(f"{run_dir}/args.json", "w") as f:
-        json.dump(asdict(args), f, indent=1)
+        json.dump(asdict(args) | {"device": str(device)}, f, indent=1)
     metrics_file = open(f"{run_dir}/metrics.jsonl", "w")
     print(f"run directory: {run_dir}")
     wandb_run = None
@@ -448,9 +461,11 @@ def main():
             log(metrics, global_step, metrics_file, wandb_run)
             metrics_file.flush()
             ret = f"{np.mean(episode_returns):.1f}" if episode_returns else "-"
+            eta = (num_iterations - iteration) * batch_size / max(sps, 1)  # seconds left at this pace
             print(
                 f"iter={iteration}/{num_iterations} global_step={global_step} episodic_return={ret} "
-                f"value_loss={vl:.3f} policy_loss={pg:.4f} entropy={ent:.3f} approx_kl={kl:.4f} SPS={sps}"
+                f"value_loss={vl:.3f} policy_loss={pg:.4f} entropy={ent:.3f} approx_kl={kl:.4f} SPS={sps} "
+                f"ETA={time.strftime('%H:%M:%S', time.gmtime(eta))}"
             )
     except KeyboardInterrupt:
         interrupted = True

@@ -12,7 +12,8 @@ from with nothing to download:
   trained with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on preference pairs (the
   correct answer preferred over a wrong one for the same prompt). The result is `assets/arith-rm`.
 
-Usage: python assets/make_arith_models.py            # writes assets/arith-sft and assets/arith-rm
+Usage: python assets/make_arith_models.py --out-dir /tmp/arith   # writes /tmp/arith/arith-sft and arith-rm
+       python assets/make_arith_models.py --overwrite         # replaces the embedded assets/arith-sft, arith-rm
 
 Design choices, each with its reason:
 1. Character-level tokenizer (WordLevel over printable ASCII): every digit is one token, so the answer
@@ -62,6 +63,8 @@ class Args:
     # experiment
     out_dir: str = os.path.dirname(os.path.abspath(__file__))
     """folder to write arith-sft/ and arith-rm/ into (default: the folder of this script, assets/)"""
+    overwrite: bool = False
+    """replace arith-sft/ and arith-rm/ when --out-dir already has them (assets/ has the embedded default)"""
     seed: int = 1
     """seed of the training problems, the noise, the initialisation and the sampled evaluation"""
     threads: int = 1
@@ -243,6 +246,11 @@ def encode(tokenizer: PreTrainedTokenizerFast, prompts: list[str], answers: list
     return input_ids, input_ids != tokenizer.pad_token_id, answer_mask
 
 
+def eta(start_time, done, total):
+    """Time left at the pace so far, as hh:mm:ss."""
+    return time.strftime("%H:%M:%S", time.gmtime((time.time() - start_time) * (total - done) / done))
+
+
 def lr_at(step: int, total: int, peak: float) -> float:
     """Linear warm-up over the first 5% of steps, then cosine decay to 0."""
     warmup = max(1, total // 20)
@@ -315,7 +323,8 @@ def train_sft(args: Args, tokenizer: PreTrainedTokenizerFast) -> GPT2LMHeadModel
             greedy_acc, _ = policy_accuracy(model, tokenizer, eval_set, False, args.eval_max_new_tokens)
             model.train()
             elapsed = time.time() - start
-            print(f"sft step {step:5d}  loss {loss.item():.4f}  greedy acc {greedy_acc:.3f}  {elapsed:6.1f}s")
+            print(f"sft step {step + 1}/{args.sft_steps}  loss {loss.item():.4f}  greedy acc {greedy_acc:.3f}  "
+                  f"{elapsed:6.1f}s  ETA {eta(start, step + 1, args.sft_steps)}")  # fmt: skip
     model.eval()
     return model
 
@@ -348,7 +357,8 @@ def train_rm(args: Args, tokenizer: PreTrainedTokenizerFast, sft_dir: str) -> GP
         torch.nn.utils.clip_grad_norm_(rm.parameters(), 1.0)
         optimizer.step()
         if step % 50 == 0 or step == args.rm_steps - 1:
-            print(f"rm step {step:5d}  loss {loss.item():.4f}  acc {accuracy:.3f}  {time.time() - start:6.1f}s")
+            print(f"rm step {step + 1}/{args.rm_steps}  loss {loss.item():.4f}  acc {accuracy:.3f}  "
+                  f"{time.time() - start:6.1f}s  ETA {eta(start, step + 1, args.rm_steps)}")  # fmt: skip
     rm.eval()
     return rm
 
@@ -361,6 +371,9 @@ def main(args: Args) -> dict:
     start = time.time()
     tokenizer = make_tokenizer()
     sft_dir, rm_dir = os.path.join(args.out_dir, "arith-sft"), os.path.join(args.out_dir, "arith-rm")
+    existing = [path for path in (sft_dir, rm_dir) if os.path.exists(path)]
+    if existing and not args.overwrite:
+        raise SystemExit(f"error: {existing[0]} exists: pass --overwrite to replace it, or another --out-dir")
 
     policy = train_sft(args, tokenizer)
     policy.save_pretrained(sft_dir)

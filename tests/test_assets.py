@@ -53,15 +53,24 @@ def test_tiny_build_writes_loadable_models(tiny_build):
     assert rm(**batch).logits.shape == (2, 1)
 
 
-def test_build_is_deterministic(tiny_build, tmp_path):
+def test_build_is_deterministic(tiny_build, tmp_path, capsys):
     out, metrics = tiny_build
     again = mam.main(mam.Args(out_dir=str(tmp_path), **TINY))
+    printed = capsys.readouterr().out  # steps k/N and the time left
+    assert "sft step 1/3 " in printed and "rm step 3/3 " in printed and "ETA 00:00:00" in printed
     for name in ("arith-sft", "arith-rm"):
         first = load_file(out / name / "model.safetensors")
         second = load_file(tmp_path / name / "model.safetensors")
         assert first.keys() == second.keys()
         assert all(torch.equal(first[k], second[k]) for k in first), name
     assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in metrics.items() if k != "seconds"}
+
+
+def test_build_refuses_to_overwrite_without_the_flag(tiny_build):
+    out, _ = tiny_build
+    for out_dir in (ASSETS, str(out)):  # the embedded default, or any earlier build
+        with pytest.raises(SystemExit, match=r"^error: .*arith-sft exists: pass --overwrite to replace it"):
+            mam.main(mam.Args(out_dir=out_dir, **TINY))
 
 
 def test_committed_tokenizers_are_the_same_files():

@@ -14,6 +14,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import ppo_classic
 import reinforce
@@ -237,6 +238,19 @@ def test_save_and_eval(monkeypatch, tmp_path, capsys, script):
     monkeypatch.setattr(sys, "argv", [f"{script}.py", "--eval-checkpoint", model, "--eval-episodes", "3"])
     SCRIPTS[script].main()
     assert "over 3" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_tensorboard_device_and_eta(monkeypatch, tmp_path, capsys, script):
+    run_dir, records = run(monkeypatch, tmp_path, script, "--total-timesteps", SHORT_RUN[script])
+    events = EventAccumulator(run_dir)
+    events.Reload()
+    # TensorBoard beside metrics.jsonl: the same names, steps and values
+    sps = [(r["global_step"], r["charts/SPS"]) for r in records if "charts/SPS" in r]
+    assert [(e.step, e.value) for e in events.Scalars("charts/SPS")] == sps and len(sps) >= 2
+    with open(os.path.join(run_dir, "args.json")) as f:
+        assert json.load(f)["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert "ETA=00:00:" in capsys.readouterr().out.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

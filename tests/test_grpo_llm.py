@@ -7,6 +7,7 @@ import os
 import huggingface_hub
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
 import grpo_llm
@@ -171,17 +172,38 @@ def test_default_variant_with_kl_eval_samples_and_saving(tiny, tmp_path, capsys)
         tiny, tmp_path, beta=0.1, num_iterations=2, eval_every=2, prompts_per_update=8, num_generations=8,
         micro_batch_size=16, total_steps=2, save_every=1,
     )  # fmt: skip
-    assert records[0] == {"update": 0, "episode": 0, "eval/accuracy": 0.0}  # random policy, held-out at start
+    # random policy, held-out at start: accuracy 0, standard error sqrt(0 * 1 / 256) = 0
+    assert records[0] == {"update": 0, "episode": 0, "eval/accuracy": 0.0, "eval/accuracy_stderr": 0.0}
     assert [r["update"] for r in records[1:]] == [1, 2] and records[-1]["episode"] == 128
     assert TRL_NAMES | {"kl", "eval/accuracy", "rewards/arithmetic/mean"} <= set(records[-1])
     assert 0 <= records[1]["kl"] < 1e-6  # the reference is the initial policy (2nd iteration: one step away)
     assert records[-1]["time/update"] > 0 and records[-1]["perf/peak_memory_mb"] > 0
-    assert "held-out accuracy" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "held-out accuracy 0.000 ± 0.000" in out and "update 2/2: " in out and "ETA 00:00:00)" in out
+    events = EventAccumulator(run_dir)  # TensorBoard beside metrics.jsonl, the same names and steps
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/accuracy")] == [(0, 0.0), (2, 0.0)]
+    assert {"reward", "kl", "loss", "rewards/arithmetic/mean"} <= set(events.Tags()["scalars"])
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         samples = [json.loads(line) for line in f]
     assert len(samples) == 4 and {"prompt", "completion", "reward", "advantage"} <= set(samples[0])
     assert json.load(open(os.path.join(run_dir, "args.json")))["beta"] == 0.1
     AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "policy"))  # save_pretrained round trip
+
+
+def test_eval_only_on_a_dataset_and_eval_split_during_training(tiny, tmp_path, capsys):
+    # --eval-only on the 20 distinct prompts of the JSONL file (not --eval-size 256 rows of it), nothing written
+    args = grpo_llm.Args(model=tiny["policy"], dataset=tiny["jsonl"], reward_fn=("gsm8k",), max_new_tokens=4,
+                         eval_only=True, output_dir=str(tmp_path / "runs"))  # fmt: skip
+    result = grpo_llm.main(args)
+    assert "(n=20; two evaluations" in capsys.readouterr().out and not os.path.exists(tmp_path / "runs")
+    assert set(result) == {"eval/accuracy", "eval/accuracy_stderr"}
+    # --eval-split: the periodic evaluation of a dataset (a local file has one split)
+    _, records = run(tiny, tmp_path, dataset=tiny["jsonl"], reward_fn=("gsm8k",), eval_split="test", eval_every=1)
+    assert [("eval/accuracy_stderr" in r) for r in records] == [True, True, True]
+    (tmp_path / "no_answers.jsonl").write_text('{"prompt": "1+1="}\n')
+    with pytest.raises(SystemExit, match=r"^error: evaluation needs --answer-column answer in --dataset .*no_answers"):
+        grpo_llm.main(grpo_llm.Args(**(vars(args) | {"dataset": str(tmp_path / "no_answers.jsonl")})))
 
 
 @pytest.mark.parametrize(

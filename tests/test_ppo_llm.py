@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from conftest import char_tokenizer, tiny_config
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
 import ppo_llm
@@ -219,9 +220,17 @@ def test_first_ratio_is_exactly_one(tiny, tmp_path):
             assert m["val/ratio"] == 1.0 and m["policy/approxkl_avg"] == 0.0 and m["policy/clipfrac_avg"] == 0.0
 
 
-def test_run_logs_saves_and_loads_back(tiny, tmp_path):
+def test_run_logs_saves_and_loads_back(tiny, tmp_path, capsys):
     run_dir, metrics = run(tiny, tmp_path, eval_every=1, save_every=1, critic="separate")
-    assert metrics[0] == {"update": 0, "episode": 0, "eval/accuracy": metrics[0]["eval/accuracy"]}
+    assert set(metrics[0]) == {"update", "episode", "eval/accuracy", "eval/accuracy_stderr"}
+    p = metrics[0]["eval/accuracy"]  # 256 held-out problems scored 0 or 1: standard error sqrt(p (1 - p) / 256)
+    assert metrics[0]["eval/accuracy_stderr"] == pytest.approx((p * (1 - p) / 256) ** 0.5)
+    assert "ETA 00:00:" in capsys.readouterr().out
+    events = EventAccumulator(run_dir)  # TensorBoard beside metrics.jsonl, the same names and steps
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("objective/kl")] == [
+        (m["update"], pytest.approx(m["objective/kl"], rel=1e-6, abs=1e-6)) for m in metrics[1:]
+    ]
     trl_names = ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                  "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
                  "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/num_eos_tokens", "lr", "episode"]  # fmt: skip
@@ -250,6 +259,18 @@ def test_options_all_run(tiny, tmp_path):
     _, m = run(tiny, tmp_path, reward_model=tiny["rm_other"], dataset=tiny["jsonl"])  # decode and re-encode
     _, m = run(tiny, tmp_path, reward_model=tiny["rm_two_labels"], reward_label=1, critic="head")
     assert all(isinstance(x["objective/scores"], float) for x in m[1:])
+
+
+def test_eval_only_prints_accuracy_and_its_stderr_and_writes_nothing(tmp_path, capsys):
+    # the embedded SFT policy on its 256 held-out problems (1.3M parameters: about a second)
+    result = ppo_llm.main(ppo_llm.Args(eval_only=True, output_dir=str(tmp_path / "runs")))
+    p, stderr = result["eval/accuracy"], result["eval/accuracy_stderr"]
+    assert 0.3 < p < 0.8 and stderr == pytest.approx((p * (1 - p) / 256) ** 0.5)
+    assert (
+        f"held-out accuracy {p:.3f} ± {stderr:.3f} (n=256; two evaluations differing by up to"
+        in capsys.readouterr().out
+    )
+    assert not os.path.exists(tmp_path / "runs")
 
 
 def test_track_offline(tiny, tmp_path, monkeypatch):

@@ -1,0 +1,31 @@
+"""The README's two set-up commands: CI runs the test command as written, and the requirements are split so that
+the first command installs what the scripts need and the second adds the tools."""
+
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read(name):
+    with open(os.path.join(ROOT, name)) as f:
+        return f.read()
+
+
+def test_readme_opens_with_two_commands_and_ci_runs_the_second_verbatim():
+    run_cmd, test_cmd = re.search(r"```bash\n(.*?)\n```", read("README.md"), re.S).group(1).splitlines()
+    assert run_cmd.endswith("pip install -r requirements.txt && python ppo_llm.py")
+    assert test_cmd.endswith("pip install -r requirements-dev.txt && python -m pytest -q")
+    assert any(line.startswith(test_cmd) for line in read(".ci/run").splitlines())
+
+
+def requirement_names(name):
+    return {re.split(r"[=<>\[ ]", line)[0] for line in read(name).splitlines() if line[:1].isalpha()}
+
+
+def test_requirements_split():
+    runtime, dev = requirement_names("requirements.txt"), requirement_names("requirements-dev.txt")
+    assert {"torch", "transformers", "tyro", "gymnasium", "tensorboard", "wandb"} <= runtime
+    assert "-r requirements.txt" in read("requirements-dev.txt").splitlines()
+    assert {"pytest", "ruff", "matplotlib"} <= dev and not {"pytest", "ruff", "matplotlib"} & runtime
+    assert 'requires-python = ">=3.11"' in read("pyproject.toml")
