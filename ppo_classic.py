@@ -3,10 +3,12 @@
 Proximal Policy Optimization (Schulman et al. 2017, https://arxiv.org/abs/1707.06347) with Generalized
 Advantage Estimation (Schulman et al. 2016, https://arxiv.org/abs/1506.02438), written like CleanRL's
 ppo.py (Huang et al. 2022, "The 37 Implementation Details of PPO",
-https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/): same flags, defaults and
-metric names, so a run here compares directly with a CleanRL run.
+https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/): the same flags and metric
+names. With Discrete actions the defaults are ppo.py's, so runs compare with CleanRL's; with Box actions
+they differ from ppo_continuous_action.py's where detail 17 says. Details 6, 18, 19 and 21 differ from CleanRL.
 
 Usage: python ppo_classic.py --env-id CartPole-v1 --total-timesteps 500000 --seed 1
+       python ppo_classic.py --env-id Pendulum-v1          # Box defaults: learns with no other flag
 
 Implementation details ([n] = number in the 37-details post):
 1. N envs x T steps per rollout in one SyncVectorEnv [1]: a fixed-size batch from cheap CPU parallelism.
@@ -29,12 +31,21 @@ Implementation details ([n] = number in the 37-details post):
 15. Separate 64-64 tanh actor and critic [13]: no interference between policy and value gradients.
 16. Box actions: Gaussian with a state-independent log-std, log-probs summed over action dims [23-25];
     the unclipped sample is stored and only the env sees the action clipped to bounds [27].
-17. Optional reward scaling by a running std of the discounted return, --norm-reward [30]: Pendulum's
-    rewards (down to -16 a step) otherwise swamp the clipped value loss. Off by default, as in ppo.py.
-18. Episode statistics from gymnasium 1.x's vector RecordEpisodeStatistics, wrapped inside the reward
+17. Defaults per action space (DEFAULTS; a flag given wins). Discrete: ppo.py's. Box: observations and
+    rewards normalised and clipped at +-10 [29-30], ent-coef 0 and 10 epochs, as ppo_continuous_action.py,
+    but 4 envs x 512 steps, lr 1e-3, 16 minibatches and gamma 0.9 (it has 1 x 2048, 3e-4, 32 and 0.99).
+    Why: with raw rewards (down to -16 a step) the critic's gradient dominates the global clip and the
+    policy barely moves (approx_kl ~1e-8), so rewards are scaled; Pendulum's reward is immediate, so a
+    10-step horizon (gamma 0.9, as rl-zoo's tuned Pendulum-v1 PPO) gives easier value targets; and half
+    the optimizer steps per sample with 4 envs per forward pass cost less CPU (benchmarks/classic.py).
+18. Observation statistics live in the agent (buffers obs_mean, obs_var, obs_count; one set for all envs):
+    saved with --save-model, restored by --eval-checkpoint and applied frozen in evaluation. CleanRL keeps
+    them in an env wrapper and loses them. Reward statistics serve training only and are not saved.
+19. Box observations of any shape are flattened (FlattenObservation); Dict/Tuple spaces are refused.
+20. Episode statistics from gymnasium 1.x's vector RecordEpisodeStatistics, wrapped inside the reward
     scaling so charts/episodic_return is the raw return.
-19. Every loss logged is the mean over all minibatches of the update (CleanRL logs the last one only).
-20. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
+21. Every loss logged is the mean over all minibatches of the update (CleanRL logs the last one only).
+22. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
 """
 
 import importlib.util
@@ -185,7 +196,7 @@ class Agent(nn.Module):
     def __init__(self, obs_dim, action_space, norm_obs=False):
         super().__init__()
         self.continuous, self.norm_obs = isinstance(action_space, gym.spaces.Box), norm_obs
-        # detail 17: buffers, so the statistics are saved and restored with the weights
+        # detail 18: buffers, so the statistics are saved and restored with the weights
         self.register_buffer("obs_mean", torch.zeros(obs_dim))
         self.register_buffer("obs_var", torch.ones(obs_dim))
         self.register_buffer("obs_count", torch.tensor(1e-4))
@@ -426,7 +437,7 @@ def main():
             b_returns = returns.reshape(-1)
             b_values = values.reshape(-1)
 
-            # Optimizing the policy and value network; stats summed over every minibatch (detail 17)
+            # Optimizing the policy and value network; stats summed over every minibatch (detail 21)
             stats = torch.zeros(6)  # pg_loss, v_loss, entropy, old_approx_kl, approx_kl, clipfrac
             num_updates = 0
             for epoch in range(args.update_epochs):

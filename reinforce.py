@@ -10,6 +10,9 @@ Optimization"; Schulman et al. 2016, https://arxiv.org/abs/1506.02438, section 2
   episode-return         Psi_t = R(tau) = sum_k gamma^k r_k, the same weight for every step of an episode
   reward-to-go           Psi_t = G_t = sum_{k>=t} gamma^(k-t) r_k, an action cannot change past rewards
   reward-to-go-baseline  Psi_t = G_t - V(s_t), V a learned state-value baseline: same expectation, less noise
+  advantage              Psi_t = GAE-lambda estimate of A(s_t, a_t) with the fitted V (Spinning Up's VPG;
+                         seeds 003 section 4.4): less variance still, some bias where V is wrong
+Whether each choice really lowers the variance is measured in benchmarks/psi_variance.py (README).
 Same flags, logging and metric names as ppo_classic.py, so the two compare directly (benchmarks/).
 
 Usage: python reinforce.py --env-id CartPole-v1 --psi reward-to-go-baseline --total-timesteps 500000
@@ -19,21 +22,25 @@ Implementation details:
    Psi is a Monte-Carlo return, so it needs the episode's end; the batch averages out some noise. An env
    whose episode is over keeps stepping until the batch is complete; those steps are masked out and
    not counted in global_step.
-2. An episode ended by the time limit (truncation) is treated as ended: there is no critic to bootstrap
-   from in Monte-Carlo REINFORCE (ppo_classic.py bootstraps).
+2. An episode cut by the time limit (truncated, not terminated) bootstraps where a V exists (--psi
+   reward-to-go-baseline, advantage): its last reward gets + gamma * V(final obs), as in ppo_classic.py.
+   With episode-return and reward-to-go there is no V, so it counts as ended (Psi biased low near the limit).
 3. Loss = mean over all valid steps of the batch of -log pi(a_t|s_t) * Psi_t (Spinning Up's estimator).
 4. Log-probs are recomputed in one batched forward pass after the rollout (same policy, same values):
    the rollout runs without autograd and the backward pass sees a single (T, N) graph.
 5. Psi normalised to mean 0, std 1 over the batch (--norm-adv): the step size stops depending on the
    reward scale and the episode length; it also acts as a constant baseline.
-6. The baseline V(s) is a separate 64-64 tanh network fitted to G_t by MSE in the same Adam step; V is
-   detached inside Psi, so the policy gradient does not flow into it.
+6. V(s) is a separate 64-64 tanh network with its own Adam (--vf-learning-rate), fitted to G_t after the
+   policy step by --vf-iters full-batch MSE steps, as Spinning Up's VPG (80 at 1e-3): one shared step per
+   batch left its explained variance below 0.06 on CartPole. Psi uses V before it is fitted to the batch,
+   so the baseline does not depend on the batch's own actions.
 7. Optional entropy bonus (--ent-coef, off by default): slows the collapse onto one action.
 8. Orthogonal init with a 0.01 policy head and a Gaussian with state-independent log-std for Box
-   actions, exactly as ppo_classic.py: the two scripts differ only in the algorithm.
+   actions, exactly as ppo_classic.py, but no observation or reward normalisation (its detail 17).
 9. Plain Adam at a constant learning rate, no gradient clipping: REINFORCE as written; PPO's extra
    machinery stays in ppo_classic.py.
 10. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
+11. Box observations of any shape are flattened (FlattenObservation); Dict/Tuple spaces are refused.
 """
 
 import importlib.util
