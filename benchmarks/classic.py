@@ -115,6 +115,7 @@ def main():
     p.add_argument("--algos", nargs="+", default=list(ALGOS), choices=list(ALGOS))
     p.add_argument("--jobs", type=int, default=2, help="training runs at once")
     p.add_argument("--reuse", action="store_true", help="reuse the latest runs/bench-* run of each seed")
+    p.add_argument("--only-existing", action="store_true", help="train nothing: tabulate the runs that exist")
     p.add_argument("--cleanrl", default=None, help="path of a local copy of CleanRL's ppo.py to time too")
     p.add_argument("--speed-seconds", type=int, default=40, help="wall time of each speed run")
     p.add_argument("--speed-repeats", type=int, default=3)
@@ -126,8 +127,10 @@ def main():
     # 1. learning curves
     jobs = [(name, env_id, seed) for env_id in reversed(envs) for name in algos for seed in args.seeds]  # longest first
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {job: pool.submit(train, *job) for job in jobs if not (args.reuse and latest_run(*job))}
+        todo = [job for job in jobs if not ((args.reuse or args.only_existing) and latest_run(*job))]
+        futures = {job: pool.submit(train, *job) for job in ([] if args.only_existing else todo)}
     runs = {job: futures[job].result() if job in futures else latest_run(*job) for job in jobs}
+    runs = {job: run_dir for job, run_dir in runs.items() if run_dir is not None}
 
     per_seed, curves = [], {}
     for (name, env_id, seed), run_dir in runs.items():
@@ -165,7 +168,9 @@ def main():
     for ax, (env_id, (steps, threshold, ylim)) in zip(axes[0], envs.items()):
         grid = np.linspace(0, steps, 101)[1:]
         for name, color in zip(algos, ["C0", "C1"]):
-            stack = np.array([curves[(name, env_id, seed)] for seed in args.seeds])  # (seeds, 100)
+            stack = np.array([c for (n, e, _), c in curves.items() if (n, e) == (name, env_id)])  # (seeds, 100)
+            if not len(stack):
+                continue
             ax.plot(grid, np.nanmean(stack, 0), color=color, label=ALGOS[name][1])
             ax.fill_between(grid, np.nanmin(stack, 0), np.nanmax(stack, 0), color=color, alpha=0.2)
         ax.axhline(threshold, color="grey", lw=0.8, ls="--")
@@ -182,17 +187,21 @@ def main():
         "Mean return of the last 100 training episodes (sampled actions) at the end of the run, per seed and",
         "over seeds; steps = first step at which that mean reached the threshold (median over the seeds that did).",
         "",
-        "| command | per seed | mean ± std over seeds | worst seed | seeds ≥ threshold | steps to threshold |",
+        "| command | per seed (seed) | mean ± std over seeds | worst seed | seeds ≥ threshold | steps to threshold |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for env_id, (steps, threshold, _) in envs.items():
         for name in algos:
             rows = [r for r in per_seed if r["algorithm"] == name and r["env_id"] == env_id]
+            if not rows:
+                continue
             last = np.array([r["last100_mean_return"] for r in rows])
             reached = [r["first_step_last100_ge_threshold"] for r in rows if r["first_step_last100_ge_threshold"] != ""]
             median_steps = f"{int(np.median(reached)):,}" if reached else "-"
+            per_seed_text = ", ".join("{:.1f} (s{})".format(v, r["seed"]) for v, r in zip(last, rows))
             lines.append(
-                f"| `python {' '.join(command(name, env_id))}` | {', '.join(f'{v:.1f}' for v in last)} "
+                f"| `python {' '.join(command(name, env_id))}` "
+                f"| {per_seed_text} "
                 f"| {last.mean():.1f} ± {last.std():.1f} | {last.min():.1f} "
                 f"| {int((last >= threshold).sum())}/{len(last)} (≥ {threshold:g}) | {median_steps} |"
             )
