@@ -3,10 +3,12 @@
 Proximal Policy Optimization (Schulman et al. 2017, https://arxiv.org/abs/1707.06347) with Generalized
 Advantage Estimation (Schulman et al. 2016, https://arxiv.org/abs/1506.02438), written like CleanRL's
 ppo.py (Huang et al. 2022, "The 37 Implementation Details of PPO",
-https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/): same flags, defaults and
-metric names, so a run here compares directly with a CleanRL run.
+https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/): the same flags and metric
+names. With Discrete actions the defaults are ppo.py's, so runs compare with CleanRL's; with Box actions
+they differ from ppo_continuous_action.py's where detail 17 says. Details 6, 18, 19 and 21 differ from CleanRL.
 
 Usage: python ppo_classic.py --env-id CartPole-v1 --total-timesteps 500000 --seed 1
+       python ppo_classic.py --env-id Pendulum-v1          # Box defaults: learns with no other flag
 
 Implementation details ([n] = number in the 37-details post):
 1. N envs x T steps per rollout in one SyncVectorEnv [1]: a fixed-size batch from cheap CPU parallelism.
@@ -29,12 +31,22 @@ Implementation details ([n] = number in the 37-details post):
 15. Separate 64-64 tanh actor and critic [13]: no interference between policy and value gradients.
 16. Box actions: Gaussian with a state-independent log-std, log-probs summed over action dims [23-25];
     the unclipped sample is stored and only the env sees the action clipped to bounds [27].
-17. Optional reward scaling by a running std of the discounted return, --norm-reward [30]: Pendulum's
-    rewards (down to -16 a step) otherwise swamp the clipped value loss. Off by default, as in ppo.py.
-18. Episode statistics from gymnasium 1.x's vector RecordEpisodeStatistics, wrapped inside the reward
+17. Defaults per action space (DEFAULTS; a flag given wins). Discrete: ppo.py's. Box: observations and
+    rewards normalised and clipped at +-10 [28-31], ent-coef 0 and 10 epochs, as ppo_continuous_action.py,
+    but 4 envs x 512 steps, lr 1e-3, 16 minibatches and gamma 0.9 (it has 1 x 2048, 3e-4, 32 and 0.99).
+    Why: with raw rewards (down to -16 a step) the critic's gradient dominates the global clip and the
+    policy barely moves (approx_kl ~1e-8, issue #12), so rewards are scaled; Pendulum's reward is immediate, so a
+    10-step horizon (gamma 0.9, as rl-zoo's tuned Pendulum-v1 PPO) gives easier value targets; and half
+    the optimizer steps per sample (160 of 128 per 2048 samples, not 320 of 64) and 4 envs per forward
+    pass cost less CPU. Measured: 5 seeds x 200k steps in README (benchmarks/classic.py).
+18. Observation statistics live in the agent (buffers obs_mean, obs_var, obs_count; one set for all envs):
+    saved with --save-model, restored by --eval-checkpoint and applied frozen in evaluation. CleanRL keeps
+    them in an env wrapper and loses them. Reward statistics serve training only and are not saved.
+19. Box observations of any shape are flattened (FlattenObservation); Dict/Tuple spaces are refused.
+20. Episode statistics from gymnasium 1.x's vector RecordEpisodeStatistics, wrapped inside the reward
     scaling so charts/episodic_return is the raw return.
-19. Every loss logged is the mean over all minibatches of the update (CleanRL logs the last one only).
-20. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
+21. Every loss logged is the mean over all minibatches of the update (CleanRL logs the last one only).
+22. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
 """
 
 import importlib.util
@@ -78,43 +90,54 @@ class Args:
     eval_episodes: int = 10
     """the number of episodes of an evaluation (actions: argmax for discrete, mean for continuous)"""
 
-    # Algorithm
+    # Algorithm (None: the default of the action space, DEFAULTS below)
     env_id: str = "CartPole-v1"
-    """the id of the environment"""
+    """the id of the environment (`module:EnvId` imports `module` first, which may register it)"""
     total_timesteps: int = 500000
     """total timesteps of the experiment"""
-    learning_rate: float = 2.5e-4
-    """the learning rate of the optimizer"""
-    num_envs: int = 4
-    """the number of parallel game environments"""
-    num_steps: int = 128
-    """the number of steps to run in each environment per policy rollout"""
+    learning_rate: float | None = None
+    """the learning rate of the optimizer (default: 2.5e-4 Discrete, 1e-3 Box)"""
+    num_envs: int | None = None
+    """the number of parallel game environments (default: 4 Discrete and Box)"""
+    num_steps: int | None = None
+    """the number of steps to run in each environment per policy rollout (default: 128 Discrete, 512 Box)"""
     anneal_lr: bool = True
     """toggle learning rate annealing for policy and value networks"""
-    gamma: float = 0.99
-    """the discount factor gamma"""
+    gamma: float | None = None
+    """the discount factor gamma (default: 0.99 Discrete, 0.9 Box)"""
     gae_lambda: float = 0.95
     """the lambda for the generalized advantage estimation"""
-    num_minibatches: int = 4
-    """the number of mini-batches"""
-    update_epochs: int = 4
-    """the K epochs to update the policy"""
+    num_minibatches: int | None = None
+    """the number of mini-batches (default: 4 Discrete, 16 Box)"""
+    update_epochs: int | None = None
+    """the K epochs to update the policy (default: 4 Discrete, 10 Box)"""
     norm_adv: bool = True
     """toggles advantages normalization"""
     clip_coef: float = 0.2
     """the surrogate clipping coefficient"""
     clip_vloss: bool = True
     """toggles whether or not to use a clipped loss for the value function, as per the paper"""
-    ent_coef: float = 0.01
-    """coefficient of the entropy"""
+    ent_coef: float | None = None
+    """coefficient of the entropy (default: 0.01 Discrete, 0.0 Box)"""
     vf_coef: float = 0.5
     """coefficient of the value function"""
     max_grad_norm: float = 0.5
     """the maximum norm for the gradient clipping"""
     target_kl: float | None = None
     """the target KL divergence threshold (stop the update epochs early when exceeded)"""
-    norm_reward: bool = False
-    """normalise rewards by a running std of the discounted return (needed for Pendulum-v1)"""
+    norm_obs: bool | None = None
+    """normalise observations by running stats saved with the agent, clip at +-10 (default: off Discrete, on Box)"""
+    norm_reward: bool | None = None
+    """scale rewards by a running std of the discounted return, clip to +-10 (default: off Discrete, on Box)"""
+
+
+# detail 17: CleanRL ppo.py's defaults for Discrete actions; for Box actions, ones measured to learn Pendulum-v1
+DEFAULTS = {
+    "Discrete": dict(learning_rate=2.5e-4, num_envs=4, num_steps=128, num_minibatches=4, update_epochs=4,
+                     ent_coef=0.01, gamma=0.99, norm_obs=False, norm_reward=False),
+    "Box": dict(learning_rate=1e-3, num_envs=4, num_steps=512, num_minibatches=16, update_epochs=10,
+                ent_coef=0.0, gamma=0.9, norm_obs=True, norm_reward=True),
+}  # fmt: skip
 
 
 # ALGO LOGIC: numerics
@@ -140,6 +163,19 @@ def compute_gae(rewards, values, dones, last_value, gamma, gae_lambda):
     return advantages, advantages + values
 
 
+def update_mean_var(mean, var, count, x):
+    """Folds a batch x (B, D) into running per-dimension statistics (Chan et al.'s parallel algorithm).
+
+    delta = mean(x) - mean,  n = count + B
+    mean' = mean + delta * B / n
+    var'  = (var * count + var(x) * B + delta^2 * count * B / n) / n          (population variances)
+    """
+    batch_mean, batch_var, batch_count = x.mean(0), x.var(0, unbiased=False), x.shape[0]
+    delta, total = batch_mean - mean, count + batch_count
+    m2 = var * count + batch_var * batch_count + delta**2 * count * batch_count / total
+    return mean + delta * batch_count / total, m2 / total, total
+
+
 # ALGO LOGIC: agent
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
     torch.nn.init.orthogonal_(layer.weight, std)
@@ -158,14 +194,28 @@ def mlp(in_dim, out_dim, out_std):
 
 
 class Agent(nn.Module):
-    def __init__(self, obs_dim, action_space):
+    def __init__(self, obs_dim, action_space, norm_obs=False):
         super().__init__()
-        self.continuous = isinstance(action_space, gym.spaces.Box)
+        self.continuous, self.norm_obs = isinstance(action_space, gym.spaces.Box), norm_obs
+        # detail 18: buffers, so the statistics are saved and restored with the weights
+        self.register_buffer("obs_mean", torch.zeros(obs_dim))
+        self.register_buffer("obs_var", torch.ones(obs_dim))
+        self.register_buffer("obs_count", torch.tensor(1e-4))
         act_dim = action_space.shape[0] if self.continuous else action_space.n
         self.critic = mlp(obs_dim, 1, out_std=1.0)
         self.actor = mlp(obs_dim, act_dim, out_std=0.01)  # logits, or the Gaussian mean
         if self.continuous:
             self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))
+
+    def normalize(self, x, update=False):
+        """(x - mean) / std clipped to +-10 if norm_obs; update=True (rollouts only) first folds x into the stats."""
+        if not self.norm_obs:
+            return x
+        if update:
+            self.obs_mean, self.obs_var, self.obs_count = update_mean_var(
+                self.obs_mean, self.obs_var, self.obs_count, x
+            )
+        return ((x - self.obs_mean) / (self.obs_var + 1e-8).sqrt()).clamp(-10.0, 10.0)
 
     def get_value(self, x):
         return self.critic(x)
@@ -192,19 +242,34 @@ class Agent(nn.Module):
 def make_env(env_id, idx, capture_video, run_dir):
     def thunk():
         if capture_video and idx == 0:
-            env = gym.make(env_id, render_mode="rgb_array")
-            return gym.wrappers.RecordVideo(env, f"{run_dir}/videos")
-        return gym.make(env_id)
+            env = gym.wrappers.RecordVideo(gym.make(env_id, render_mode="rgb_array"), f"{run_dir}/videos")
+        else:
+            env = gym.make(env_id)
+        return gym.wrappers.FlattenObservation(env)  # a Box of any shape becomes 1-D, the MLP's input
 
     return thunk
 
 
-def check_env(env_id, observation_space, action_space):
+def check_env(env_id, capture_video):
+    """Refuses with one line, before anything is written, what the script cannot run; returns the action space."""
+    try:
+        env = gym.make(env_id)  # "module:EnvId" imports module first
+    except gym.error.DependencyNotInstalled as e:
+        raise SystemExit(f"error: --env-id {env_id} needs a package that is not installed: {e}")
+    except (gym.error.UnregisteredEnv, ModuleNotFoundError):
+        raise SystemExit(f"error: --env-id {env_id} is not a registered Gymnasium environment")
+    observation_space, action_space = env.observation_space, env.action_space
+    env.close()
     if not isinstance(observation_space, gym.spaces.Box):
         raise SystemExit(f"error: --env-id {env_id} has observation space {observation_space}; need a Box")
     ok_box = isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1
     if not (ok_box or isinstance(action_space, gym.spaces.Discrete)):
         raise SystemExit(f"error: --env-id {env_id} has action space {action_space}; supported: Discrete and 1-D Box")
+    extras = {"pygame": "classic-control", "moviepy": "other"}  # the gymnasium extra that brings each
+    missing = [f"{m} (pip install 'gymnasium[{x}]')" for m, x in extras.items() if importlib.util.find_spec(m) is None]
+    if capture_video and missing:
+        raise SystemExit(f"error: --capture-video needs {' and '.join(missing)}")
+    return action_space
 
 
 TENSORBOARD = {}  # run directory -> its TensorBoard writer, made by log() on first use
@@ -229,18 +294,20 @@ def log(metrics, step, metrics_file, wandb_run):
 def evaluate(checkpoint_path, eval_episodes, seed, device):
     """Runs the saved agent for eval_episodes episodes with greedy actions; returns the episode returns."""
     checkpoint = torch.load(checkpoint_path, map_location=device)
-    env = gym.make(checkpoint["env_id"])
+    env = gym.wrappers.FlattenObservation(gym.make(checkpoint["env_id"]))
     if isinstance(env.action_space, gym.spaces.Box):
         env = gym.wrappers.ClipAction(env)
-    agent = Agent(int(np.prod(env.observation_space.shape)), env.action_space).to(device)
-    agent.load_state_dict(checkpoint["state_dict"])
+    agent = Agent(env.observation_space.shape[0], env.action_space, checkpoint["norm_obs"]).to(device)
+    agent.load_state_dict(checkpoint["state_dict"])  # with the observation statistics, applied frozen below
     episodic_returns = []
     for episode in range(eval_episodes):
         obs, _ = env.reset(seed=seed + episode)
         done, episodic_return = False, 0.0
         while not done:
             with torch.no_grad():
-                action = agent.get_greedy_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
+                action = agent.get_greedy_action(
+                    agent.normalize(torch.as_tensor(obs, dtype=torch.float32, device=device))
+                )
             obs, reward, terminated, truncated, _ = env.step(action.cpu().numpy())
             episodic_return, done = episodic_return + float(reward), terminated or truncated
         episodic_returns.append(episodic_return)
@@ -259,6 +326,10 @@ def main():
         returns = evaluate(args.eval_checkpoint, args.eval_episodes, args.seed, device)
         print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
         return
+    action_space = check_env(args.env_id, args.capture_video)
+    for name, value in DEFAULTS[type(action_space).__name__].items():  # detail 17: flags left at None
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     batch_size = args.num_envs * args.num_steps
     if args.num_minibatches < 1 or batch_size % args.num_minibatches:
         raise SystemExit(
@@ -267,18 +338,8 @@ def main():
         )
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
-    if args.env_id not in gym.registry:
-        raise SystemExit(f"error: --env-id {args.env_id} is not a registered Gymnasium environment")
-    try:
-        probe = gym.make(args.env_id)
-    except gym.error.DependencyNotInstalled as e:
-        raise SystemExit(f"error: --env-id {args.env_id} needs a package that is not installed: {e}")
-    check_env(args.env_id, probe.observation_space, probe.action_space)
-    probe.close()
-    if args.capture_video and not all(importlib.util.find_spec(m) for m in ["pygame", "moviepy"]):
-        raise SystemExit("error: --capture-video needs pygame and moviepy (pip install 'gymnasium[other]')")
 
-    run_name = f"{args.exp_name}__{args.env_id.replace('/', '-')}__{args.seed}__{int(time.time())}"
+    run_name = f"{args.exp_name}__{args.env_id.replace('/', '-').replace(':', '-')}__{args.seed}__{int(time.time())}"
     run_dir = f"runs/{run_name}"
     os.makedirs(run_dir, exist_ok=True)
     with open(f"{run_dir}/args.json", "w") as f:
@@ -312,11 +373,12 @@ def main():
     envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)  # wraps first: logs the raw rewards
     if args.norm_reward:
         envs = gym.wrappers.vector.NormalizeReward(envs, gamma=args.gamma)
+        envs = gym.wrappers.vector.ClipReward(envs, -10.0, 10.0)
     if isinstance(envs.single_action_space, gym.spaces.Box):
         envs = gym.wrappers.vector.ClipAction(envs)
     obs_shape, act_shape = envs.single_observation_space.shape, envs.single_action_space.shape
 
-    agent = Agent(int(np.prod(obs_shape)), envs.single_action_space).to(device)
+    agent = Agent(obs_shape[0], envs.single_action_space, args.norm_obs).to(device)
     # fused: one kernel for all parameters instead of a Python loop over them; the same Adam update
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
 
@@ -334,7 +396,7 @@ def main():
     global_step = 0
     start_time = time.time()
     next_obs, _ = envs.reset(seed=args.seed)
-    next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
+    next_obs = agent.normalize(torch.as_tensor(next_obs, dtype=torch.float32, device=device), update=True)
     interrupted = False
     try:
         for iteration in range(1, num_iterations + 1):
@@ -359,11 +421,11 @@ def main():
                 if bootstrap.any():
                     final_obs = np.stack(infos["final_obs"][bootstrap])  # (n_truncated, obs_dim)
                     with torch.inference_mode():
-                        final_obs = torch.as_tensor(final_obs, dtype=torch.float32, device=device)
+                        final_obs = agent.normalize(torch.as_tensor(final_obs, dtype=torch.float32, device=device))
                         final_values = agent.get_value(final_obs).flatten()
                     reward[bootstrap] += args.gamma * final_values.cpu().numpy()  # reward: (N,)
                 rewards[step], dones[step] = reward, terminations | truncations
-                next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
+                next_obs = agent.normalize(torch.as_tensor(next_obs, dtype=torch.float32, device=device), update=True)
                 if "episode" in infos:
                     for i in infos["_episode"].nonzero()[0]:
                         r, length = float(infos["episode"]["r"][i]), int(infos["episode"]["l"][i])
@@ -389,7 +451,7 @@ def main():
             b_returns = returns.reshape(-1)
             b_values = values.reshape(-1)
 
-            # Optimizing the policy and value network; stats summed over every minibatch (detail 17)
+            # Optimizing the policy and value network; stats summed over every minibatch (detail 21)
             stats = torch.zeros(6)  # pg_loss, v_loss, entropy, old_approx_kl, approx_kl, clipfrac
             num_updates = 0
             for epoch in range(args.update_epochs):
@@ -474,7 +536,7 @@ def main():
     envs.close()
     if args.save_model:
         model_path = f"{run_dir}/{args.exp_name}.cleanrl_model"
-        torch.save({"env_id": args.env_id, "state_dict": agent.state_dict()}, model_path)
+        torch.save({"env_id": args.env_id, "norm_obs": args.norm_obs, "state_dict": agent.state_dict()}, model_path)
         print(f"model saved to {model_path}")
         if not interrupted:
             returns = evaluate(model_path, args.eval_episodes, args.seed + 10_000, device)

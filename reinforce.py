@@ -10,6 +10,9 @@ Optimization"; Schulman et al. 2016, https://arxiv.org/abs/1506.02438, section 2
   episode-return         Psi_t = R(tau) = sum_k gamma^k r_k, the same weight for every step of an episode
   reward-to-go           Psi_t = G_t = sum_{k>=t} gamma^(k-t) r_k, an action cannot change past rewards
   reward-to-go-baseline  Psi_t = G_t - V(s_t), V a learned state-value baseline: same expectation, less noise
+  advantage              Psi_t = GAE-lambda estimate of A(s_t, a_t) with the fitted V (Spinning Up's VPG;
+                         seeds 003 section 4.4): less variance still, some bias where V is wrong
+Whether each choice really lowers the variance is measured in benchmarks/psi_variance.py (README).
 Same flags, logging and metric names as ppo_classic.py, so the two compare directly (benchmarks/).
 
 Usage: python reinforce.py --env-id CartPole-v1 --psi reward-to-go-baseline --total-timesteps 500000
@@ -19,21 +22,25 @@ Implementation details:
    Psi is a Monte-Carlo return, so it needs the episode's end; the batch averages out some noise. An env
    whose episode is over keeps stepping until the batch is complete; those steps are masked out and
    not counted in global_step.
-2. An episode ended by the time limit (truncation) is treated as ended: there is no critic to bootstrap
-   from in Monte-Carlo REINFORCE (ppo_classic.py bootstraps).
+2. An episode cut by the time limit (truncated, not terminated) bootstraps where a V exists (--psi
+   reward-to-go-baseline, advantage): its last reward gets + gamma * V(final obs), as in ppo_classic.py.
+   With episode-return and reward-to-go there is no V, so it counts as ended (Psi biased low near the limit).
 3. Loss = mean over all valid steps of the batch of -log pi(a_t|s_t) * Psi_t (Spinning Up's estimator).
 4. Log-probs are recomputed in one batched forward pass after the rollout (same policy, same values):
    the rollout runs without autograd and the backward pass sees a single (T, N) graph.
 5. Psi normalised to mean 0, std 1 over the batch (--norm-adv): the step size stops depending on the
    reward scale and the episode length; it also acts as a constant baseline.
-6. The baseline V(s) is a separate 64-64 tanh network fitted to G_t by MSE in the same Adam step; V is
-   detached inside Psi, so the policy gradient does not flow into it.
+6. V(s) is a separate 64-64 tanh network with its own Adam (--vf-learning-rate), fitted to G_t after the
+   policy step by --vf-iters full-batch MSE steps, as Spinning Up's VPG (80 at 1e-3): one shared step per
+   batch left its explained variance below 0.06 on CartPole (issue #12). Psi uses V before it is fitted to the batch,
+   so the baseline does not depend on the batch's own actions.
 7. Optional entropy bonus (--ent-coef, off by default): slows the collapse onto one action.
 8. Orthogonal init with a 0.01 policy head and a Gaussian with state-independent log-std for Box
-   actions, exactly as ppo_classic.py: the two scripts differ only in the algorithm.
+   actions, exactly as ppo_classic.py, but no observation or reward normalisation (its detail 17).
 9. Plain Adam at a constant learning rate, no gradient clipping: REINFORCE as written; PPO's extra
    machinery stays in ppo_classic.py.
 10. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
+11. Box observations of any shape are flattened (FlattenObservation); Dict/Tuple spaces are refused.
 """
 
 import importlib.util
@@ -89,14 +96,18 @@ class Args:
     """the number of parallel game environments = the number of whole episodes per update"""
     gamma: float = 0.99
     """the discount factor gamma"""
-    psi: Literal["episode-return", "reward-to-go", "reward-to-go-baseline"] = "reward-to-go-baseline"
-    """the policy-gradient weight Psi_t: R(tau), G_t, or G_t - V(s_t) with a learned baseline V"""
+    psi: Literal["episode-return", "reward-to-go", "reward-to-go-baseline", "advantage"] = "reward-to-go-baseline"
+    """the policy-gradient weight Psi_t: R(tau), G_t, G_t - V(s_t), or the GAE advantage estimate with V"""
+    gae_lambda: float = 0.97
+    """the lambda of the advantage estimate (--psi advantage), Spinning Up's VPG default"""
     norm_adv: bool = True
     """toggles normalisation of Psi_t to mean 0 and std 1 over the batch"""
     ent_coef: float = 0.0
     """coefficient of the entropy bonus"""
-    vf_coef: float = 0.5
-    """coefficient of the baseline's value loss (used with --psi reward-to-go-baseline)"""
+    vf_learning_rate: float = 1e-3
+    """the learning rate of V's own Adam optimizer (--psi reward-to-go-baseline or advantage)"""
+    vf_iters: int = 80
+    """full-batch regression steps of V on the returns, per batch (Spinning Up's VPG: 80)"""
 
 
 # ALGO LOGIC: numerics
@@ -113,6 +124,50 @@ def reward_to_go(rewards, dones, gamma):
         next_return = rewards[t] + gamma * (1.0 - dones[t]) * next_return
         returns[t] = next_return
     return returns
+
+
+def compute_gae(rewards, values, dones, last_value, gamma, gae_lambda):
+    """Generalized Advantage Estimation over a (T, N) rollout.
+
+    delta_t = r_t + gamma * V_{t+1} * (1 - dones[t]) - V_t
+    A_t     = delta_t + gamma * lambda * (1 - dones[t]) * A_{t+1}        (A_T = 0)
+    returns = A + V                                                       (the value targets)
+
+    dones[t] = 1 when the episode ended at step t; for a truncated episode the caller has already added
+    gamma * V(final obs) to rewards[t]. V_T = last_value, the value of the observation after step T-1.
+    """
+    advantages = torch.zeros_like(rewards)  # (T, N)
+    lastgaelam = torch.zeros_like(last_value)  # (N,)
+    next_values = last_value  # (N,)
+    for t in reversed(range(rewards.shape[0])):
+        nonterminal = 1.0 - dones[t]  # (N,)
+        delta = rewards[t] + gamma * next_values * nonterminal - values[t]
+        lastgaelam = delta + gamma * gae_lambda * nonterminal * lastgaelam
+        advantages[t] = lastgaelam
+        next_values = values[t]
+    return advantages, advantages + values
+
+
+def compute_psi(psi, rewards, dones, values, gamma, gae_lambda):
+    """Psi_t of each choice over a (T, N) batch in which every column is one episode starting at t = 0.
+
+    episode-return         Psi_t = R(tau) = G_0
+    reward-to-go           Psi_t = G_t
+    reward-to-go-baseline  Psi_t = G_t - V(s_t)
+    advantage              Psi_t = GAE(gamma, lambda) with V: sum_l (gamma*lambda)^l delta_{t+l}
+
+    Returns (psi, G): G = reward_to_go(...) is the regression target of V. values: V(s_t), detached.
+    """
+    returns = reward_to_go(rewards, dones, gamma)  # (T, N)
+    if psi == "episode-return":
+        return returns[0].expand_as(returns), returns
+    if psi == "reward-to-go":
+        return returns, returns
+    if psi == "reward-to-go-baseline":
+        return returns - values, returns
+    # every column ends inside the batch (dones = 1 at its last step), so no value after it is needed
+    advantages, _ = compute_gae(rewards, values, dones, torch.zeros_like(values[0]), gamma, gae_lambda)
+    return advantages, returns
 
 
 # ALGO LOGIC: agent
@@ -167,19 +222,34 @@ class Agent(nn.Module):
 def make_env(env_id, idx, capture_video, run_dir):
     def thunk():
         if capture_video and idx == 0:
-            env = gym.make(env_id, render_mode="rgb_array")
-            return gym.wrappers.RecordVideo(env, f"{run_dir}/videos")
-        return gym.make(env_id)
+            env = gym.wrappers.RecordVideo(gym.make(env_id, render_mode="rgb_array"), f"{run_dir}/videos")
+        else:
+            env = gym.make(env_id)
+        return gym.wrappers.FlattenObservation(env)  # a Box of any shape becomes 1-D, the MLP's input
 
     return thunk
 
 
-def check_env(env_id, observation_space, action_space):
+def check_env(env_id, capture_video):
+    """Refuses with one line, before anything is written, what the script cannot run; returns the action space."""
+    try:
+        env = gym.make(env_id)  # "module:EnvId" imports module first
+    except gym.error.DependencyNotInstalled as e:
+        raise SystemExit(f"error: --env-id {env_id} needs a package that is not installed: {e}")
+    except (gym.error.UnregisteredEnv, ModuleNotFoundError):
+        raise SystemExit(f"error: --env-id {env_id} is not a registered Gymnasium environment")
+    observation_space, action_space = env.observation_space, env.action_space
+    env.close()
     if not isinstance(observation_space, gym.spaces.Box):
         raise SystemExit(f"error: --env-id {env_id} has observation space {observation_space}; need a Box")
     ok_box = isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1
     if not (ok_box or isinstance(action_space, gym.spaces.Discrete)):
         raise SystemExit(f"error: --env-id {env_id} has action space {action_space}; supported: Discrete and 1-D Box")
+    extras = {"pygame": "classic-control", "moviepy": "other"}  # the gymnasium extra that brings each
+    missing = [f"{m} (pip install 'gymnasium[{x}]')" for m, x in extras.items() if importlib.util.find_spec(m) is None]
+    if capture_video and missing:
+        raise SystemExit(f"error: --capture-video needs {' and '.join(missing)}")
+    return action_space
 
 
 TENSORBOARD = {}  # run directory -> its TensorBoard writer, made by log() on first use
@@ -204,10 +274,10 @@ def log(metrics, step, metrics_file, wandb_run):
 def evaluate(checkpoint_path, eval_episodes, seed, device):
     """Runs the saved agent for eval_episodes episodes with greedy actions; returns the episode returns."""
     checkpoint = torch.load(checkpoint_path, map_location=device)
-    env = gym.make(checkpoint["env_id"])
+    env = gym.wrappers.FlattenObservation(gym.make(checkpoint["env_id"]))
     if isinstance(env.action_space, gym.spaces.Box):
         env = gym.wrappers.ClipAction(env)
-    agent = Agent(int(np.prod(env.observation_space.shape)), env.action_space, checkpoint["baseline"])
+    agent = Agent(env.observation_space.shape[0], env.action_space, checkpoint["baseline"])
     agent.load_state_dict(checkpoint["state_dict"])
     agent.to(device)
     episodic_returns = []
@@ -224,6 +294,37 @@ def evaluate(checkpoint_path, eval_episodes, seed, device):
     return episodic_returns
 
 
+def rollout(envs, agent, gamma, device):
+    """Plays one whole episode in each env (detail 1); returns (T, N) tensors: obs, actions, rewards (raw),
+    bootstraps (gamma * V(final obs) at the last step of a truncated episode when V exists, detail 2),
+    dones (1 at and after an episode's last step) and masks (1 on the episode's own steps)."""
+    next_obs, _ = envs.reset()
+    next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
+    active = np.ones(envs.num_envs, dtype=bool)  # (N,) env still in this iteration's episode
+    obs, actions, rewards, bootstraps, dones, masks = [], [], [], [], [], []
+    while active.any():
+        with torch.inference_mode():
+            action, _, _ = agent.get_action(next_obs)
+        obs.append(next_obs)
+        actions.append(action)
+        next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+        bootstrap = np.zeros(envs.num_envs, dtype=np.float32)
+        truncated = active & truncations & ~terminations
+        if agent.critic is not None and truncated.any():
+            final_obs = torch.as_tensor(np.stack(infos["final_obs"][truncated]), dtype=torch.float32, device=device)
+            with torch.inference_mode():
+                bootstrap[truncated] = gamma * agent.get_value(final_obs).flatten().cpu().numpy()
+        rewards.append(torch.as_tensor(reward * active, dtype=torch.float32))
+        bootstraps.append(torch.as_tensor(bootstrap))
+        dones.append(torch.as_tensor(terminations | truncations | ~active, dtype=torch.float32))
+        masks.append(torch.as_tensor(active, dtype=torch.float32))
+        active = active & ~(terminations | truncations)
+        next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
+    obs, actions = torch.stack(obs), torch.stack(actions)  # (T, N, obs_dim), (T, N[, act_dim])
+    rest = [torch.stack(x).to(device) for x in (rewards, bootstraps, dones, masks)]  # (T, N) each
+    return obs, actions, *rest
+
+
 def main():
     args = tyro.cli(Args)
     # 1 thread is the fastest for these tiny networks on CPU (measured in benchmarks/classic.py)
@@ -235,18 +336,11 @@ def main():
         returns = evaluate(args.eval_checkpoint, args.eval_episodes, args.seed, device)
         print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
         return
-    if args.env_id not in gym.registry:
-        raise SystemExit(f"error: --env-id {args.env_id} is not a registered Gymnasium environment")
-    try:
-        probe = gym.make(args.env_id)
-    except gym.error.DependencyNotInstalled as e:
-        raise SystemExit(f"error: --env-id {args.env_id} needs a package that is not installed: {e}")
-    check_env(args.env_id, probe.observation_space, probe.action_space)
-    probe.close()
-    if args.capture_video and not all(importlib.util.find_spec(m) for m in ["pygame", "moviepy"]):
-        raise SystemExit("error: --capture-video needs pygame and moviepy (pip install 'gymnasium[other]')")
+    check_env(args.env_id, args.capture_video)
+    if args.vf_iters < 1:
+        raise SystemExit(f"error: --vf-iters must be at least 1 (got {args.vf_iters})")
 
-    run_name = f"{args.exp_name}__{args.env_id.replace('/', '-')}__{args.seed}__{int(time.time())}"
+    run_name = f"{args.exp_name}__{args.env_id.replace('/', '-').replace(':', '-')}__{args.seed}__{int(time.time())}"
     run_dir = f"runs/{run_name}"
     os.makedirs(run_dir, exist_ok=True)
     with open(f"{run_dir}/args.json", "w") as f:
@@ -279,11 +373,13 @@ def main():
     )
     if isinstance(envs.single_action_space, gym.spaces.Box):
         envs = gym.wrappers.vector.ClipAction(envs)
-    obs_shape = envs.single_observation_space.shape
-    baseline = args.psi == "reward-to-go-baseline"
-    agent = Agent(int(np.prod(obs_shape)), envs.single_action_space, baseline).to(device)
-    # fused: one kernel for all parameters instead of a Python loop over them; the same Adam update
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, fused=True)
+    baseline = args.psi in ("reward-to-go-baseline", "advantage")
+    agent = Agent(envs.single_observation_space.shape[0], envs.single_action_space, baseline).to(device)
+    # detail 6: the policy and V have their own optimizers; fused: one kernel for all parameters
+    policy_params = [p for name, p in agent.named_parameters() if not name.startswith("critic.")]
+    optimizer = torch.optim.Adam(policy_params, lr=args.learning_rate, fused=True)
+    if baseline:
+        vf_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=args.vf_learning_rate, fused=True)
 
     # TRY NOT TO MODIFY: start the game
     global_step, iteration = 0, 0
@@ -293,27 +389,8 @@ def main():
     try:
         while global_step < args.total_timesteps:
             iteration += 1
-            # ROLLOUT: each env plays one whole episode; steps after its end are masked out
-            next_obs, _ = envs.reset()
-            next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
-            active = np.ones(args.num_envs, dtype=bool)  # (N,) env still in this iteration's episode
-            obs, actions, rewards, dones, masks = [], [], [], [], []
-            while active.any():
-                global_step += int(active.sum())
-                with torch.inference_mode():
-                    action, _, _ = agent.get_action(next_obs)
-                obs.append(next_obs)
-                actions.append(action)
-                next_obs, reward, terminations, truncations, _ = envs.step(action.cpu().numpy())
-                rewards.append(torch.as_tensor(reward * active, dtype=torch.float32))
-                dones.append(torch.as_tensor(terminations | truncations | ~active, dtype=torch.float32))
-                masks.append(torch.as_tensor(active, dtype=torch.float32))
-                active = active & ~(terminations | truncations)
-                next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
-            obs, actions = torch.stack(obs), torch.stack(actions)  # (T, N, obs_dim), (T, N[, act_dim])
-            rewards, dones, masks = torch.stack(rewards), torch.stack(dones), torch.stack(masks)  # (T, N)
-            rewards, dones, masks = rewards.to(device), dones.to(device), masks.to(device)
-
+            obs, actions, rewards, bootstraps, dones, masks = rollout(envs, agent, args.gamma, device)
+            global_step += int(masks.sum())
             episodic_returns, episodic_lengths = rewards.sum(0).tolist(), masks.sum(0).long().tolist()
             for r, length in zip(episodic_returns, episodic_lengths):
                 log(
@@ -323,38 +400,38 @@ def main():
                     wandb_run,
                 )
 
-            # ALGO LOGIC: Psi_t for every step, then one gradient step on the whole batch
-            returns = reward_to_go(rewards, dones, args.gamma)  # (T, N)
+            # ALGO LOGIC: Psi_t for every step with the V that the batch has not been fitted on (detail 6)
+            with torch.no_grad():
+                values = agent.get_value(obs).squeeze(-1) if baseline else torch.zeros_like(rewards)  # (T, N)
+            psi, returns = compute_psi(args.psi, rewards + bootstraps, dones, values, args.gamma, args.gae_lambda)
             num_valid = masks.sum()
-            _, logprobs, entropy = agent.get_action(obs, actions)  # (T, N)
-            if args.psi == "episode-return":
-                psi = returns[0].expand_as(returns)  # every episode starts at t = 0: R(tau) = G_0
-            elif args.psi == "reward-to-go":
-                psi = returns
-            else:
-                values = agent.get_value(obs).squeeze(-1)  # (T, N)
-                psi = returns - values.detach()
             if args.norm_adv:
                 mean = (psi * masks).sum() / num_valid
                 std = (((psi - mean) ** 2 * masks).sum() / (num_valid - 1).clamp(min=1)).sqrt()
                 psi = (psi - mean) / (std + 1e-8)
 
+            # one policy-gradient step on the whole batch
+            _, logprobs, entropy = agent.get_action(obs, actions)  # (T, N)
             pg_loss = -(logprobs * psi * masks).sum() / num_valid
             entropy_loss = (entropy * masks).sum() / num_valid
-            loss = pg_loss - args.ent_coef * entropy_loss
+            optimizer.zero_grad()
+            (pg_loss - args.ent_coef * entropy_loss).backward()
+            optimizer.step()
+
             metrics = {"charts/learning_rate": args.learning_rate}
             if baseline:
-                v_loss = 0.5 * (((values - returns) ** 2) * masks).sum() / num_valid
-                loss = loss + args.vf_coef * v_loss
+                # explained variance of the V that weighted this batch, then vf-iters regression steps on it
                 valid = masks.bool()
-                y_pred, y_true = values[valid].detach().cpu().numpy(), returns[valid].cpu().numpy()
+                y_pred, y_true = values[valid].cpu().numpy(), returns[valid].cpu().numpy()
                 var_y = np.var(y_true)
                 explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+                for _ in range(args.vf_iters):
+                    v_loss = 0.5 * (((agent.get_value(obs).squeeze(-1) - returns) ** 2) * masks).sum() / num_valid
+                    vf_optimizer.zero_grad()
+                    v_loss.backward()
+                    vf_optimizer.step()
                 metrics["losses/value_loss"] = v_loss.item()
                 metrics["losses/explained_variance"] = float(explained_var)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
 
             # TRY NOT TO MODIFY: record losses and speed
             sps = int(global_step / (time.time() - start_time))

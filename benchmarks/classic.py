@@ -1,18 +1,19 @@
-"""Classic-control benchmark: PPO vs REINFORCE learning curves on CartPole-v1, and PPO's speed.
+"""Classic-control benchmark: PPO and REINFORCE learning curves on CartPole-v1, Acrobot-v1, Pendulum-v1; PPO's speed.
 
-Usage (from the repository root, ~20 minutes on 2 CPU cores):
-    python benchmarks/classic.py                                  # curves (5 seeds each) + speed
+Usage (from the repository root; the curves take about 20 CPU-minutes, run 2 at a time under `nice`):
+    python benchmarks/classic.py --skip-speed                     # curves only (5 seeds x 3 envs x 2 scripts)
     python benchmarks/classic.py --cleanrl /tmp/cleanrl/ppo.py    # also time a local copy of CleanRL's ppo.py
 
-1. Learning curves: ppo_classic.py and reinforce.py (reward-to-go minus a learned baseline), both with
-   their defaults, and reinforce.py with the two other choices of Psi; CartPole-v1, --total-timesteps
-   steps, one run per seed (at most --jobs at once, under `nice`). Episodes are read from metrics.jsonl.
+1. Learning curves: ppo_classic.py and reinforce.py, each with its defaults and only --env-id, --seed and
+   --total-timesteps given (STEPS per env), one run per seed (at most --jobs at once, under `nice`).
+   Episodes are read from metrics.jsonl.
 2. Speed: ppo_classic.py with its defaults, run with 1 and with 2 torch threads (and CleanRL's ppo.py
    the same way when --cleanrl is given), each run stopped after --speed-seconds, the runs interleaved
    --speed-repeats times so that every configuration sees the same machine load; the figure is the
    last charts/SPS the run printed (steps / seconds since its start), the median over repeats.
 Writes benchmarks/results/classic.csv (per-seed figures), classic_curves.csv (the plotted curves),
 classic_speed.csv, classic.md (the tables) and classic_return.png (mean and min-max over seeds).
+The variance of REINFORCE's gradient estimates is measured by benchmarks/psi_variance.py.
 """
 
 import argparse
@@ -35,14 +36,17 @@ import numpy as np  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
-# name -> (script, flags, label); the first two are the headline comparison, the rest REINFORCE's Psi choices
+# name -> (script, label): both with their defaults
 ALGOS = {
-    "ppo_classic": ("ppo_classic.py", [], "PPO (ppo_classic.py)"),
-    "reinforce": ("reinforce.py", [], "REINFORCE, Psi = G_t - V(s_t) (reinforce.py)"),
-    "reinforce-rtg": ("reinforce.py", ["--psi", "reward-to-go"], "REINFORCE, Psi = G_t"),
-    "reinforce-return": ("reinforce.py", ["--psi", "episode-return"], "REINFORCE, Psi = R(tau)"),
+    "ppo_classic": ("ppo_classic.py", "PPO (ppo_classic.py)"),
+    "reinforce": ("reinforce.py", "REINFORCE, Psi = G_t - V(s_t) (reinforce.py)"),
 }
-SOLVED = 475.0  # CartPole-v1's reward threshold
+# env -> (total timesteps, the return that counts as solved, y range of the plot)
+ENVS = {
+    "CartPole-v1": (100_000, 475.0, (0, 520)),
+    "Acrobot-v1": (100_000, -100.0, (-520, 0)),
+    "Pendulum-v1": (200_000, -250.0, (-1700, 0)),
+}
 # Runs a script with a given torch thread count: the scripts set 1 thread themselves, so the call is disabled.
 THREADS = (
     "import runpy, sys, torch; torch.set_num_threads(int(sys.argv.pop(1))); "
@@ -51,19 +55,21 @@ THREADS = (
 )
 
 
-def train(name, seed, total_timesteps):
+def command(name, env_id):
+    return [ALGOS[name][0], f"--env-id={env_id}", f"--total-timesteps={ENVS[env_id][0]}"]
+
+
+def train(name, env_id, seed):
     """Runs one training run and returns its run directory."""
-    script, flags, _ = ALGOS[name]
-    cmd = ["nice", sys.executable, script, *flags, f"--seed={seed}", f"--total-timesteps={total_timesteps}"]
-    cmd += [f"--exp-name=bench-{name}"]
+    cmd = ["nice", "-n", "10", sys.executable, *command(name, env_id), f"--seed={seed}", f"--exp-name=bench-{name}"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
     run_dir = re.search(r"^run directory: (\S+)$", out.stdout, re.M).group(1)
-    print(f"{name} seed {seed}: {out.stdout.strip().splitlines()[-1]}", flush=True)
+    print(f"{name} {env_id} seed {seed}: {out.stdout.strip().splitlines()[-1]}", flush=True)
     return os.path.join(REPO, run_dir)
 
 
-def latest_run(name, seed):
-    runs = sorted(glob.glob(os.path.join(REPO, "runs", f"bench-{name}__CartPole-v1__{seed}__*")))
+def latest_run(name, env_id, seed):
+    runs = sorted(glob.glob(os.path.join(REPO, "runs", f"bench-{name}__{env_id}__{seed}__*")))
     return runs[-1] if runs else None
 
 
@@ -105,45 +111,47 @@ def speed(script, threads, seconds):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    p.add_argument("--total-timesteps", type=int, default=500000)
+    p.add_argument("--envs", nargs="+", default=list(ENVS), choices=list(ENVS))
+    p.add_argument("--algos", nargs="+", default=list(ALGOS), choices=list(ALGOS))
     p.add_argument("--jobs", type=int, default=2, help="training runs at once")
     p.add_argument("--reuse", action="store_true", help="reuse the latest runs/bench-* run of each seed")
+    p.add_argument("--only-existing", action="store_true", help="train nothing: tabulate the runs that exist")
     p.add_argument("--cleanrl", default=None, help="path of a local copy of CleanRL's ppo.py to time too")
     p.add_argument("--speed-seconds", type=int, default=40, help="wall time of each speed run")
     p.add_argument("--speed-repeats", type=int, default=3)
     p.add_argument("--skip-speed", action="store_true")
     args = p.parse_args()
+    envs, algos = {e: ENVS[e] for e in args.envs}, {a: ALGOS[a] for a in args.algos}
     os.makedirs(RESULTS, exist_ok=True)
 
     # 1. learning curves
-    jobs = [(s, seed) for s in ALGOS for seed in args.seeds]
+    jobs = [(name, env_id, seed) for env_id in reversed(envs) for name in algos for seed in args.seeds]  # longest first
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {
-            (s, seed): pool.submit(train, s, seed, args.total_timesteps)
-            for s, seed in jobs
-            if not (args.reuse and latest_run(s, seed))
-        }
+        todo = [job for job in jobs if not ((args.reuse or args.only_existing) and latest_run(*job))]
+        futures = {job: pool.submit(train, *job) for job in ([] if args.only_existing else todo)}
     runs = {job: futures[job].result() if job in futures else latest_run(*job) for job in jobs}
+    runs = {job: run_dir for job, run_dir in runs.items() if run_dir is not None}
 
-    grid = np.linspace(0, args.total_timesteps, 101)[1:]  # (100,) global steps
     per_seed, curves = [], {}
-    for (name, seed), run_dir in runs.items():
+    for (name, env_id, seed), run_dir in runs.items():
         ep = episodes(run_dir)
         smooth = trailing_mean(ep[:, 1])
-        solved = np.nonzero(smooth >= SOLVED)[0]
+        solved = np.nonzero(smooth >= ENVS[env_id][1])[0]
         per_seed.append(
             {
                 "algorithm": name,
+                "env_id": env_id,
                 "seed": seed,
                 "episodes": len(ep),
                 "last100_mean_return": round(float(smooth[-1]), 2),
-                "first_step_last100_ge_475": int(ep[solved[0], 0]) if len(solved) else "",
+                "first_step_last100_ge_threshold": int(ep[solved[0], 0]) if len(solved) else "",
                 "run_dir": os.path.relpath(run_dir, REPO),
             }
         )
         # the trailing-100 mean as of each grid step (nan before the first episode)
+        grid = np.linspace(0, ENVS[env_id][0], 101)[1:]  # (100,) global steps
         idx = np.searchsorted(ep[:, 0], grid, side="right") - 1
-        curves[(name, seed)] = np.where(idx >= 0, smooth[np.maximum(idx, 0)], np.nan)
+        curves[(name, env_id, seed)] = np.where(idx >= 0, smooth[np.maximum(idx, 0)], np.nan)
 
     with open(os.path.join(RESULTS, "classic.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(per_seed[0]))
@@ -151,45 +159,52 @@ def main():
         w.writerows(per_seed)
     with open(os.path.join(RESULTS, "classic_curves.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["algorithm", "seed", "global_step", "last100_mean_return"])
-        for (name, seed), curve in curves.items():
-            w.writerows([name, seed, int(g), round(float(v), 2)] for g, v in zip(grid, curve))
+        w.writerow(["algorithm", "env_id", "seed", "global_step", "last100_mean_return"])
+        for (name, env_id, seed), curve in curves.items():
+            grid = np.linspace(0, ENVS[env_id][0], 101)[1:]
+            w.writerows([name, env_id, seed, int(g), round(float(v), 2)] for g, v in zip(grid, curve))
 
-    # left: PPO next to REINFORCE with baseline; right: REINFORCE's three choices of Psi
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
-    names = list(ALGOS)
-    for ax, panel, colors in [(axes[0], names[:2], ["C0", "C1"]), (axes[1], names[1:], ["C1", "C2", "C3"])]:
-        for name, color in zip(panel, colors):
-            stack = np.array([curves[(name, seed)] for seed in args.seeds])  # (seeds, 100)
-            ax.plot(grid, np.nanmean(stack, 0), color=color, label=ALGOS[name][2])
+    fig, axes = plt.subplots(1, len(envs), figsize=(5 * len(envs), 4.2), squeeze=False)
+    for ax, (env_id, (steps, threshold, ylim)) in zip(axes[0], envs.items()):
+        grid = np.linspace(0, steps, 101)[1:]
+        for name, color in zip(algos, ["C0", "C1"]):
+            stack = np.array([c for (n, e, _), c in curves.items() if (n, e) == (name, env_id)])  # (seeds, 100)
+            if not len(stack):
+                continue
+            ax.plot(grid, np.nanmean(stack, 0), color=color, label=ALGOS[name][1])
             ax.fill_between(grid, np.nanmin(stack, 0), np.nanmax(stack, 0), color=color, alpha=0.2)
-        ax.axhline(SOLVED, color="grey", lw=0.8, ls="--")
-        ax.set(xlabel="environment steps", ylim=(0, 520))
+        ax.axhline(threshold, color="grey", lw=0.8, ls="--")
+        ax.set(xlabel="environment steps", ylim=ylim, title=env_id)
         ax.legend(loc="lower right", fontsize=8)
-    axes[0].set_ylabel("mean return of the last 100 episodes")
-    fig.suptitle(f"CartPole-v1: mean (line) and min-max (band) over {len(args.seeds)} seeds", fontsize=10)
+    axes[0, 0].set_ylabel("mean return of the last 100 episodes")
+    fig.suptitle(f"mean (line) and min-max (band) over {len(args.seeds)} seeds; dashed: threshold", fontsize=10)
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "classic_return.png"), dpi=110)
+    fig.savefig(os.path.join(RESULTS, "classic_return.png"), dpi=100)
 
     lines = [
-        f"## CartPole-v1, {args.total_timesteps:,} steps, seeds {' '.join(map(str, args.seeds))}",
+        f"## Learning: seeds {' '.join(map(str, args.seeds))}, each script with its defaults",
         "",
-        "Mean return of the last 100 training episodes (sampled actions), per seed and over seeds;",
-        "steps = first step at which that mean reached 475 (median over the seeds that did).",
+        "Mean return of the last 100 training episodes (sampled actions) at the end of the run, per seed and",
+        "over seeds; steps = first step at which that mean reached the threshold (median over the seeds that did).",
         "",
-        "| command | per seed | mean ± std over seeds | seeds ≥ 475 | steps to 475 |",
-        "| --- | --- | --- | --- | --- |",
+        "| command | per seed (seed) | mean ± std over seeds | worst seed | seeds ≥ threshold | steps to threshold |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for name, (script, flags, _) in ALGOS.items():
-        rows = [r for r in per_seed if r["algorithm"] == name]
-        last = np.array([r["last100_mean_return"] for r in rows])
-        steps = [r["first_step_last100_ge_475"] for r in rows if r["first_step_last100_ge_475"] != ""]
-        median_steps = f"{int(np.median(steps)):,}" if steps else "-"
-        lines.append(
-            f"| `python {' '.join([script, *flags])}` | {', '.join(f'{v:.1f}' for v in last)} "
-            f"| {last.mean():.1f} ± {last.std():.1f} "
-            f"| {int((last >= SOLVED).sum())}/{len(last)} | {median_steps} |"
-        )
+    for env_id, (steps, threshold, _) in envs.items():
+        for name in algos:
+            rows = [r for r in per_seed if r["algorithm"] == name and r["env_id"] == env_id]
+            if not rows:
+                continue
+            last = np.array([r["last100_mean_return"] for r in rows])
+            reached = [r["first_step_last100_ge_threshold"] for r in rows if r["first_step_last100_ge_threshold"] != ""]
+            median_steps = f"{int(np.median(reached)):,}" if reached else "-"
+            per_seed_text = ", ".join("{:.1f} (s{})".format(v, r["seed"]) for v, r in zip(last, rows))
+            lines.append(
+                f"| `python {' '.join(command(name, env_id))}` "
+                f"| {per_seed_text} "
+                f"| {last.mean():.1f} ± {last.std():.1f} | {last.min():.1f} "
+                f"| {int((last >= threshold).sum())}/{len(last)} (≥ {threshold:g}) | {median_steps} |"
+            )
 
     # 2. speed: configurations interleaved so each sees the same load; --skip-speed keeps the old table
     md_path = os.path.join(RESULTS, "classic.md")

@@ -3,6 +3,7 @@ values, the functions they share, short end-to-end runs, bad input. A test that 
 parametrized over `script`."""
 
 import glob
+import importlib.util
 import inspect
 import json
 import os
@@ -55,8 +56,44 @@ class MultiBinaryActionEnv(ConstantRewardEnv):
     action_space = gym.spaces.MultiBinary(3)
 
 
+class DictObservationEnv(ConstantRewardEnv):
+    observation_space = gym.spaces.Dict({"x": gym.spaces.Box(-1.0, 1.0, (1,), np.float32)})
+
+
+class ImageObservationEnv(ConstantRewardEnv):
+    """A (2, 3) Box observation: the scripts must flatten it to 6 inputs."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2, 3), np.float32)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros((2, 3), np.float32), {}
+
+    def step(self, action):
+        return np.full((2, 3), 0.5, np.float32), 1.0, False, False, {}
+
+
+class StepCounterEnv(ConstantRewardEnv):
+    """Observation = the number of steps taken in the episode (0 after reset), reward 1, never terminates:
+    the time limit (10 steps) truncates every episode, whose final observation is 10, the reset one 0."""
+
+    observation_space = gym.spaces.Box(0.0, 100.0, (1,), np.float32)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.count = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.count += 1
+        return np.full(1, self.count, np.float32), 1.0, False, False, {}
+
+
 gym.register("tests/ConstantReward-v0", entry_point=ConstantRewardEnv, max_episode_steps=10)
 gym.register("tests/MultiBinaryAction-v0", entry_point=MultiBinaryActionEnv, max_episode_steps=10)
+gym.register("tests/DictObservation-v0", entry_point=DictObservationEnv, max_episode_steps=10)
+gym.register("tests/ImageObservation-v0", entry_point=ImageObservationEnv, max_episode_steps=10)
+gym.register("tests/StepCounter-v0", entry_point=StepCounterEnv, max_episode_steps=10)
 
 
 def t(rows):
@@ -145,7 +182,45 @@ def test_reward_to_go_padding_after_the_end_adds_nothing():
     torch.testing.assert_close(returns, t([[1.9], [1.0], [0.0], [0.0]]))  # G0 = 1 + 0.9*1
 
 
-@pytest.mark.parametrize("name", ["layer_init", "mlp", "make_env", "check_env", "log"])
+# ---------------------------------------------------------------------------------------------------------
+# compute_psi (reinforce.py): every column one episode from t = 0; update_mean_var (ppo_classic.py)
+# ---------------------------------------------------------------------------------------------------------
+def test_compute_psi_each_choice():
+    # one episode of 3 steps, gamma 0.5, lambda 0.5, V = (1, 2, 4)
+    rewards, dones, values = t([[1.0], [2.0], [4.0]]), t([[0.0], [0.0], [1.0]]), t([[1.0], [2.0], [4.0]])
+    # G2 = 4, G1 = 2 + 0.5*4 = 4, G0 = 1 + 0.5*4 = 3
+    psi, returns = reinforce.compute_psi("episode-return", rewards, dones, values, 0.5, 0.5)
+    torch.testing.assert_close(returns, t([[3.0], [4.0], [4.0]]))
+    torch.testing.assert_close(psi, t([[3.0], [3.0], [3.0]]))  # R(tau) = G0 at every step
+    psi, _ = reinforce.compute_psi("reward-to-go", rewards, dones, values, 0.5, 0.5)
+    torch.testing.assert_close(psi, t([[3.0], [4.0], [4.0]]))
+    psi, _ = reinforce.compute_psi("reward-to-go-baseline", rewards, dones, values, 0.5, 0.5)
+    torch.testing.assert_close(psi, t([[2.0], [2.0], [0.0]]))  # 3-1, 4-2, 4-4
+    psi, returns = reinforce.compute_psi("advantage", rewards, dones, values, 0.5, 0.5)
+    # delta2 = 4 - 4 = 0 (ended), delta1 = 2 + 0.5*4 - 2 = 2, delta0 = 1 + 0.5*2 - 1 = 1
+    # A2 = 0, A1 = 2 + 0.25*0 = 2, A0 = 1 + 0.25*2 = 1.5
+    torch.testing.assert_close(psi, t([[1.5], [2.0], [0.0]]))
+    torch.testing.assert_close(returns, t([[3.0], [4.0], [4.0]]))  # V's target stays G_t
+
+
+def test_compute_psi_advantage_with_lambda_one_is_reward_to_go_minus_baseline():
+    rewards, dones = t([[1.0, 2.0], [3.0, 0.0]]), t([[0.0, 1.0], [1.0, 1.0]])  # env 1: one step, then padding
+    values = t([[0.5, 1.0], [2.0, 7.0]])
+    adv, _ = reinforce.compute_psi("advantage", rewards, dones, values, 0.9, 1.0)
+    rtg_b, _ = reinforce.compute_psi("reward-to-go-baseline", rewards, dones, values, 0.9, 1.0)
+    torch.testing.assert_close(adv, rtg_b)  # env 0: G0 = 1 + 0.9*3 = 3.7, 3.7-0.5 = 3.2; G1 - V1 = 1
+
+
+def test_update_mean_var_matches_the_whole_data():
+    # stats of [1, 3] (mean 2, population var 1, count 2), then the batch [5, 7, 9] (mean 7, var 8/3):
+    # delta = 5, n = 5, mean = 2 + 5*3/5 = 5, var = (1*2 + 8/3*3 + 25*2*3/5) / 5 = (2 + 8 + 30)/5 = 8
+    # = the population variance of [1, 3, 5, 7, 9] (mean 5): (16 + 4 + 0 + 4 + 16) / 5 = 8
+    mean, var, count = ppo_classic.update_mean_var(t([2.0]), t([1.0]), 2, t([[5.0], [7.0], [9.0]]))
+    torch.testing.assert_close((mean, var), (t([5.0]), t([8.0])))
+    assert count == 5
+
+
+@pytest.mark.parametrize("name", ["layer_init", "mlp", "make_env", "check_env", "log", "compute_gae"])
 def test_shared_functions_are_identical(name):
     assert inspect.getsource(getattr(ppo_classic, name)) == inspect.getsource(getattr(reinforce, name))
 
@@ -162,12 +237,13 @@ def run(monkeypatch, tmp_path, script, *flags):
         return run_dirs[-1], [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("env_id", ["CartPole-v1", "Acrobot-v1", "Pendulum-v1"])
-def test_ppo_runs_on_each_env(monkeypatch, tmp_path, env_id):
+# 2048 steps: 4 updates of 4 envs x 128 steps (Discrete defaults), 1 of 4 envs x 512 steps (Box defaults)
+@pytest.mark.parametrize("env_id, num_updates", [("CartPole-v1", 4), ("Acrobot-v1", 4), ("Pendulum-v1", 1)])
+def test_ppo_runs_on_each_env(monkeypatch, tmp_path, env_id, num_updates):
     run_dir, records = run(monkeypatch, tmp_path, "ppo_classic", "--env-id", env_id, "--total-timesteps", "2048")
     updates = [r for r in records if "losses/value_loss" in r]
     episodes = [r for r in records if "charts/episodic_return" in r]
-    assert len(updates) == 4  # 2048 / (4 envs * 128 steps)
+    assert len(updates) == num_updates
     assert all(set(METRICS) <= set(r) for r in updates)
     assert all(np.isfinite(r[k]) for r in updates for k in METRICS)
     assert episodes and all("charts/episodic_length" in r for r in episodes)  # each env ends >= 1 episode
@@ -180,6 +256,7 @@ def test_ppo_runs_on_each_env(monkeypatch, tmp_path, env_id):
         ("CartPole-v1", "episode-return"),
         ("CartPole-v1", "reward-to-go"),
         ("CartPole-v1", "reward-to-go-baseline"),
+        ("CartPole-v1", "advantage"),
         ("Acrobot-v1", "reward-to-go-baseline"),
         ("Pendulum-v1", "reward-to-go-baseline"),
     ],
@@ -191,10 +268,10 @@ def test_reinforce_runs(monkeypatch, tmp_path, env_id, psi):
     assert updates and len(episodes) == 8 * len(updates)  # 8 envs = 8 whole episodes per update
     assert records[-1]["global_step"] == sum(r["charts/episodic_length"] for r in episodes) >= 2000
     names = {"charts/learning_rate", "charts/SPS", "losses/policy_loss", "losses/entropy"}
-    if psi == "reward-to-go-baseline":
+    if psi in ("reward-to-go-baseline", "advantage"):
         names |= {"losses/value_loss", "losses/explained_variance"}
     assert all(names <= set(r) and np.isfinite(r["losses/policy_loss"]) for r in updates)
-    assert ("losses/value_loss" in updates[0]) == (psi == "reward-to-go-baseline")
+    assert ("losses/value_loss" in updates[0]) == (psi in ("reward-to-go-baseline", "advantage"))
 
 
 def test_ppo_same_seed_same_run(monkeypatch, tmp_path):
@@ -213,19 +290,99 @@ def test_learns_cartpole_a_little(monkeypatch, tmp_path, script, total_timesteps
     returns = [r["charts/episodic_return"] for r in records if "charts/episodic_return" in r]
     # a uniform random policy averages about 22 on CartPole
     assert np.mean(returns[:window]) < 30 and np.mean(returns[-window:]) > 45
+    if script == "reinforce":  # V fitted by 80 regression steps per batch explains much of the return
+        explained = [r["losses/explained_variance"] for r in records if "losses/explained_variance" in r]
+        assert np.median(explained[-10:]) > 0.3  # measured: 0.67 (0.41 to 0.81)
 
 
-def test_ppo_truncation_bootstraps_the_value(monkeypatch, tmp_path):
-    # Reward 1 forever, episodes cut by a 10-step time limit. With the bootstrap the value target is
-    # 1 / (1 - 0.9) = 10; if truncation counted as termination no target could exceed
-    # sum_{k<10} 0.9^k = 6.51. The observation is constant, so V is one number.
-    flags = ["--env-id=tests/ConstantReward-v0", "--gamma=0.9", "--no-clip-vloss", "--learning-rate=1e-2"]
-    run_dir, _ = run(monkeypatch, tmp_path, "ppo_classic", *flags, "--total-timesteps", "8192", "--save-model")
-    checkpoint = torch.load(glob.glob(os.path.join(run_dir, "*.cleanrl_model"))[0])
-    agent = ppo_classic.Agent(1, gym.spaces.Discrete(2))
-    agent.load_state_dict(checkpoint["state_dict"])
-    value = agent.get_value(torch.zeros(1, 1)).item()
-    assert 8.0 < value < 12.0
+@pytest.mark.parametrize(
+    "script, flags, bootstrap",
+    [
+        ("ppo_classic", ["--num-steps=20"], True),  # one update of 4 envs x 20 steps
+        ("reinforce", ["--psi", "reward-to-go-baseline"], True),
+        ("reinforce", ["--psi", "advantage"], True),
+        ("reinforce", ["--psi", "reward-to-go"], False),  # no V, nothing to bootstrap from
+    ],
+)
+def test_truncation_bootstraps_from_the_final_observation(monkeypatch, tmp_path, script, flags, bootstrap):
+    # Observation = step counter, reward 1, every episode truncated after 10 steps: the final obs is 10, the
+    # reset obs 0. V is replaced by V(s) = 100*s + 7, so the last reward of an episode must become
+    # 1 + 0.9*V(10) = 1 + 0.9*1007 = 907.3 -- not 1 + 0.9*V(0) = 7.3 (reset obs), nor 1 (no bootstrap).
+    module = SCRIPTS[script]
+    # (+ 0 * critic: reinforce.py's regression of V still has a graph to differentiate)
+    monkeypatch.setattr(module.Agent, "get_value", lambda self, x: 100.0 * x[..., :1] + 7.0 + 0.0 * self.critic(x))
+    seen = []  # the rewards that reach the return computation, (T, N) per update
+    if script == "ppo_classic":
+        compute_gae = module.compute_gae
+        monkeypatch.setattr(module, "compute_gae", lambda r, *a: seen.append(r.clone()) or compute_gae(r, *a))
+    else:
+        compute_psi = module.compute_psi
+        monkeypatch.setattr(module, "compute_psi", lambda p, r, *a: seen.append(r.clone()) or compute_psi(p, r, *a))
+    run(monkeypatch, tmp_path, script, "--env-id=tests/StepCounter-v0", "--gamma=0.9", "--total-timesteps=80", *flags)
+    rewards = torch.cat([r.flatten() for r in seen])
+    rewards = rewards[rewards != 0.0]  # reinforce.py pads finished episodes with 0
+    ends = rewards[rewards != 1.0]
+    assert len(rewards) >= 80 and len(ends) == (len(rewards) // 10 if bootstrap else 0)
+    torch.testing.assert_close(ends, torch.full_like(ends, 907.3))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_multidimensional_box_observation_is_flattened(monkeypatch, tmp_path, script):
+    _, records = run(monkeypatch, tmp_path, script, "--env-id=tests/ImageObservation-v0", "--total-timesteps=600")
+    assert any("losses/policy_loss" in r for r in records)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_module_colon_env_id(monkeypatch, tmp_path, script):
+    # gymnasium's "module:EnvId": gym.make imports the module, which registers the env
+    (tmp_path / "my_classic_envs.py").write_text(
+        "import gymnasium as gym\n"
+        "gym.register('MyCartPole-v0', 'gymnasium.envs.classic_control:CartPoleEnv', max_episode_steps=50)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_dir, records = run(
+        monkeypatch, tmp_path, script, "--env-id=my_classic_envs:MyCartPole-v0", "--total-timesteps=600"
+    )
+    assert max(r["charts/episodic_length"] for r in records if "charts/episodic_length" in r) <= 50
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_capture_video_hint_names_the_right_extras(monkeypatch, tmp_path, script):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda m, *a: None if m in ("pygame", "moviepy") else find_spec(m, *a)
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--capture-video"])
+    with pytest.raises(SystemExit) as e:
+        SCRIPTS[script].main()
+    assert str(e.value) == (
+        "error: --capture-video needs pygame (pip install 'gymnasium[classic-control]') "
+        "and moviepy (pip install 'gymnasium[other]')"
+    )
+    assert not os.path.exists(tmp_path / "runs")
+
+
+def test_ppo_observation_statistics_are_saved_and_used_frozen_in_evaluation(monkeypatch, tmp_path, capsys):
+    flags = ["--env-id=Pendulum-v1", "--total-timesteps=2048", "--save-model", "--eval-episodes=1"]
+    run_dir, _ = run(monkeypatch, tmp_path, "ppo_classic", *flags)
+    model = os.path.join(run_dir, "ppo_classic.cleanrl_model")
+    checkpoint = torch.load(model)
+    # Box actions: norm_obs on by default; 4 envs: 4 reset observations + 4 per step for 512 steps
+    assert checkpoint["norm_obs"] is True
+    assert checkpoint["state_dict"]["obs_count"].item() == pytest.approx(1e-4 + 4 + 2048)
+    assert (checkpoint["state_dict"]["obs_var"] != 1.0).all()
+    calls = []
+    normalize = ppo_classic.Agent.normalize
+    monkeypatch.setattr(
+        ppo_classic.Agent,
+        "normalize",
+        lambda self, x, update=False: calls.append((update, self.obs_count.item())) or normalize(self, x, update),
+    )
+    monkeypatch.setattr(sys, "argv", ["ppo_classic.py", "--eval-checkpoint", model, "--eval-episodes", "1"])
+    ppo_classic.main()
+    assert len(calls) == 200  # one Pendulum episode, every observation normalised with the saved, frozen stats
+    assert all(u is False and c == checkpoint["state_dict"]["obs_count"].item() for u, c in calls)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -286,6 +443,8 @@ BAD_INPUT = [
     (["--env-id", "tests/MultiBinaryAction-v0"], "error: --env-id tests/MultiBinaryAction-v0 has action space "),
     (["--env-id", "FrozenLake-v1"], "error: --env-id FrozenLake-v1 has observation space Discrete(16)"),
     (["--env-id", "Blackjack-v1"], "error: --env-id Blackjack-v1 has observation space Tuple("),
+    (["--env-id", "tests/DictObservation-v0"], "error: --env-id tests/DictObservation-v0 has observation space Dict("),
+    (["--env-id", "no_such_module:Env-v0"], "error: --env-id no_such_module:Env-v0 is not a registered Gymnasium"),
     (["--eval-checkpoint", "missing.pt"], "error: --eval-checkpoint missing.pt is not a file"),
 ]
 
@@ -293,7 +452,8 @@ BAD_INPUT = [
 @pytest.mark.parametrize(
     "script, flags, message",
     [(script, flags, message) for script in SCRIPTS for flags, message in BAD_INPUT]
-    + [("ppo_classic", ["--num-minibatches", "3"], BAD_MINIBATCHES)],
+    + [("ppo_classic", ["--num-minibatches", "3"], BAD_MINIBATCHES)]
+    + [("reinforce", ["--vf-iters", "0"], "error: --vf-iters must be at least 1 (got 0)")],
 )
 def test_bad_input(monkeypatch, tmp_path, script, flags, message):
     monkeypatch.chdir(tmp_path)
