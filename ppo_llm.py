@@ -59,6 +59,11 @@ Implementation details (cited as "detail N" in the comments):
     --top-k / --top-p are refused: the ratio and the KL need the log-probs of the distribution sampled,
     and a truncated one would also give the reference -inf log-probs for tokens outside its own support.
     The saved policy carries this generation config.
+21. Prompts are what the model was trained on (TRL's rule: the data decides): a conversation, a list of
+    {role, content} messages, goes through the tokenizer's chat template with the assistant header appended
+    (--chat-template / --system-prompt for plain strings); text that starts with the BOS gets no second one;
+    a prompt too long loses its start (left truncation, as TRL), never the header; the template's end-of-turn
+    token ends a response (detail 16). A reward model with its own tokenizer re-renders with its own template.
 """
 
 import copy
@@ -96,6 +101,14 @@ from transformers import (
 
 @dataclass
 class Args:
+    """PPO for language models (RLHF): a policy samples responses, a reward model or function scores them, PPO
+    raises the score under a per-token KL penalty to the reference.
+
+    python ppo_llm.py                                         # the embedded arithmetic task: CPU, a few minutes
+
+    python ppo_llm.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward-fn my_rewards.py:score
+    """
+
     # Experiment
     exp_name: str = "ppo_llm"
     """name of the experiment: the run directory and the wandb run start with it"""
@@ -402,19 +415,17 @@ def load_reward_fn(spec):
 
     def user_fn(completions, rows):
         scores = fn(completions=completions, **{k: [row["columns"][k] for row in rows] for k in rows[0]["columns"]})
-        if not isinstance(scores, list | tuple) or not all(isinstance(x, numbers.Real) for x in scores):
-            raise SystemExit(f"error: --reward-fn {spec} must return a list of numbers (got {str(scores)[:60]})")
-        if len(scores) != len(completions):
-            raise SystemExit(
-                f"error: --reward-fn {spec} returned {len(scores)} scores for {len(completions)} completions"
-            )
+        ok = isinstance(scores, list | tuple) and all(isinstance(x, numbers.Real) for x in scores)
+        if not ok or len(scores) != len(completions):
+            raise SystemExit(f"error: --reward-fn {spec} must return a list of {len(completions)} numbers, one per "
+                             f"completion (got {str(scores)[:60]})")  # fmt: skip
         return [float(x) for x in scores]
 
     return user_fn
 
 
 def render_prompt(tokenizer, prompt, chat_template, system_prompt, where):
-    """(the text the policy sees, the conversation it was rendered from or None). TRL's rule, the data decides: a
+    """Detail 21: (the text the policy sees, the conversation it was rendered from or None). The data decides: a
     conversation (a list of {"role", "content"} messages) goes through the tokenizer's chat template with the
     assistant's header appended; a plain string stays as it is, unless --chat-template or --system-prompt wraps it
     as one user message. --system-prompt goes first in a conversation that has no system message."""
@@ -439,15 +450,13 @@ def read_dataset(args):
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported below, in one line
-    fmt = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(
-        os.path.splitext(args.dataset)[1]
-    )
-    if fmt is not None and not os.path.isfile(args.dataset):
-        raise SystemExit(f"error: --dataset {args.dataset}: no such file")
-    if fmt is not None and os.path.getsize(args.dataset) == 0:
-        raise SystemExit(f"error: --dataset {args.dataset} is empty")
+    ext = os.path.splitext(args.dataset)[1]
+    fmt = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(ext)
     if fmt is None:
         check_hub()
+    elif not os.path.isfile(args.dataset) or os.path.getsize(args.dataset) == 0:
+        why = "empty file" if os.path.isfile(args.dataset) else "no such file"
+        raise SystemExit(f"error: --dataset {args.dataset}: {why}")
     try:
         if fmt is None:
             return list(datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split))
@@ -722,9 +731,9 @@ def check_logits(model, flag, name):
 
 
 def tokenize_texts(tokenizer, texts, max_length):
-    """Padded ids of texts, cut to max_length tokens by the tokenizer's truncation side (left: a prompt keeps its
-    end, the assistant header). A text that already starts with the BOS, as a chat template writes it, gets no
-    special tokens, or Llama-3 would see two."""
+    """Padded ids of texts, cut to max_length tokens on the tokenizer's truncation side (left, detail 21: a prompt
+    keeps its end, the assistant header). A text that already starts with the BOS, as a chat template writes it,
+    gets no special tokens, or Llama-3 would see two."""
     special = not (tokenizer.bos_token and all(t.startswith(tokenizer.bos_token) for t in texts))
     return tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length,
                      add_special_tokens=special, return_tensors="pt")  # fmt: skip
@@ -732,7 +741,7 @@ def tokenize_texts(tokenizer, texts, max_length):
 
 def rm_text(rm_tokenizer, row, completion):
     """What a reward model with its own tokenizer reads: the conversation and the completion through its own chat
-    template when it has one (it scores what it was trained on), else the prompt text and the completion."""
+    template when it has one (it scores what it was trained on), else the prompt as the policy saw it + completion."""
     if rm_tokenizer.chat_template is None:
         return row["prompt"] + completion
     messages = row["messages"] or [{"role": "user", "content": row["prompt"]}]

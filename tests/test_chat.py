@@ -227,7 +227,7 @@ BAD_FILES = {
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(dataset="empty.jsonl"), "empty.jsonl is empty"),
+        (dict(dataset="empty.jsonl"), "empty.jsonl: empty file"),
         (dict(dataset="notjson.jsonl"), "notjson.jsonl: line 3 is not JSON"),
         (dict(dataset="noprompt.jsonl"), "noprompt.jsonl: row 2 has no --prompt-column prompt (columns: "),
         (dict(dataset="noanswer.csv"), "noanswer.csv: row 2 has no --answer-column answer, which the reward"),
@@ -238,7 +238,7 @@ BAD_FILES = {
         (dict(reward_fn="nowhere.py:f"), "--reward-fn nowhere.py:f: not one of ['arithmetic', 'format', 'gsm8k'], "
          "nor a path/to/file.py:function or module:function (FileNotFoundError"),
         (dict(reward_fn="REWARDS:nope"), ":nope: not one of"),
-        (dict(reward_fn="REWARDS:wrong_length"), "returned 1 scores for 8 completions"),
+        (dict(reward_fn="REWARDS:wrong_length"), "must return a list of 8 numbers, one per completion (got [1.0])"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line(script, options, message, chat, tmp_path):
