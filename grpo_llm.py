@@ -433,7 +433,7 @@ def render_prompt(tokenizer, prompt, chat_template, system_prompt, where):
     if system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
     if tokenizer.chat_template is None:
-        need = "--chat-template needs" if isinstance(prompt, str) else "conversational prompts need"
+        need = "--chat-template and --system-prompt need" if isinstance(prompt, str) else "conversational prompts need"
         raise SystemExit(f"error: --model {tokenizer.name_or_path}: its tokenizer has no chat template, which {need}")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), messages
 
@@ -478,7 +478,7 @@ def prompt_row(row, where, tokenizer, args):
     conversation (None for a plain prompt), "columns": what a user's reward function gets besides the completions}."""
     if row.get(args.prompt_column) is None:
         raise SystemExit(f"error: --dataset {args.dataset}: {where} has no --prompt-column {args.prompt_column} "
-                         f"(columns: {', '.join(row)})")  # fmt: skip
+                         f"(columns: {', '.join(k for k, v in row.items() if v is not None)})")  # fmt: skip
     answer = row.get(args.answer_column)
     if isinstance(answer, float) and answer.is_integer():
         answer = int(answer)  # a CSV column with a gap is read as floats: 2.0 must still read "2"

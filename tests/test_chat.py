@@ -142,8 +142,9 @@ def test_end_of_turn_token_ends_a_response(chat):
 def test_conversational_prompts_run_through_the_template(script, chat, tmp_path, monkeypatch):
     # the prompt ids the policy generates from are the template's rendering with one BOS; it says <|end|> at once,
     # which ends every response (1 token, not 4); samples.jsonl shows the rendered prompt
-    queries, real_generate = [], script.generate
+    queries, real_generate, adamw, real_adamw = [], script.generate, [], torch.optim.AdamW
     monkeypatch.setattr(script, "generate", lambda p, q, m: queries.append(q[0][m[0].bool()]) or real_generate(p, q, m))
+    monkeypatch.setattr(torch.optim, "AdamW", lambda *a, **kw: adamw.append(kw) or real_adamw(*a, **kw))
     _, metrics, samples = run(script, tmp_path, model=chat["policy"], dataset=chat["jsonl"], system_prompt="Add.",
                               reward_fn=chat["rewards"] + ":weight", weight_decay=0.1)  # fmt: skip
     tok = chat["tokenizer"]
@@ -157,6 +158,7 @@ def test_conversational_prompts_run_through_the_template(script, chat, tmp_path,
     a = int(samples[0]["prompt"].split("<|user|>")[1].split("+")[0])
     assert samples[0]["score" if script is ppo_llm else "reward"] == a / 8
     assert "rewards/weight/mean" in metrics[0] or script is ppo_llm
+    assert adamw[0]["weight_decay"] == 0.1  # --weight-decay reaches the optimizer (default 0: Args().weight_decay)
 
 
 def test_reward_fn_as_module_with_weights(chat, tmp_path, monkeypatch):
@@ -229,11 +231,11 @@ BAD_FILES = {
     [
         (dict(dataset="empty.jsonl"), "empty.jsonl: empty file"),
         (dict(dataset="notjson.jsonl"), "notjson.jsonl: line 3 is not JSON"),
-        (dict(dataset="noprompt.jsonl"), "noprompt.jsonl: row 2 has no --prompt-column prompt (columns: "),
+        (dict(dataset="noprompt.jsonl"), "noprompt.jsonl: row 2 has no --prompt-column prompt (columns: answer)"),
         (dict(dataset="noanswer.csv"), "noanswer.csv: row 2 has no --answer-column answer, which the reward"),
         (dict(dataset="badmessages.jsonl"), "row 1: the prompt is neither a string nor a list of {role, content}"),
         (dict(dataset="broken.json"), "broken.json could not be loaded ("),
-        (dict(chat_template=True), "its tokenizer has no chat template, which --chat-template needs"),
+        (dict(chat_template=True), "has no chat template, which --chat-template and --system-prompt need"),
         (dict(reward_model="RM2", reward_label=2), "--reward-label 2 is not a logit of --reward-model"),
         (dict(reward_fn="nowhere.py:f"), "--reward-fn nowhere.py:f: not one of ['arithmetic', 'format', 'gsm8k'], "
          "nor a path/to/file.py:function or module:function (FileNotFoundError"),
