@@ -601,6 +601,7 @@ def end_of_turn_id(tokenizer):
         return None
     ids = tokenizer(text[text.rindex("Ok") + 2 :], add_special_tokens=False).input_ids
     special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    special -= {tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id}  # text unknown, or no end
     return ids[0] if ids and ids[0] in special else None
 
 

@@ -25,17 +25,17 @@ TEMPLATE = (
 )
 
 
-def chat_tokenizer():
+def chat_tokenizer(specials=ROLES, template=TEMPLATE):
     """A character tokenizer like Llama's: it adds <s> to plain text, and its chat template writes <s> too; every
     turn ends with <|end|>, which is neither its EOS nor in any generation_config."""
-    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", "<s>", *ROLES, *map(chr, range(32, 127))])}
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", "<s>", *specials, *map(chr, range(32, 127))])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                  bos_token="<s>", additional_special_tokens=ROLES)  # fmt: skip
-    tok.chat_template = TEMPLATE
+                                  bos_token="<s>", additional_special_tokens=list(specials))  # fmt: skip
+    tok.chat_template = template
     return tok
 
 
@@ -136,6 +136,26 @@ def test_end_of_turn_token_ends_a_response(chat):
     assert ppo_llm.end_of_turn_id(tok) == end
     assert ppo_llm.eos_token_ids(tok, ppo_llm.GenerationConfig(eos_token_id=1)) == [1, end]
     assert ppo_llm.end_of_turn_id(AutoTokenizer.from_pretrained(chat["rm_other"])) is None  # no template
+
+
+@pytest.mark.parametrize(
+    "specials, template, end",
+    [
+        (["<|im_start|>", "<|im_end|>"], "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content']"
+         " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+         "{% endif %}", "<|im_end|>"),  # ChatML, as Qwen2.5's template writes it
+        (["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "{{ bos_token }}{% for m in messages %}"
+         "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}",
+         "<|eot_id|>"),  # Llama 3
+        (["<start_of_turn>", "<end_of_turn>"], "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if "
+         "m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}", "<end_of_turn>"),
+        ([], "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", None),  # no special token
+        ([], "{{ raise_exception('only user turns') if messages[-1]['role'] == 'assistant' }}", None),  # refuses
+    ],
+)  # fmt: skip
+def test_end_of_turn_of_family_templates(specials, template, end):
+    tok = chat_tokenizer(specials, template)  # "\n" is not in its vocabulary: <unk>, special, must not count
+    assert ppo_llm.end_of_turn_id(tok) == (None if end is None else tok.convert_tokens_to_ids(end))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=["ppo", "grpo"])
