@@ -454,6 +454,7 @@ def read_dataset(args):
     fmt = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(ext)
     if fmt is None:
         check_hub()
+        datasets.config.HF_HUB_OFFLINE |= hub_constants.HF_HUB_OFFLINE  # datasets keeps its own copy of the switch
     elif not os.path.isfile(args.dataset) or os.path.getsize(args.dataset) == 0:
         why = "empty file" if os.path.isfile(args.dataset) else "no such file"
         raise SystemExit(f"error: --dataset {args.dataset}: {why}")
