@@ -59,19 +59,29 @@ Implementation details (cited as "detail N" in the comments):
     --top-k / --top-p are refused: the ratio and the KL need the log-probs of the distribution sampled,
     and a truncated one would also give the reference -inf log-probs for tokens outside its own support.
     The saved policy carries this generation config.
+21. Prompts are what the model was trained on (TRL's rule: the data decides): a conversation, a list of
+    {role, content} messages, goes through the tokenizer's chat template with the assistant header appended
+    (--chat-template / --system-prompt for plain strings); text that starts with the BOS gets no second one;
+    a prompt too long loses its start (left truncation, as TRL), never the header; the template's end-of-turn
+    token ends a response (detail 16). A reward model with its own tokenizer re-renders with its own template.
 """
 
 import copy
 import functools
+import importlib.util
 import json
+import numbers
 import os
 import random
 import re
 import resource
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+import huggingface_hub.constants as hub_constants
 import numpy as np
 import torch
 import torch.nn as nn
@@ -92,6 +102,14 @@ from transformers import (
 
 @dataclass
 class Args:
+    """PPO for language models (RLHF): a policy samples responses, a reward model or function scores them, PPO
+    raises the score under a per-token KL penalty to the reference.
+
+    python ppo_llm.py                                         # the embedded arithmetic task: CPU, a few minutes
+
+    python ppo_llm.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward-fn my_rewards.py:score
+    """
+
     # Experiment
     exp_name: str = "ppo_llm"
     """name of the experiment: the run directory and the wandb run start with it"""
@@ -114,23 +132,29 @@ class Args:
 
     # Model and data
     model: str = "assets/arith-sft"
-    """policy and reference: a hub id or a local directory (default: the embedded arithmetic SFT model)"""
+    """policy and reference: a local directory or a hub id; assets/arith-sft is the embedded arithmetic SFT model"""
     reward_model: str | None = None
     """sequence-classification reward model (hub id or directory); without it --reward-fn scores"""
     reward_label: int | None = None
     """which logit of the reward model is the score, when it has several (lvwerra/distilbert-imdb: 1)"""
-    reward_fn: Literal["arithmetic", "gsm8k"] = "arithmetic"
-    """reward function: exact answer (arithmetic) or last number vs '#### N' (gsm8k)"""
+    reward_fn: str = "arithmetic"
+    """reward function: arithmetic (exact answer), gsm8k (final answer vs '#### N'), format (an explicit final
+    answer), or your own, path/to/file.py:function or module:function (README: "Your own reward function")"""
     dataset: str = "arithmetic"
-    """prompts: `arithmetic` (built in, offline), a local .jsonl file, or a hub dataset name"""
+    """prompts: `arithmetic` (built in, offline), a local .jsonl, .json, .csv or .parquet file, or a hub dataset"""
     dataset_config: str | None = None
     """hub dataset configuration (gsm8k: main)"""
     dataset_split: str = "train"
     """hub dataset split"""
     prompt_column: str = "prompt"
-    """field of a dataset row that holds the prompt (gsm8k: question, imdb: text)"""
+    """column that holds the prompt: a string, or a conversation (a list of {"role", "content"} messages), which
+    goes through the tokenizer's chat template (gsm8k: question, imdb: text)"""
     answer_column: str = "answer"
-    """field that holds the reference answer the reward function checks"""
+    """column that holds the reference answer the reward function checks (compared as text)"""
+    chat_template: bool = False
+    """also put plain-string prompts through the chat template, as one user message (instruct models want it)"""
+    system_prompt: str | None = None
+    """a system message before each conversation (implies --chat-template for plain-string prompts)"""
     critic: Literal["head", "separate"] = "separate"
     """value function: a head on the policy's trunk, or a separate network (detail 8)"""
     gradient_checkpointing: bool = False
@@ -140,7 +164,7 @@ class Args:
     max_new_tokens: int = 8
     """longest response (8 fits the arithmetic task; text tasks want 48 or more)"""
     max_prompt_length: int | None = None
-    """prompts are cut to their first N tokens (default: the model's context minus --max-new-tokens)"""
+    """longer prompts lose their start, as in TRL (unset: the model's context minus --max-new-tokens)"""
     temperature: float = 1.0
     """sampling temperature; log-probs use the same one (detail 4)"""
     top_k: int = 0
@@ -162,7 +186,9 @@ class Args:
     num_ppo_epochs: int = 2
     """passes over each rollout batch"""
     learning_rate: float | None = None
-    """AdamW learning rate (default: 1e-4 below 50M parameters, 1e-5 above; printed at start)"""
+    """AdamW learning rate (unset: 1e-4 below 50M parameters, 1e-5 above; printed at start)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (0, as TRL and the N+ details; torch's own default is 0.01)"""
     anneal_lr: bool = False
     """decay the learning rate linearly to 0"""
     gamma: float = 1.0
@@ -195,8 +221,8 @@ class Args:
     """whiten the per-token rewards (scale only) before GAE"""
     missing_eos_penalty: float | None = None
     """subtract this from the score of a response that never emits EOS"""
-    score_norm: bool | None = None
-    """whiten the scores of each batch (mean 0, std 1); default: on with --reward-model, off with --reward-fn"""
+    score_norm: Literal["auto", "on", "off"] = "auto"
+    """whiten the scores of each batch (mean 0, std 1); auto: on with --reward-model, off with --reward-fn"""
     score_clip: float | None = None
     """clip the scores to [-c, c] (after --score-norm)"""
 
@@ -341,44 +367,155 @@ def arithmetic_reward(completions: list[str], answers: list[str]) -> list[float]
     return [float(c.strip() == a) for c, a in zip(completions, answers)]
 
 
+NUMBER = r"[-+]?\$?\s?[-+]?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5
+
+
+def final_answer(text, strict=False):
+    """The number a text gives as its final answer: the last one stated after '####' (GSM8K's own format), in
+    \\boxed{}, or after 'answer is' / 'answer:'; otherwise (unless strict) its last number. Commas and '$' are
+    ignored, and 42.0 is 42. None when there is none."""
+    for marker in [r"####([^\n]*)", r"\\boxed\{([^{}]*)\}", r"answer(?:\s+is|:)([^\n]*)"]:
+        stated = [m for m in re.findall(marker, text, flags=re.IGNORECASE) if re.search(NUMBER, m)]
+        if stated:
+            return float(re.sub(r"[$,\s]", "", re.search(NUMBER, stated[-1]).group()))
+    numbers = [] if strict else re.findall(NUMBER, text)
+    return float(re.sub(r"[$,\s]", "", numbers[-1])) if numbers else None
+
+
 def gsm8k_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 when the completion's last number equals the number after '####' in the answer (GSM8K's format)."""
-
-    def last_number(text):
-        numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-        return float(numbers[-1].replace(",", "")) if numbers else None
-
+    """1.0 when the completion's final answer (final_answer) equals the reference's ('#### N' in GSM8K)."""
     return [
-        float(last_number(c) is not None and last_number(c) == last_number(a.split("####")[-1]))
-        for c, a in zip(completions, answers)
+        float(final_answer(c) is not None and final_answer(c) == final_answer(a)) for c, a in zip(completions, answers)
     ]
 
 
-REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
+def format_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when the completion states a final answer in so many words ('####', \\boxed{}, 'the answer is'),
+    right or wrong: a second reward that teaches the format the first one reads."""
+    return [float(final_answer(c, strict=True) is not None) for c in completions]
 
 
-def load_prompts(args):
-    """Endless iterator of {"prompt", "answer"} rows from --dataset, reshuffled every pass."""
+REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward, "format": format_reward}
+
+
+@functools.cache
+def load_reward_fn(spec):
+    """--reward-fn as f(completions, rows) -> a float per completion. A built-in name of REWARD_FNS gets
+    (completions, answers); a user's `path/to/file.py:function` or `module:function` is called as TRL calls one, by
+    keyword: fn(completions=[str], prompts=[the dataset's prompts, strings or message lists], **every other column
+    of the dataset by its name, a list each; the answer column as text)."""
+    if spec in REWARD_FNS:
+        return lambda completions, rows: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
+    source, _, name = spec.rpartition(":")
+    try:
+        if source.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(source)
+        fn = getattr(module, name)
+    except (OSError, ImportError, ValueError, AttributeError) as e:
+        why = f" ({type(e).__name__}: {e})" if source else ""
+        raise SystemExit(f"error: --reward-fn {spec}: not one of {sorted(REWARD_FNS)}, nor a path/to/file.py:function "
+                         f"or module:function{why}") from None  # fmt: skip
+
+    def user_fn(completions, rows):
+        scores = fn(completions=completions, **{k: [row["columns"][k] for row in rows] for k in rows[0]["columns"]})
+        ok = isinstance(scores, list | tuple) and all(isinstance(x, numbers.Real) for x in scores)
+        if not ok or len(scores) != len(completions):
+            raise SystemExit(f"error: --reward-fn {spec} must return a list of {len(completions)} numbers, one per "
+                             f"completion (got {str(scores)[:60]})")  # fmt: skip
+        return [float(x) for x in scores]
+
+    return user_fn
+
+
+def render_prompt(tokenizer, prompt, chat_template, system_prompt, where):
+    """Detail 21: (the text the policy sees, the conversation it was rendered from or None). The data decides: a
+    conversation (a list of {"role", "content"} messages) goes through the tokenizer's chat template with the
+    assistant's header appended; a plain string stays as it is, unless --chat-template or --system-prompt wraps it
+    as one user message. --system-prompt goes first in a conversation that has no system message."""
+    if isinstance(prompt, str) and not chat_template and system_prompt is None:
+        return prompt, None
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and m.get("role") and m.get("content") is not None for m in messages):  # fmt: skip
+        raise SystemExit(f"error: {where}: the prompt is neither a string nor a list of {{role, content}} messages")
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    if tokenizer.chat_template is None:
+        need = "--chat-template and --system-prompt need" if isinstance(prompt, str) else "conversational prompts need"
+        raise SystemExit(f"error: --model {tokenizer.name_or_path}: its tokenizer has no chat template, which {need}")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), messages
+
+
+def read_dataset(args):
+    """--dataset's rows (dicts) through datasets.load_dataset: a local .jsonl, .json, .csv or .parquet file, or a hub
+    dataset. Each failure is one line that names the file, and the line for JSON Lines."""
+    import datasets  # only this path needs it, and it is slow to import
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported below, in one line
+    ext = os.path.splitext(args.dataset)[1]
+    fmt = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(ext)
+    if fmt is None:
+        check_hub()
+        datasets.config.HF_HUB_OFFLINE |= hub_constants.HF_HUB_OFFLINE  # datasets keeps its own copy of the switch
+    elif not os.path.isfile(args.dataset) or os.path.getsize(args.dataset) == 0:
+        why = "empty file" if os.path.isfile(args.dataset) else "no such file"
+        raise SystemExit(f"error: --dataset {args.dataset}: {why}")
+    try:
+        if fmt is None:
+            return list(datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split))
+        return list(datasets.load_dataset(fmt, data_files=args.dataset, split="train"))
+    except Exception as e:
+        if isinstance(e, ConnectionError):
+            raise SystemExit(f"error: --dataset {args.dataset} could not be fetched from the hub ({type(e).__name__}); "
+                             "a local .jsonl, .json, .csv or .parquet file works offline, and HF_HUB_OFFLINE=1 skips "
+                             "the network") from None  # fmt: skip
+        if args.dataset.endswith(".jsonl"):
+            with open(args.dataset) as f:
+                for i, line in enumerate(f, 1):
+                    try:
+                        json.loads(line) if line.strip() else None
+                    except json.JSONDecodeError:
+                        raise SystemExit(f"error: --dataset {args.dataset}: line {i} is not JSON") from None
+        cause = e.__cause__ or e  # datasets wraps the reader's own error
+        raise SystemExit(f"error: --dataset {args.dataset} could not be loaded ({type(cause).__name__}: "
+                         f"{(str(cause).strip() or 'no rows').splitlines()[0]})") from None  # fmt: skip
+
+
+def prompt_row(row, where, tokenizer, args):
+    """A dataset row as {"prompt": the text the policy sees, "answer": the reference as text or None, "messages": the
+    conversation (None for a plain prompt), "columns": what a user's reward function gets besides the completions}."""
+    if row.get(args.prompt_column) is None:
+        raise SystemExit(f"error: --dataset {args.dataset}: {where} has no --prompt-column {args.prompt_column} "
+                         f"(columns: {', '.join(k for k, v in row.items() if v is not None)})")  # fmt: skip
+    answer = row.get(args.answer_column)
+    if isinstance(answer, float) and answer.is_integer():
+        answer = int(answer)  # a CSV column with a gap is read as floats: 2.0 must still read "2"
+    answer = None if answer is None else str(answer)
+    text, messages = render_prompt(tokenizer, row[args.prompt_column], args.chat_template, args.system_prompt,
+                                   f"--dataset {args.dataset}, {where}")  # fmt: skip
+    columns = {"prompts": row[args.prompt_column]} | {k: v for k, v in row.items() if k != args.prompt_column}
+    if args.answer_column in row:
+        columns[args.answer_column] = answer
+    return {"prompt": text, "answer": answer, "messages": messages, "columns": columns}
+
+
+def load_prompts(args, tokenizer):
+    """Endless iterator of --dataset's prompt_row()s, reshuffled every pass. Answers are all there or all absent,
+    and there when a built-in reward function reads them (arithmetic, gsm8k; without --reward-model)."""
     if args.dataset == "arithmetic":
-        return arithmetic_train_problems(args.seed)
-    if args.dataset.endswith(".jsonl"):
-        if not os.path.isfile(args.dataset):
-            raise SystemExit(f"error: --dataset {args.dataset}: no such file")
-        with open(args.dataset) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    else:
-        import datasets  # only this path needs it, and it is slow to import
-
-        try:
-            rows = list(datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split))
-        except Exception as e:
-            raise SystemExit(
-                f"error: --dataset {args.dataset} could not be loaded ({type(e).__name__}); offline, use "
-                "the built-in `arithmetic` task or a local .jsonl file"
-            ) from None
-    if not rows or args.prompt_column not in rows[0]:
-        raise SystemExit(f"error: --prompt-column {args.prompt_column} is not a field of --dataset {args.dataset}")
-    rows = [{"prompt": r[args.prompt_column], "answer": r.get(args.answer_column)} for r in rows]
+        return (prompt_row(p, "a problem", tokenizer, args) for p in arithmetic_train_problems(args.seed))
+    rows = [prompt_row(row, f"row {i}", tokenizer, args) for i, row in enumerate(read_dataset(args), 1)]
+    names = [args.reward_fn] if isinstance(args.reward_fn, str) else args.reward_fn
+    needed = args.reward_model is None and {"arithmetic", "gsm8k"} & set(names)
+    missing = [i for i, row in enumerate(rows, 1) if row["answer"] is None]
+    if missing and (needed or len(missing) < len(rows)):
+        raise SystemExit(f"error: --dataset {args.dataset}: row {missing[0]} has no --answer-column "
+                         f"{args.answer_column}, which the reward function needs")  # fmt: skip
 
     def cycle(rng=random.Random(args.seed)):
         while True:
@@ -399,15 +536,34 @@ def resolve(path):
     return here if not os.path.exists(path) and os.path.exists(here) else path
 
 
+@functools.cache
+def check_hub():
+    """Ask the hub once, for 5 s at most; when it does not answer, switch huggingface_hub to offline mode (what
+    HF_HUB_OFFLINE=1 does), so that a hub id loads from the local cache or fails at once, not after ~50 s of
+    retries."""
+    if hub_constants.HF_HUB_OFFLINE:
+        return
+    try:
+        urllib.request.urlopen(urllib.request.Request(hub_constants.ENDPOINT, method="HEAD"), timeout=5)
+    except urllib.error.HTTPError:
+        pass  # it answered
+    except OSError:
+        hub_constants.HF_HUB_OFFLINE = True
+        print(f"note: {hub_constants.ENDPOINT} does not answer: hub ids load from the local cache only")
+
+
 def from_pretrained(cls, name, flag, **kwargs):
     """cls.from_pretrained(name) with a one-line error for a missing directory or an unreachable hub."""
+    if not os.path.isdir(name):
+        check_hub()
     try:
         return cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         where = "could not be loaded" if os.path.isdir(name) else "is not a local directory, nor reachable on the hub"
         raise SystemExit(
-            f"error: {flag} {name} {where} ({type(e).__name__}). Offline, use the embedded default "
-            "(omit --model: assets/arith-sft; --reward-model assets/arith-rm)"
+            f"error: {flag} {name} {where} ({type(e).__name__}). A local directory (save_pretrained) works offline, "
+            "HF_HUB_OFFLINE=1 skips the network; the embedded default: omit --model (assets/arith-sft), "
+            "--reward-model assets/arith-rm"
         ) from None
 
 
@@ -446,11 +602,29 @@ def context_window_of(config):
     return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
 
 
+def end_of_turn_id(tokenizer):
+    """The special token that the tokenizer's chat template closes an assistant turn with (Qwen's <|im_end|>,
+    Llama-3's <|eot_id|>, Gemma's <end_of_turn>), found by rendering one; None without a template or such a token."""
+    if tokenizer.chat_template is None:
+        return None
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ok"}]
+    try:
+        text = tokenizer.apply_chat_template(turns, tokenize=False)
+    except Exception:  # a template may refuse this conversation (one that needs a system turn, say)
+        return None
+    ids = tokenizer(text[text.rindex("Ok") + 2 :], add_special_tokens=False).input_ids
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    special -= {tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id}  # text unknown, or no end
+    return ids[0] if ids and ids[0] in special else None
+
+
 def eos_token_ids(tokenizer, generation_config):
-    """Every id that ends a response (detail 16): the tokenizer's EOS and the checkpoint's generation_config's
-    (chat models declare several: Qwen2.5-Instruct ends a turn with <|im_end|>, a document with <|endoftext|>)."""
+    """Every id that ends a response (detail 16): the tokenizer's EOS, the checkpoint's generation_config's (chat
+    models declare several: Qwen2.5-Instruct ends a turn with <|im_end|>, a document with <|endoftext|>), and the
+    end-of-turn token of the chat template (a base checkpoint's generation_config knows only its EOS)."""
     ids = generation_config.eos_token_id
-    return sorted({tokenizer.eos_token_id, *([] if ids is None else [ids] if isinstance(ids, int) else ids)})
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted({tokenizer.eos_token_id, *ids} | ({end_of_turn_id(tokenizer)} - {None}))
 
 
 def sampling_config(max_new_tokens, temperature, pad_token_id, eos_ids):
@@ -565,19 +739,38 @@ def check_logits(model, flag, name):
         )
 
 
+def tokenize_texts(tokenizer, texts, max_length):
+    """Padded ids of texts, cut to max_length tokens on the tokenizer's truncation side (left, detail 21: a prompt
+    keeps its end, the assistant header). A text that already starts with the BOS, as a chat template writes it,
+    gets no special tokens, or Llama-3 would see two."""
+    special = not (tokenizer.bos_token and all(t.startswith(tokenizer.bos_token) for t in texts))
+    return tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length,
+                     add_special_tokens=special, return_tensors="pt")  # fmt: skip
+
+
+def rm_text(rm_tokenizer, row, completion):
+    """What a reward model with its own tokenizer reads: the conversation and the completion through its own chat
+    template when it has one (it scores what it was trained on), else the prompt as the policy saw it + completion."""
+    if rm_tokenizer.chat_template is None:
+        return row["prompt"] + completion
+    messages = row["messages"] or [{"role": "user", "content": row["prompt"]}]
+    return rm_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}], tokenize=False)
+
+
 @torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, tokenizer, query_responses, attention_mask, label, chunk):
+def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_mask, rows, completions, label, chunk):
     """Score of each sequence (B,), read by the reward model at its last real token (pad follows it).
 
-    rm_tokenizer None: same vocabulary, the ids are used as they are; otherwise decode and re-encode."""
+    rm_tokenizer None: same vocabulary, the ids are scored as they are. Otherwise the reward model reads rm_text,
+    and a text longer than its context loses the start of its prompt, never the response (left truncation)."""
     if rm_tokenizer is None:
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids)
     else:
-        texts = tokenizer.batch_decode(query_responses, skip_special_tokens=True)
-        inputs = rm_tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
-        inputs = {k: v.to(query_responses.device) for k, v in inputs.items()}
-    n = query_responses.shape[0]
+        context = min(rm_tokenizer.model_max_length, context_window_of(reward_model.config) or 2**31)
+        texts = [rm_text(rm_tokenizer, row, c) for row, c in zip(rows, completions)]
+        inputs = {k: v.to(reward_model.device) for k, v in tokenize_texts(rm_tokenizer, texts, context).items()}
+    n = len(completions)
     logits = [reward_model(**{k: v[i : i + chunk] for k, v in inputs.items()}).logits for i in range(0, n, chunk)]
     return torch.cat(logits)[:, label].float()
 
@@ -597,7 +790,7 @@ def load_models(args, device):
     stays on the CPU; rm_tokenizer is None when the reward model reads the policy's own tokens (the ids are
     then scored as they are); the reward model keeps its checkpoint dtype, frozen, on `device`."""
     args.model = resolve(args.model)
-    tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left")
+    tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
     policy = load_model(AutoModelForCausalLM, args.model, "--model")
@@ -618,12 +811,16 @@ def load_models(args, device):
     if args.reward_model is not None:
         args.reward_model = resolve(args.reward_model)
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
-        if reward_model.config.num_labels != 1 and args.reward_label is None:
+        num_labels = reward_model.config.num_labels
+        if num_labels != 1 and args.reward_label is None:
             raise SystemExit(
-                f"error: --reward-model {args.reward_model} has num_labels={reward_model.config.num_labels}; "
+                f"error: --reward-model {args.reward_model} has num_labels={num_labels}; "
                 "a reward model gives one score: pass --reward-label to choose the logit"
             )
-        rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model")
+        if args.reward_label is not None and not 0 <= args.reward_label < num_labels:
+            raise SystemExit(f"error: --reward-label {args.reward_label} is not a logit of --reward-model "
+                             f"{args.reward_model} (num_labels={num_labels}: 0 to {num_labels - 1})")  # fmt: skip
+        rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model", truncation_side="left")
         if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
             rm_tokenizer = None  # same tokens: score the ids directly, no decode / re-encode
         else:
@@ -712,12 +909,12 @@ class RunLogger:
 
 @torch.no_grad()
 def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast):
-    """Step 1: the prompts left-padded (detail 7), one sampled response each, cut after its first EOS (detail 2).
+    """Step 1: the prompts left-padded (detail 7) and cut on the left (tokenize_texts), one sampled response each,
+    cut after its first EOS (detail 2).
 
     Returns {query_responses (B, Q + R), attention_mask (B, Q + R), responses (B, R), mask (B, R) float,
     prompt_width Q}."""
-    enc = tokenizer(prompts, padding=True, truncation=max_prompt_length is not None, max_length=max_prompt_length,
-                    return_tensors="pt").to(policy.device)  # fmt: skip
+    enc = tokenize_texts(tokenizer, prompts, max_prompt_length).to(policy.device)
     policy.eval()
     with autocast:
         responses = generate(policy, enc.input_ids, enc.attention_mask)
@@ -736,7 +933,7 @@ def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, chunk, autocast):
         batch = problems[i : i + chunk]
         r = rollout(policy, tokenizer, [p["prompt"] for p in batch], None, eos_ids, autocast)
         completions = tokenizer.batch_decode(r["responses"], skip_special_tokens=True)
-        correct += reward_fn(completions, [p["answer"] for p in batch])
+        correct += reward_fn(completions, batch)
     stderr = torch.tensor(correct, dtype=torch.float64).std(correction=0).item() / len(correct) ** 0.5
     return {"eval/accuracy": sum(correct) / len(correct), "eval/accuracy_stderr": stderr}
 
@@ -745,15 +942,15 @@ def eval_line(metrics):
     return f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
 
 
-def eval_rows(args):
+def eval_rows(args, tokenizer):
     """What evaluate() scores: the arithmetic task's held-out set, or up to --eval-size distinct prompts of --dataset's
     --eval-split (--eval-only: default --dataset-split); None when there is neither."""
     if args.dataset == "arithmetic":
-        return arithmetic_eval_set()
+        return [prompt_row(p, "a problem", tokenizer, args) for p in arithmetic_eval_set()]
     split = args.eval_split or (args.dataset_split if args.eval_only else None)
     if split is None:
         return None
-    prompts = load_prompts(Args(**asdict(args) | {"dataset_split": split}))
+    prompts = load_prompts(Args(**asdict(args) | {"dataset_split": split}), tokenizer)
     rows = list({row["prompt"]: row for row in (next(prompts) for _ in range(args.eval_size))}.values())
     if rows[0]["answer"] is None:  # the reward function checks answers, even beside a reward model
         raise SystemExit(f"error: evaluation needs --answer-column {args.answer_column} in --dataset {args.dataset}")
@@ -762,7 +959,7 @@ def eval_rows(args):
 
 def eval_only(args, policy, tokenizer, reward_fn, eos_ids, autocast):
     """--eval-only, no run directory. Evaluations of a policy differ by < 1.96 sqrt(2) = 2.8 stderr 95% of the time."""
-    problems = eval_rows(args)
+    problems = eval_rows(args, tokenizer)
     result = evaluate(policy, tokenizer, problems, reward_fn, eos_ids, args.micro_batch_size, autocast)
     print(f"{eval_line(result)} (n={len(problems)}; two evaluations differing by up to "
           f"{2.8 * result['eval/accuracy_stderr']:.3f} are noise)")  # fmt: skip
@@ -809,12 +1006,11 @@ def check_args(args):
             f"error: --top-k {args.top_k} / --top-p {args.top_p} would sample from a truncated distribution whose "
             "log-probs the update never sees (detail 20); train with --temperature alone"
         )
-    if args.reward_model is None and args.reward_fn not in REWARD_FNS:
-        raise SystemExit(f"error: --reward-fn must be one of {sorted(REWARD_FNS)} (got {args.reward_fn})")
-    if args.score_norm is None:
-        args.score_norm = args.reward_model is not None  # detail 14
-        print(f"score normalisation {'on' if args.score_norm else 'off'}: the default with a reward "
-              f"{'model' if args.score_norm else 'function'}")  # fmt: skip
+    load_reward_fn(args.reward_fn)  # a bad name or file fails here, before anything is loaded
+    if args.score_norm == "auto":
+        args.score_norm = "on" if args.reward_model is not None else "off"  # detail 14
+        print(f"score normalisation {args.score_norm}: the default with a reward "
+              f"{'model' if args.reward_model else 'function'}")  # fmt: skip
 
 
 def build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer):
@@ -842,9 +1038,9 @@ def values_of(value_head, hidden):
 def score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args):
     """Step 2's scores (B,), one per response: the reward model's, or the reward function's against the answers."""
     if reward_model is None:
-        return torch.tensor(REWARD_FNS[args.reward_fn](completions, [row["answer"] for row in rows]))
-    return reward_model_scores(reward_model, rm_tokenizer, tokenizer, r["query_responses"], r["attention_mask"],
-                               args.reward_label or 0, args.micro_batch_size)  # fmt: skip
+        return torch.tensor(load_reward_fn(args.reward_fn)(completions, rows))
+    return reward_model_scores(reward_model, rm_tokenizer, r["query_responses"], r["attention_mask"], rows,
+                               completions, args.reward_label or 0, args.micro_batch_size)  # fmt: skip
 
 
 def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast):
@@ -890,7 +1086,7 @@ def main(args: Args | None = None):
     device, autocast, precision = setup(args)
     tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
     if args.eval_only:  # no training, no run directory
-        return eval_only(args, policy.to(device), tokenizer, REWARD_FNS[args.reward_fn], eos_ids, autocast)
+        return eval_only(args, policy.to(device), tokenizer, load_reward_fn(args.reward_fn), eos_ids, autocast)
     critic, value_head = build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer)
     ref_policy = copy.deepcopy(policy).requires_grad_(False) if args.kl_coef or args.kl_target else None  # detail 19
     trained = [m for m in [policy, critic] if m is not None]
@@ -902,17 +1098,17 @@ def main(args: Args | None = None):
             model.activation_checkpointing_enable()
     small_model_defaults(args, policy, device)
     params = [p for m in [policy, critic, value_head] if m is not None for p in m.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay)
     kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
     kl_coef = args.kl_coef
-    prompts = load_prompts(args)
-    eval_problems = eval_rows(args) if args.eval_every else None
+    prompts = load_prompts(args, tokenizer)
+    eval_problems = eval_rows(args, tokenizer) if args.eval_every else None
     logger = RunLogger(args, device, precision)
     save_all = functools.partial(save, os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head, critic)
     B, mini_batch_size = args.prompts_per_update, args.prompts_per_update // args.num_mini_batches
 
     def evaluate_policy():
-        return evaluate(policy, tokenizer, eval_problems, REWARD_FNS[args.reward_fn], eos_ids, B, autocast)
+        return evaluate(policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn), eos_ids, B, autocast)
 
     if eval_problems:
         evaluation = evaluate_policy()
@@ -950,7 +1146,7 @@ def main(args: Args | None = None):
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contains_eos).float()
             raw_scores = scores  # the logs show the scores before normalisation and clipping (detail 14)
-            if args.score_norm:
+            if args.score_norm == "on":
                 scores = (scores - scores.mean()) / (scores.std() + 1e-8)
             if args.score_clip is not None:
                 scores = scores.clamp(-args.score_clip, args.score_clip)
@@ -1016,7 +1212,7 @@ def main(args: Args | None = None):
             } | {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
             metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
             if rows[0]["answer"] is not None:  # the reward function's verdict, beside a reward model too
-                correct = REWARD_FNS[args.reward_fn](completions, [row["answer"] for row in rows])
+                correct = load_reward_fn(args.reward_fn)(completions, rows)
                 metrics["objective/accuracy"] = sum(correct) / B
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics |= evaluate_policy()

@@ -413,6 +413,7 @@ def test_tensorboard_device_and_eta(monkeypatch, tmp_path, capsys, script):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_track_wandb_offline(tmp_path, script):
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    env.pop("WANDB_SERVICE", None)  # left behind by an in-process wandb.init of another test: its service is gone
     cmd = [sys.executable, os.path.join(REPO, f"{script}.py"), "--track", "--total-timesteps", SHORT_RUN[script]]
     subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
     offline_runs = glob.glob(str(tmp_path / "runs" / "*" / "wandb" / "offline-run-*" / "*.wandb"))

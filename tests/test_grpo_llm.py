@@ -202,7 +202,7 @@ def test_eval_only_on_a_dataset_and_eval_split_during_training(tiny, tmp_path, c
     _, records = run(tiny, tmp_path, dataset=tiny["jsonl"], reward_fn=("gsm8k",), eval_split="test", eval_every=1)
     assert [("eval/accuracy_stderr" in r) for r in records] == [True, True, True]
     (tmp_path / "no_answers.jsonl").write_text('{"prompt": "1+1="}\n')
-    with pytest.raises(SystemExit, match=r"^error: evaluation needs --answer-column answer in --dataset .*no_answers"):
+    with pytest.raises(SystemExit, match=r"^error: --dataset .*no_answers.jsonl: row 1 has no --answer-column answer"):
         grpo_llm.main(grpo_llm.Args(**(vars(args) | {"dataset": str(tmp_path / "no_answers.jsonl")})))
 
 
@@ -357,8 +357,8 @@ def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
         (dict(micro_batch_size=3), "(got 3 and 8)"),
         (dict(num_iterations=0), "error: --num-iterations must be at least 1 (got 0)"),
         (dict(epsilon=0.2, epsilon_high=0.1), "error: --epsilon-high must be >= --epsilon (got 0.1 and 0.2)"),
-        (dict(reward_fn=("arithmetic", "nope")), "error: --reward-fn must be among ['arithmetic', 'gsm8k'] (got "
-         "arithmetic nope)"),
+        (dict(reward_fn=("arithmetic", "nope")), "error: --reward-fn nope: not one of ['arithmetic', 'format', "
+         "'gsm8k'], nor a path/to/file.py:function or module:function"),
         (dict(reward_weights=(1.0, 2.0)), "error: --reward-weights needs one weight per reward (arithmetic), got 2"),
         (dict(temperature=0.0), "error: --temperature must be > 0"),
         (dict(model="/no/such/dir"), "error: --model /no/such/dir is not a local directory, nor reachable on the hub"),
@@ -367,7 +367,7 @@ def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
         (dict(max_prompt_length=30), "error: --max-prompt-length 30 + --max-new-tokens 4 exceeds the "
          "model's context of 32"),
         (dict(dataset="/no/such.jsonl"), "error: --dataset /no/such.jsonl: no such file"),
-        (dict(dataset="JSONL", prompt_column="question"), "error: --prompt-column question is not a field of"),
+        (dict(dataset="JSONL", prompt_column="question"), "row 1 has no --prompt-column question (columns: prompt"),
         (dict(reward_model="RM2"), "has num_labels=2; a reward model gives one score: pass --reward-label"),
     ],
 )  # fmt: skip

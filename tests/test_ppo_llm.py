@@ -330,7 +330,7 @@ def test_reward_rises(tiny, tmp_path):
     "kwargs, message",
     [
         (dict(model="/no/such/dir"), "--model /no/such/dir is not a local directory"),
-        (dict(model="no-such-org/no-such-model"), "Offline, use the embedded default"),
+        (dict(model="no-such-org/no-such-model"), "HF_HUB_OFFLINE=1 skips the network; the embedded default"),
         (dict(num_mini_batches=3), "--num-mini-batches must divide --prompts-per-update"),
         (dict(micro_batch_size=3), "and --micro-batch-size the minibatch (got 8, 2 and 3)"),
         (dict(max_new_tokens=32), "--max-new-tokens 32 leaves no room"),

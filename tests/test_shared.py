@@ -21,8 +21,9 @@ SHARED = ARITHMETIC + ["masked_mean", "kl_penalty", "gsm8k_reward", "load_prompt
                        "sampling_config", "generate", "truncate_after_eos", "hidden_states", "logit_postprocessing",
                        "head_chunk", "lm_head_logprobs", "response_logprobs", "check_logits", "reward_model_scores",
                        "evaluate", "peak_memory_mb", "load_models", "setup", "small_model_defaults", "RunLogger",
-                       "rollout", "check_finite", "wall_clock", "eval_line", "eval_rows", "eval_only",
-                       "eta"]  # fmt: skip
+                       "rollout", "check_finite", "wall_clock", "eval_line", "eval_rows", "eval_only", "eta",
+                       "final_answer", "format_reward", "load_reward_fn", "render_prompt", "read_dataset", "prompt_row",
+                       "check_hub", "end_of_turn_id", "tokenize_texts", "rm_text"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SHARED)
@@ -36,6 +37,7 @@ def test_arithmetic_task_is_the_one_the_models_were_trained_on(name):
     for constant in ["ARITH_MAX_OPERAND", "ARITH_EVAL_SEED", "ARITH_EVAL_SIZE"]:
         assert getattr(ppo_llm, constant) == getattr(grpo_llm, constant) == getattr(make_arith_models, constant)
     assert list(ppo_llm.REWARD_FNS) == list(grpo_llm.REWARD_FNS)
+    assert ppo_llm.NUMBER == grpo_llm.NUMBER
 
 
 def test_numerics_agree_on_random_inputs():
