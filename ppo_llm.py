@@ -59,10 +59,15 @@ Implementation details (cited as "detail N" in the comments):
     --top-k / --top-p are refused: the ratio and the KL need the log-probs of the distribution sampled,
     and a truncated one would also give the reference -inf log-probs for tokens outside its own support.
     The saved policy carries this generation config.
+21. --resume RUN_DIR continues a run from RUN_DIR/checkpoint.pt, written with the policy (--save-every, the end,
+    Ctrl-C) to a temporary file and renamed, so that a crash while saving leaves the previous one whole. It holds
+    the weights (the reference with --ref-update-every; otherwise it is re-derived from --model), AdamW's state,
+    beta, the update counter, the python, numpy and torch RNG states, the number of prompts drawn (the stream is
+    re-created from --seed and fast-forwarded) and the wandb run id: 2 updates and a resume to 4 log what 4 do.
+    Saved flags are the defaults, flags given win; the --anneal-lr schedule follows the new --total-steps.
 """
 
 import copy
-import functools
 import json
 import os
 import random
@@ -110,6 +115,8 @@ class Args:
     """parent of the run directory, which gets metrics.jsonl, samples.jsonl and the saved policy"""
     save_every: int = 0
     """also save every N updates (0: only at the end)"""
+    resume: str | None = None
+    """continue the run in this run directory from its checkpoint.pt (detail 21); flags given override the saved ones"""
 
     # Model and data
     model: str = "assets/arith-sft"
@@ -379,6 +386,20 @@ def load_prompts(args):
             yield from rows
 
     return cycle()
+
+
+class PromptStream:
+    """load_prompts' endless rows, counted: `cursor` is how many were handed out. The rows are a function of --seed,
+    so a resumed run re-creates them and skips `cursor` (detail 21): cheap, no model is involved."""
+
+    def __init__(self, rows, cursor=0):
+        self.rows, self.cursor = rows, 0
+        for _ in range(cursor):
+            next(self)
+
+    def __next__(self):
+        self.cursor += 1
+        return next(self.rows)
 
 
 # MODELS: loading, generation, the forward pass and its head, scores
@@ -662,9 +683,9 @@ class RunLogger:
     """The run directory runs/<exp-name>__<seed>__<ms>/: args.json (with the device and precision used),
     metrics.jsonl (a line per update), samples.jsonl, the saved policy; wandb with --track."""
 
-    def __init__(self, args, device, precision):
+    def __init__(self, args, device, precision, wandb_id=None):
         name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
-        self.run_dir = os.path.join(args.output_dir, name)
+        self.run_dir = args.resume or os.path.join(args.output_dir, name)  # a resumed run appends to its own
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "args.json"), "w") as f:
             json.dump(asdict(args) | {"device": str(device), "precision": precision}, f, indent=1)
@@ -674,8 +695,9 @@ class RunLogger:
         if args.track:
             import wandb
 
-            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=name,
-                                    config=vars(args), dir=self.run_dir)  # fmt: skip
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity,
+                                    name=os.path.basename(os.path.normpath(self.run_dir)), config=vars(args),
+                                    dir=self.run_dir, id=wandb_id, resume="allow" if wandb_id else None)  # fmt: skip
 
     def log(self, metrics):
         self.metrics.write(json.dumps(metrics) + "\n")
@@ -741,6 +763,65 @@ def wall_clock(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def parse_args(argv=None):
+    """tyro.cli(Args). With --resume RUN_DIR the run's args.json gives the defaults, so that only the flags on the
+    command line change (detail 21: a larger --total-steps, say)."""
+    args = tyro.cli(Args, args=argv)
+    if args.resume is None:
+        return args
+    path = os.path.join(args.resume, "args.json")
+    if not os.path.isfile(path) or not os.path.isfile(os.path.join(args.resume, "checkpoint.pt")):
+        raise SystemExit(f"error: --resume {args.resume}: no args.json and checkpoint.pt there (a run writes them)")
+    with open(path) as f:
+        saved = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items() if k in Args.__dataclass_fields__
+        }
+    return tyro.cli(Args, args=argv, default=Args(**saved | {"resume": args.resume}))
+
+
+def save_checkpoint(run_dir, models, optimizer, state):
+    """Detail 21: what --resume restores, in run_dir/checkpoint.pt: the weights of `models` (name -> module, None
+    skipped), the optimizer, the RNG states and `state`. It is written to a temporary file and renamed over the
+    previous checkpoint: os.replace is atomic, so a crash while saving leaves the previous one whole."""
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
+    weights = {name: model.state_dict() for name, model in models.items() if model is not None}
+    path = os.path.join(run_dir, "checkpoint.pt")
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state | {"weights": weights, "optimizer": optimizer.state_dict(), "rng": rng}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_checkpoint(run_dir):
+    """The dict save_checkpoint wrote in run_dir ({} for a new run, run_dir None)."""
+    if run_dir is None:
+        return {}
+    return torch.load(os.path.join(run_dir, "checkpoint.pt"), map_location="cpu", weights_only=False)  # RNG states
+
+
+def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
+    """Load a checkpoint's weights, optimizer and RNG states back (nothing for a new run). Called last before the
+    loop, so that sampling goes on from the RNG state where the saved run stopped; the learning rate is
+    --learning-rate's, so that a flag given on resuming wins over the saved optimizer's."""
+    if not checkpoint:
+        return
+    for name, weights in checkpoint["weights"].items():
+        if models.get(name) is not None:
+            models[name].load_state_dict(weights)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate
+    rng = checkpoint["rng"]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 # PPO: arguments, the value model, scores, the minibatch update, saving
@@ -826,17 +907,24 @@ def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast)
 
 
 def save(path, policy, tokenizer, value_head, critic):
-    """save_pretrained for the policy (transformers loads it back), the value head and critic beside it."""
+    """save_pretrained for the policy and its tokenizer (transformers loads them back). The value model is one
+    directory too: path/critic (trunk, tokenizer, value_head.pt), or path itself with --critic head. It reloads as
+        critic = AutoModel.from_pretrained(critic_dir)  # --critic head: AutoModel.from_pretrained(path)
+        value_head = torch.nn.Linear(critic.config.hidden_size, 1)  # with its bias: HF's score layers have none
+        value_head.load_state_dict(torch.load(os.path.join(critic_dir, "value_head.pt")))
+        values = value_head(critic(input_ids).last_hidden_state).squeeze(-1)  # (B, T): V of each prefix"""
     policy.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    torch.save(value_head.state_dict(), os.path.join(path, "value_head.pt"))
+    value_dir = path if critic is None else os.path.join(path, "critic")
     if critic is not None:
-        critic.save_pretrained(os.path.join(path, "critic"))
+        critic.save_pretrained(value_dir)
+        tokenizer.save_pretrained(value_dir)
+    torch.save(value_head.state_dict(), os.path.join(value_dir, "value_head.pt"))
     return path
 
 
 def main(args: Args | None = None):
-    args = tyro.cli(Args) if args is None else args
+    args = parse_args() if args is None else args
     # TRY NOT TO MODIFY: set-up
     check_args(args)
     device, autocast, precision = setup(args)
@@ -853,24 +941,36 @@ def main(args: Args | None = None):
     small_model_defaults(args, policy, device)
     params = [p for m in [policy, critic, value_head] if m is not None for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5)
-    kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
-    kl_coef = args.kl_coef
-    prompts = load_prompts(args)
+    checkpoint = load_checkpoint(args.resume)  # detail 21; {} for a new run
+    kl_coef = checkpoint.get("kl_coef", args.kl_coef) if args.kl_target else args.kl_coef
+    kl_ctl = AdaptiveKLController(kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
+    prompts = PromptStream(load_prompts(args), checkpoint.get("prompt_cursor", 0))
     eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every else None
-    logger = RunLogger(args, device, precision)
-    save_all = functools.partial(save, os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head, critic)
+    logger = RunLogger(args, device, precision, checkpoint.get("wandb_id"))
+    # what --resume restores (detail 21); the reference is re-derived from --model unless --ref-update-every moves it
+    models = dict(policy=policy, critic=critic, value_head=value_head,
+                  ref_policy=ref_policy if args.ref_update_every else None)  # fmt: skip
+
+    def save_all():
+        state = dict(
+            update=update, kl_coef=kl_coef, prompt_cursor=prompts.cursor, wandb_id=getattr(logger.wandb, "id", None)
+        )
+        save_checkpoint(logger.run_dir, models, optimizer, state)
+        return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head, critic)
+
     B, mini_batch_size = args.prompts_per_update, args.prompts_per_update // args.num_mini_batches
 
     def evaluate_policy():
         return evaluate(policy, tokenizer, eval_problems, REWARD_FNS[args.reward_fn], eos_ids, B, autocast)
 
-    if eval_problems:
+    if eval_problems and not checkpoint:
         accuracy = evaluate_policy()
         logger.log({"update": 0, "episode": 0, "eval/accuracy": accuracy})
         print(f"update 0: held-out accuracy {accuracy:.3f}")
-    update, start_time = 0, time.time()
+    restore_checkpoint(checkpoint, models, optimizer, args.learning_rate)
+    update, start_time = checkpoint.get("update", 0), time.time()
     try:
-        for update in range(1, args.total_steps + 1):
+        for update in range(update + 1, args.total_steps + 1):
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
             # ALGO LOGIC: 1. rollout -- one response per prompt
