@@ -57,10 +57,10 @@ Implementation details (cited as "detail N" in the comments):
     The saved policy carries this generation config.
 21. --resume RUN_DIR continues a run from RUN_DIR/checkpoint.pt, written with the policy (--save-every, the end,
     Ctrl-C) to a temporary file and renamed, so that a crash while saving leaves the previous one whole. It holds
-    the weights (the reference is re-derived from --model: it never moves), AdamW's state,
-    the update counter, the python, numpy and torch RNG states, the number of prompts drawn (the stream is
-    re-created from --seed and fast-forwarded) and the wandb run id: 2 updates and a resume to 4 log what 4 do.
-    Saved flags are the defaults, flags given win; the --anneal-lr schedule follows the new --total-steps.
+    the weights (the reference is re-derived from --model: it never moves), AdamW's state, the update counter,
+    the python, numpy and torch RNG states, the number of prompts drawn (the stream is re-created from --seed and
+    fast-forwarded) and the wandb run id: 2 updates and a resume to 4 log what 4 do. Saved flags are the
+    defaults, flags given win; the --anneal-lr schedule follows the new --total-steps.
 
 The variants, as differences from GRPO (loss-type grpo, scale-rewards group, epsilon-high = epsilon):
 - Dr. GRPO (Liu et al. 2025): --loss-type dr_grpo --scale-rewards none. Dividing by each completion's
@@ -384,8 +384,7 @@ def load_prompts(args):
 
 
 class PromptStream:
-    """load_prompts' endless rows, counted: `cursor` is how many were handed out. The rows are a function of --seed,
-    so a resumed run re-creates them and skips `cursor` (detail 21): cheap, no model is involved."""
+    """load_prompts' rows, counted (detail 21): a resumed run re-creates the seeded stream and skips `cursor` rows."""
 
     def __init__(self, rows, cursor=0):
         self.rows, self.cursor = rows, 0
@@ -675,8 +674,8 @@ def small_model_defaults(args, policy, device):
 
 
 class RunLogger:
-    """The run directory runs/<exp-name>__<seed>__<ms>/: args.json (with the device and precision used),
-    metrics.jsonl (a line per update), samples.jsonl, the saved policy; wandb with --track."""
+    """The run directory runs/<exp-name>__<seed>__<ms>/ (or --resume's): args.json (with the device and precision
+    used), metrics.jsonl (a line per update), samples.jsonl, the saved policy, checkpoint.pt; wandb with --track."""
 
     def __init__(self, args, device, precision, wandb_id=None):
         name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
@@ -770,53 +769,50 @@ def parse_args(argv=None):
     if not os.path.isfile(path) or not os.path.isfile(os.path.join(args.resume, "checkpoint.pt")):
         raise SystemExit(f"error: --resume {args.resume}: no args.json and checkpoint.pt there (a run writes them)")
     with open(path) as f:
-        saved = {
-            k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items() if k in Args.__dataclass_fields__
-        }
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items() if hasattr(Args, k)}
     return tyro.cli(Args, args=argv, default=Args(**saved | {"resume": args.resume}))
 
 
-def save_checkpoint(run_dir, models, optimizer, state):
-    """Detail 21: what --resume restores, in run_dir/checkpoint.pt: the weights of `models` (name -> module, None
-    skipped), the optimizer, the RNG states and `state`. It is written to a temporary file and renamed over the
-    previous checkpoint: os.replace is atomic, so a crash while saving leaves the previous one whole."""
+def save_checkpoint(logger, models, optimizer, state):
+    """Detail 21: what --resume restores, in the run's checkpoint.pt: `state`, the weights of `models` (None skipped),
+    the optimizer, the RNG states, the wandb run id. Written to a temporary file, then renamed over the previous
+    checkpoint: os.replace is atomic, so a crash while saving leaves the previous one whole."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
     weights = {name: model.state_dict() for name, model in models.items() if model is not None}
-    path = os.path.join(run_dir, "checkpoint.pt")
+    state |= dict(
+        weights=weights, optimizer=optimizer.state_dict(), rng=rng, wandb_id=getattr(logger.wandb, "id", None)
+    )
+    path = os.path.join(logger.run_dir, "checkpoint.pt")
     with open(path + ".tmp", "wb") as f:
-        torch.save(state | {"weights": weights, "optimizer": optimizer.state_dict(), "rng": rng}, f)
+        torch.save(state, f)
         f.flush()
-        os.fsync(f.fileno())
+        os.fsync(f.fileno())  # on disk before the rename
     os.replace(path + ".tmp", path)
-    return path
 
 
 def load_checkpoint(run_dir):
-    """The dict save_checkpoint wrote in run_dir ({} for a new run, run_dir None)."""
-    if run_dir is None:
-        return {}
-    return torch.load(os.path.join(run_dir, "checkpoint.pt"), map_location="cpu", weights_only=False)  # RNG states
+    """The dict save_checkpoint wrote in run_dir; {} for a new run (run_dir None)."""
+    path = run_dir and os.path.join(run_dir, "checkpoint.pt")
+    return torch.load(path, map_location="cpu", weights_only=False) if path else {}  # (not only tensors)
 
 
 def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
-    """Load a checkpoint's weights, optimizer and RNG states back (nothing for a new run). Called last before the
-    loop, so that sampling goes on from the RNG state where the saved run stopped; the learning rate is
-    --learning-rate's, so that a flag given on resuming wins over the saved optimizer's."""
-    if not checkpoint:
-        return
-    for name, weights in checkpoint["weights"].items():
+    """Load a checkpoint's weights, optimizer and RNG states back, last before the loop, so that sampling goes on
+    where the saved run stopped. The learning rate is --learning-rate's: a flag given on resuming wins."""
+    for name, weights in checkpoint.get("weights", {}).items():
         if models.get(name) is not None:
             models[name].load_state_dict(weights)
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    for group in optimizer.param_groups:
-        group["lr"] = learning_rate
-    rng = checkpoint["rng"]
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    if checkpoint:
+        print(f"resuming after update {checkpoint['update']} of the saved run")
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.param_groups[0]["lr"] = learning_rate
+        rng = checkpoint["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 # GRPO: arguments, scores
@@ -897,8 +893,7 @@ def main(args: Args | None = None):
     models = dict(policy=policy)  # what --resume restores (detail 21); the reference is re-derived from --model
 
     def save_all():
-        state = dict(update=update, prompt_cursor=prompts.cursor, wandb_id=getattr(logger.wandb, "id", None))
-        save_checkpoint(logger.run_dir, models, optimizer, state)
+        save_checkpoint(logger, models, optimizer, dict(update=update, prompt_cursor=prompts.cursor))
         return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer)
 
     def evaluate_policy():
