@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import types
 
 import pytest
 import torch
@@ -277,6 +278,24 @@ def test_resume_logs_what_one_run_logs(tiny, tmp_path):
     assert [m["update"] for m in resumed] == [1, 2, 3, 4]
     assert [same(m) for m in resumed] == [same(m) for m in whole]
     assert json.load(open(os.path.join(run_dir, "args.json")))["total_steps"] == 4
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    logger, model = types.SimpleNamespace(run_dir=str(tmp_path), wandb=None), torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ppo_llm.save_checkpoint(logger, {"policy": model}, optimizer, {"update": 1})
+    real_save = torch.save
+
+    def crash(obj, f):
+        real_save(obj, f)
+        f.truncate(10)  # half written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ppo_llm.torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ppo_llm.save_checkpoint(logger, {"policy": model}, optimizer, {"update": 2})
+    checkpoint = ppo_llm.load_checkpoint(str(tmp_path))
+    assert checkpoint["update"] == 1 and torch.equal(checkpoint["weights"]["policy"]["weight"], model.weight)
 
 
 def test_resume_needs_a_run_with_a_checkpoint(tmp_path):
