@@ -64,6 +64,12 @@ Implementation details (cited as "detail N" in the comments):
     (--chat-template / --system-prompt for plain strings); text that starts with the BOS gets no second one;
     a prompt too long loses its start (left truncation, as TRL), never the header; the template's end-of-turn
     token ends a response (detail 16). A reward model with its own tokenizer re-renders with its own template.
+22. --resume RUN_DIR continues a run from RUN_DIR/checkpoint.pt, written with the policy (--save-every, the end,
+    Ctrl-C) to a temporary file and renamed, so that a crash while saving leaves the previous one whole. It holds
+    the weights (the reference with --ref-update-every; otherwise it is re-derived from --model), AdamW's state,
+    beta, the update counter, the python, numpy and torch RNG states, the number of prompts drawn (the stream is
+    re-created from --seed and fast-forwarded) and the wandb run id: 2 updates and a resume to 4 log what 4 do.
+    Saved flags are the defaults, flags given win; the --anneal-lr schedule follows the new --total-steps.
 """
 
 import copy
@@ -129,6 +135,8 @@ class Args:
     """parent of the run directory, which gets metrics.jsonl, samples.jsonl and the saved policy"""
     save_every: int = 0
     """also save every N updates (0: only at the end)"""
+    resume: str | None = None
+    """continue the run in this run directory from its checkpoint.pt (detail 21); flags given override the saved ones"""
 
     # Model and data
     model: str = "assets/arith-sft"
@@ -525,6 +533,19 @@ def load_prompts(args, tokenizer):
     return cycle()
 
 
+class PromptStream:
+    """load_prompts' rows, counted (detail 21): a resumed run re-creates the seeded stream and skips `cursor` rows."""
+
+    def __init__(self, rows, cursor=0):
+        self.rows, self.cursor = rows, 0
+        for _ in range(cursor):
+            next(self)
+
+    def __next__(self):
+        self.cursor += 1
+        return next(self.rows)
+
+
 # MODELS: loading, generation, the forward pass and its head, scores
 
 LM_HEAD_CHUNK = 2**24  # logits that exist at once in lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
@@ -863,12 +884,13 @@ def small_model_defaults(args, policy, device):
 
 
 class RunLogger:
-    """The run directory runs/<exp-name>__<seed>__<ms>/: args.json (with the device and precision used),
-    metrics.jsonl (a line per update) and TensorBoard's events, samples.jsonl, the saved policy; wandb with --track."""
+    """The run directory runs/<exp-name>__<seed>__<ms>/ (or --resume's): args.json (with the device and precision
+    used), metrics.jsonl (a line per update) and TensorBoard's events, samples.jsonl, the saved policy, checkpoint.pt;
+    wandb with --track."""
 
-    def __init__(self, args, device, precision):
+    def __init__(self, args, device, precision, wandb_id=None):
         name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
-        self.run_dir = os.path.join(args.output_dir, name)
+        self.run_dir = args.resume or os.path.join(args.output_dir, name)  # a resumed run appends to its own
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "args.json"), "w") as f:
             json.dump(asdict(args) | {"device": str(device), "precision": precision}, f, indent=1)
@@ -879,9 +901,11 @@ class RunLogger:
         if args.track:
             import wandb
 
-            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=name,
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity,
+                                    name=os.path.basename(os.path.normpath(self.run_dir)),
                                     config=vars(args) | {"device": str(device), "precision": precision},
-                                    dir=self.run_dir, save_code=True)  # fmt: skip
+                                    dir=self.run_dir, save_code=True, id=wandb_id,
+                                    resume="allow" if wandb_id else None)  # fmt: skip
 
     def log(self, metrics):
         self.metrics.write(json.dumps(metrics) + "\n")
@@ -966,9 +990,10 @@ def eval_only(args, policy, tokenizer, reward_fn, eos_ids, autocast):
     return result
 
 
-def eta(start_time, done, total):
-    """Time left at the pace so far, as hh:mm:ss."""
-    return time.strftime("%H:%M:%S", time.gmtime((time.time() - start_time) * (total - done) / done))
+def eta(start_time, first, done, total):
+    """'(seconds so far, ETA hh:mm:ss)': the time left at this run's pace since update `first` (0, or the resumed)."""
+    elapsed = time.time() - start_time
+    return f"({elapsed:.0f}s, ETA {time.strftime('%H:%M:%S', time.gmtime(elapsed * (total - done) / (done - first)))})"
 
 
 def check_finite(grad_norm, update, save):
@@ -986,6 +1011,62 @@ def wall_clock(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def parse_args(argv=None):
+    """tyro.cli(Args). With --resume RUN_DIR the run's args.json gives the defaults, so that only the flags on the
+    command line change (detail 21: a larger --total-steps, say)."""
+    args = tyro.cli(Args, args=argv)
+    if args.resume is None:
+        return args
+    path = os.path.join(args.resume, "args.json")
+    if not os.path.isfile(path) or not os.path.isfile(os.path.join(args.resume, "checkpoint.pt")):
+        raise SystemExit(f"error: --resume {args.resume}: no args.json and checkpoint.pt there (a run writes them)")
+    with open(path) as f:
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items() if hasattr(Args, k)}
+    return tyro.cli(Args, args=argv, default=Args(**saved | {"resume": args.resume}))
+
+
+def save_checkpoint(logger, models, optimizer, state):
+    """Detail 21: what --resume restores, in the run's checkpoint.pt: `state`, the weights of `models` (None skipped),
+    the optimizer, the RNG states, the wandb run id. Written to a temporary file, then renamed over the previous
+    checkpoint: os.replace is atomic, so a crash while saving leaves the previous one whole."""
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
+    weights = {name: model.state_dict() for name, model in models.items() if model is not None}
+    state |= dict(
+        weights=weights, optimizer=optimizer.state_dict(), rng=rng, wandb_id=getattr(logger.wandb, "id", None)
+    )
+    path = os.path.join(logger.run_dir, "checkpoint.pt")
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(run_dir):
+    """The dict save_checkpoint wrote in run_dir; {} for a new run (run_dir None)."""
+    path = run_dir and os.path.join(run_dir, "checkpoint.pt")
+    return torch.load(path, map_location="cpu", weights_only=False) if path else {}  # (not only tensors)
+
+
+def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
+    """Load a checkpoint's weights, optimizer and RNG states back, last before the loop, so that sampling goes on
+    where the saved run stopped. The learning rate is --learning-rate's: a flag given on resuming wins."""
+    for name, weights in checkpoint.get("weights", {}).items():
+        if models.get(name) is not None:
+            models[name].load_state_dict(weights)
+    if checkpoint:
+        print(f"resuming after update {checkpoint['update']} of the saved run")
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.param_groups[0]["lr"] = learning_rate
+        rng = checkpoint["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 # PPO: arguments, the value model, scores, the minibatch update, saving
@@ -1070,17 +1151,24 @@ def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast)
 
 
 def save(path, policy, tokenizer, value_head, critic):
-    """save_pretrained for the policy (transformers loads it back), the value head and critic beside it."""
+    """save_pretrained for the policy and its tokenizer (transformers loads them back). The value model is one
+    directory too: path/critic (trunk, tokenizer, value_head.pt), or path itself with --critic head. It reloads as
+        critic = AutoModel.from_pretrained(critic_dir)  # --critic head: AutoModel.from_pretrained(path)
+        value_head = torch.nn.Linear(critic.config.hidden_size, 1)  # with its bias: HF's score layers have none
+        value_head.load_state_dict(torch.load(os.path.join(critic_dir, "value_head.pt")))
+        values = value_head(critic(input_ids).last_hidden_state).squeeze(-1)  # (B, T): V of each prefix"""
     policy.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    torch.save(value_head.state_dict(), os.path.join(path, "value_head.pt"))
+    value_dir = path if critic is None else os.path.join(path, "critic")
     if critic is not None:
-        critic.save_pretrained(os.path.join(path, "critic"))
+        critic.save_pretrained(value_dir)
+        tokenizer.save_pretrained(value_dir)
+    torch.save(value_head.state_dict(), os.path.join(value_dir, "value_head.pt"))
     return path
 
 
 def main(args: Args | None = None):
-    args = tyro.cli(Args) if args is None else args
+    args = parse_args() if args is None else args
     # TRY NOT TO MODIFY: set-up
     check_args(args)
     device, autocast, precision = setup(args)
@@ -1099,24 +1187,34 @@ def main(args: Args | None = None):
     small_model_defaults(args, policy, device)
     params = [p for m in [policy, critic, value_head] if m is not None for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay)
-    kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
-    kl_coef = args.kl_coef
-    prompts = load_prompts(args, tokenizer)
+    checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
+    kl_coef = checkpoint.get("kl_coef", args.kl_coef) if args.kl_target else args.kl_coef
+    kl_ctl = AdaptiveKLController(kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
+    prompts = PromptStream(load_prompts(args, tokenizer), checkpoint.get("prompt_cursor", 0))
     eval_problems = eval_rows(args, tokenizer) if args.eval_every else None
-    logger = RunLogger(args, device, precision)
-    save_all = functools.partial(save, os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head, critic)
+    logger = RunLogger(args, device, precision, checkpoint.get("wandb_id"))
+    # what --resume restores (detail 22); the reference is re-derived from --model unless --ref-update-every moves it
+    models = dict(policy=policy, critic=critic, value_head=value_head,
+                  ref_policy=ref_policy if args.ref_update_every else None)  # fmt: skip
+
+    def save_all():
+        save_checkpoint(logger, models, optimizer, dict(update=update, kl_coef=kl_coef, prompt_cursor=prompts.cursor))
+        return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head, critic)
+
     B, mini_batch_size = args.prompts_per_update, args.prompts_per_update // args.num_mini_batches
 
     def evaluate_policy():
         return evaluate(policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn), eos_ids, B, autocast)
 
-    if eval_problems:
+    if eval_problems and not checkpoint:
         evaluation = evaluate_policy()
         logger.log({"update": 0, "episode": 0} | evaluation)
         print(f"update 0: {eval_line(evaluation)}")
-    update, start_time = 0, time.time()
+    restore_checkpoint(checkpoint, models, optimizer, args.learning_rate)
+    first_update = update = checkpoint.get("update", 0)
+    start_time = time.time()
     try:
-        for update in range(1, args.total_steps + 1):
+        for update in range(update + 1, args.total_steps + 1):
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
             # ALGO LOGIC: 1. rollout -- one response per prompt
@@ -1221,7 +1319,7 @@ def main(args: Args | None = None):
                 f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
                 f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
                 + (f"{eval_line(metrics)}  " if "eval/accuracy" in metrics else "")
-                + f"{t3 - t0:.2f}s  ({time.time() - start_time:.0f}s, ETA {eta(start_time, update, args.total_steps)})"
+                + f"{t3 - t0:.2f}s  {eta(start_time, first_update, update, args.total_steps)}"
             )
             if args.sample_every and update % args.sample_every == 0:
                 shown = range(min(args.num_samples, B))

@@ -302,6 +302,22 @@ def test_track_with_wandb_offline(tiny, tmp_path, monkeypatch):
     assert any(name.startswith("offline-run") for name in os.listdir(os.path.join(run_dir, "wandb")))
 
 
+def test_resume_logs_what_one_run_logs(tiny, tmp_path):
+    # 2 updates, then --resume to 4, log what 4 updates in one go do (timings and memory aside; lr constant): the
+    # weights, AdamW, the RNG states and the prompt position come back, the reference is re-derived.
+    _, whole = run(tiny, tmp_path / "whole", total_steps=4, beta=0.1, num_iterations=2)
+    run_dir, _ = run(tiny, tmp_path / "split", beta=0.1, num_iterations=2)
+    assert grpo_llm.main(grpo_llm.parse_args(["--resume", run_dir, "--total-steps", "4"])) == run_dir
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        resumed = [json.loads(line) for line in f]
+
+    def same(metrics):
+        return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/"))}
+
+    assert [m["update"] for m in resumed] == [1, 2, 3, 4]
+    assert [same(m) for m in resumed] == [same(m) for m in whole]
+
+
 def test_learning_raises_the_reward(tiny, tmp_path):
     # a fixed random reward model scores one token after each JSONL prompt; GRPO must find the tokens it
     # prefers: the mean score of the last 5 updates is well above that of the first 5 (seeded, ~1 s)

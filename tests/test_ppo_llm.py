@@ -3,12 +3,13 @@
 import json
 import math
 import os
+import types
 
 import pytest
 import torch
 from conftest import char_tokenizer, tiny_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 import ppo_llm
 from ppo_llm import (
@@ -240,10 +241,78 @@ def test_run_logs_saves_and_loads_back(tiny, tmp_path, capsys):
     assert metrics[-1]["episode"] == 16
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "policy"))
     assert policy.config.vocab_size == GPT2LMHeadModel.from_pretrained(tiny["policy"]).config.vocab_size
-    assert set(torch.load(os.path.join(run_dir, "policy", "value_head.pt"))) == {"weight", "bias"}
-    assert os.path.isdir(os.path.join(run_dir, "policy", "critic"))
+    assert set(torch.load(os.path.join(run_dir, "policy", "critic", "value_head.pt"))) == {"weight", "bias"}
+    assert os.path.isfile(os.path.join(run_dir, "checkpoint.pt")) and not os.path.exists(
+        os.path.join(run_dir, "checkpoint.pt.tmp")
+    )
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         assert {"prompt", "completion", "score"} <= set(json.loads(f.readline()))
+
+
+@pytest.mark.parametrize("critic", ["head", "separate"])
+def test_value_model_reloads_in_the_documented_lines(tiny, tmp_path, critic):
+    # save() and the reload lines of its docstring give the values the script computes, the head's bias included.
+    policy = ppo_llm.load_model(AutoModelForCausalLM, tiny["policy"], "--model")
+    tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
+    trunk = ppo_llm.load_model(AutoModel, tiny["rm"], "--model") if critic == "separate" else None
+    value_head = torch.nn.Linear(32, 1)
+    torch.nn.init.constant_(value_head.bias, 0.5)  # HF's score layers have no bias to carry it
+    ids = T([[20, 21, 22, 23, 24]])
+    with torch.no_grad():
+        expected = ppo_llm.values_of(value_head, ppo_llm.hidden_states(trunk or policy, ids, torch.ones_like(ids), 1))
+    path = ppo_llm.save(str(tmp_path / "policy"), policy, tokenizer, value_head, trunk)
+    critic_dir = os.path.join(path, "critic") if critic == "separate" else path
+    critic_model = AutoModel.from_pretrained(critic_dir)
+    reloaded_head = torch.nn.Linear(critic_model.config.hidden_size, 1)
+    reloaded_head.load_state_dict(torch.load(os.path.join(critic_dir, "value_head.pt")))
+    with torch.no_grad():
+        values = reloaded_head(critic_model(ids).last_hidden_state).squeeze(-1)
+    torch.testing.assert_close(values[:, :-1], expected)  # hidden_states(..., 1): the states at positions 0 .. T-2
+    assert AutoTokenizer.from_pretrained(critic_dir).get_vocab() == tokenizer.get_vocab()
+
+
+def test_resume_logs_what_one_run_logs(tiny, tmp_path):
+    # 2 updates, then --resume to 4, log what 4 updates in one go do (timings and memory aside; lr constant): the
+    # weights, AdamW, the adaptive beta, the moving reference, the RNG states and the prompt position come back.
+    options = dict(critic="separate", kl_target=1.0, kl_horizon=100, ref_update_every=1)
+    _, whole = run(tiny, tmp_path / "whole", total_steps=4, **options)
+    run_dir, _ = run(tiny, tmp_path / "split", **options)
+    assert ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--total-steps", "4"])) == run_dir
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        resumed = [json.loads(line) for line in f]
+
+    def same(metrics):
+        return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/"))}
+
+    assert [m["update"] for m in resumed] == [1, 2, 3, 4]
+    assert [same(m) for m in resumed] == [same(m) for m in whole]
+    assert json.load(open(os.path.join(run_dir, "args.json")))["total_steps"] == 4
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    logger, model = types.SimpleNamespace(run_dir=str(tmp_path), wandb=None), torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ppo_llm.save_checkpoint(logger, {"policy": model}, optimizer, {"update": 1})
+    real_save = torch.save
+
+    def crash(obj, f):
+        real_save(obj, f)
+        f.truncate(10)  # half written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ppo_llm.torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ppo_llm.save_checkpoint(logger, {"policy": model}, optimizer, {"update": 2})
+    checkpoint = ppo_llm.load_checkpoint(str(tmp_path))
+    assert checkpoint["update"] == 1 and torch.equal(checkpoint["weights"]["policy"]["weight"], model.weight)
+
+
+def test_resume_needs_a_run_with_a_checkpoint(tmp_path):
+    (tmp_path / "args.json").write_text("{}")  # a run killed before its first save
+    for run_dir in ["/no/such/run", str(tmp_path)]:
+        with pytest.raises(SystemExit) as e:
+            ppo_llm.parse_args(["--resume", run_dir])
+        assert str(e.value) == f"error: --resume {run_dir}: no args.json and checkpoint.pt there (a run writes them)"
 
 
 def test_options_all_run(tiny, tmp_path):
@@ -277,6 +346,9 @@ def test_track_offline(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     run_dir, _ = run(tiny, tmp_path, track=True, total_steps=1)
     assert any(name.startswith("offline-run") for name in os.listdir(os.path.join(run_dir, "wandb")))
+    ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--total-steps", "2"]))  # the same wandb run goes on
+    runs = [name for name in os.listdir(os.path.join(run_dir, "wandb")) if name.startswith("offline-run")]
+    assert len({name.rsplit("-", 1)[-1] for name in runs}) == 1, runs  # offline-run-<time>-<run id>
 
 
 def test_tokenizer_without_pad_gets_its_own(tmp_path):

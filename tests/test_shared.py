@@ -23,7 +23,8 @@ SHARED = ARITHMETIC + ["masked_mean", "kl_penalty", "gsm8k_reward", "load_prompt
                        "evaluate", "peak_memory_mb", "load_models", "setup", "small_model_defaults", "RunLogger",
                        "rollout", "check_finite", "wall_clock", "eval_line", "eval_rows", "eval_only", "eta",
                        "final_answer", "format_reward", "load_reward_fn", "render_prompt", "read_dataset", "prompt_row",
-                       "check_hub", "end_of_turn_id", "tokenize_texts", "rm_text"]  # fmt: skip
+                       "check_hub", "end_of_turn_id", "tokenize_texts", "rm_text", "PromptStream",
+                       "parse_args", "save_checkpoint", "load_checkpoint", "restore_checkpoint"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SHARED)
