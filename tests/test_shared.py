@@ -21,7 +21,8 @@ SHARED = ARITHMETIC + ["masked_mean", "kl_penalty", "gsm8k_reward", "load_prompt
                        "sampling_config", "generate", "truncate_after_eos", "hidden_states", "logit_postprocessing",
                        "head_chunk", "lm_head_logprobs", "response_logprobs", "check_logits", "reward_model_scores",
                        "evaluate", "peak_memory_mb", "load_models", "setup", "small_model_defaults", "RunLogger",
-                       "rollout", "check_finite", "wall_clock"]  # fmt: skip
+                       "rollout", "check_finite", "wall_clock", "add_lora", "reference_model", "adapters_off",
+                       "save_merged", "check_lora_args"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SHARED)
