@@ -143,8 +143,7 @@ class Args:
     gradient_checkpointing: bool = False
     """trade compute for memory in the policy and critic"""
     lora_r: int = 0
-    """LoRA rank: train adapters on a frozen base that is also the reference (0: off; detail 21; LoRA usually
-    wants a ~10x higher --learning-rate than full fine-tuning)"""
+    """LoRA rank (0: off; detail 21); LoRA usually wants ~10x the --learning-rate of full fine-tuning"""
     lora_alpha: int = 32
     """LoRA scale numerator: the adapters add (alpha / r) B A x"""
     lora_dropout: float = 0.0
@@ -474,13 +473,8 @@ def save_merged(policy, tokenizer, path):
 
 def check_lora_args(args):
     """The LoRA flags (detail 21), each bad one a one-line error."""
-    if args.lora_r < 0:
-        raise SystemExit(f"error: --lora-r must be >= 0 (0: no LoRA; got {args.lora_r})")
     if args.lora_dropout:
-        raise SystemExit(
-            f"error: --lora-dropout must be 0: adapter dropout would move the first ratio away from 1 and the KL "
-            f"from 0 (detail 6; got {args.lora_dropout})"
-        )
+        raise SystemExit(f"error: --lora-dropout must be 0, or the first ratio is not 1 (got {args.lora_dropout})")
     if args.save_merged and not args.lora_r:
         raise SystemExit("error: --save-merged needs --lora-r: without LoRA the saved policy is already a full model")
 
@@ -834,9 +828,7 @@ def check_args(args):
     if args.reward_model is None and args.reward_fn not in REWARD_FNS:
         raise SystemExit(f"error: --reward-fn must be one of {sorted(REWARD_FNS)} (got {args.reward_fn})")
     if args.lora_r and args.ref_update_every:
-        raise SystemExit(
-            "error: --ref-update-every cannot refresh the reference of a LoRA run: it is the adapter-free base"
-        )
+        raise SystemExit("error: --ref-update-every cannot refresh a LoRA run's reference: the adapter-free base")
     if args.score_norm is None:
         args.score_norm = args.reward_model is not None  # detail 14
         print(f"score normalisation {'on' if args.score_norm else 'off'}: the default with a reward "
