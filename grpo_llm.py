@@ -49,7 +49,9 @@ Implementation details (cited as "detail N" in the comments):
 19. Dtypes: the policy trains in fp32 (master weights, whatever the checkpoint dtype: bf16 AdamW updates
     of lr 1e-5 mostly round away); compute runs under bf16 autocast on CUDA (--mixed-precision). The
     reference is an fp32 copy of the policy, scored by the same function in the same shapes, so the first
-    KL is exactly 0; the frozen reward model keeps its checkpoint dtype.
+    KL is exactly 0; the frozen reward model keeps its checkpoint dtype. With LoRA (detail 23) the adapters
+    are the fp32 master weights and the frozen base keeps its checkpoint dtype: an fp32 copy of a 7B base
+    would cost 28 GB.
 20. Sampling is softmax(logits / temperature) and nothing else: the checkpoint's generation_config
     (repetition_penalty, top_k, min_p, ...) is replaced, since transformers would apply it silently, and
     --top-k / --top-p are refused: the ratio and the KL need the log-probs of the distribution sampled,
@@ -66,6 +68,11 @@ Implementation details (cited as "detail N" in the comments):
     the python, numpy and torch RNG states, the number of prompts drawn (the stream is re-created from --seed and
     fast-forwarded) and the wandb run id: 2 updates and a resume to 4 log what 4 do. Saved flags are the
     defaults, flags given win; the --anneal-lr schedule follows the new --total-steps.
+23. LoRA (--lora-r, through peft, as TRL): only adapters train, W x + (alpha / r) B A x on every linear layer
+    of the trunk (not the LM head). B starts at 0, so the base with its adapters switched off (peft's
+    disable_adapter) is the initial policy exactly: it is the reference, at no memory cost, and the first KL
+    is 0. Adapter dropout is refused (detail 6). The saved policy is the adapter (--save-merged: also the
+    merged model).
 
 The variants, as differences from GRPO (loss-type grpo, scale-rewards group, epsilon-high = epsilon):
 - Dr. GRPO (Liu et al. 2025): --loss-type dr_grpo --scale-rewards none. Dividing by each completion's
@@ -82,6 +89,7 @@ The variants, as differences from GRPO (loss-type grpo, scale-rewards group, eps
   G - 1 rewards of the group, so a completion's own reward does not bias its baseline.
 """
 
+import contextlib
 import copy
 import functools
 import importlib.util
@@ -145,7 +153,7 @@ class Args:
     save_every: int = 0
     """also save every N updates (0: only at the end)"""
     resume: str | None = None
-    """continue the run in this run directory from its checkpoint.pt (detail 21); flags given override the saved ones"""
+    """continue the run in this run directory from its checkpoint.pt (detail 22); flags given override the saved ones"""
 
     # Model and data
     model: str = "assets/arith-sft"
@@ -176,6 +184,16 @@ class Args:
     """a system message before each conversation (implies --chat-template for plain-string prompts)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the policy"""
+    lora_r: int = 0
+    """LoRA rank (0: off; detail 23); LoRA usually wants ~10x the --learning-rate of full fine-tuning"""
+    lora_alpha: int = 32
+    """LoRA scale numerator: the adapters add (alpha / r) B A x"""
+    lora_dropout: float = 0.0
+    """must stay 0: dropout on the adapters would move the first ratio away from 1 (detail 6)"""
+    lora_target_modules: tuple[str, ...] | None = None
+    """module names to adapt (default: every linear layer of the trunk, not the LM head: peft's all-linear)"""
+    save_merged: bool = False
+    """with --lora-r, also save the base with the adapters merged in, to policy/merged (transformers loads it)"""
 
     # Generation
     max_new_tokens: int = 8
@@ -529,7 +547,7 @@ def load_prompts(args, tokenizer):
 
 
 class PromptStream:
-    """load_prompts' rows, counted (detail 21): a resumed run re-creates the seeded stream and skips `cursor` rows."""
+    """load_prompts' rows, counted (detail 22): a resumed run re-creates the seeded stream and skips `cursor` rows."""
 
     def __init__(self, rows, cursor=0):
         self.rows, self.cursor = rows, 0
@@ -597,6 +615,47 @@ def load_model(cls, name, flag, dtype=torch.float32):
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     return model
+
+
+def add_lora(model, args):
+    """Detail 21: peft's LoRA on a frozen base, W x + (alpha / r) B A x with B = 0 at start (the base exactly);
+    the adapters are fp32 (peft's default), the base keeps its dtype (detail 19)."""
+    try:
+        import peft  # optional: only LoRA runs need it
+    except ImportError:
+        raise SystemExit("error: --lora-r needs peft, which is not installed: pip install peft") from None
+    config = peft.LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        target_modules=list(args.lora_target_modules or []) or "all-linear",  # all-linear leaves out the LM head
+        task_type="CAUSAL_LM" if model.get_output_embeddings() is not None else None,
+    )  # fmt: skip
+    return peft.get_peft_model(model, config)
+
+
+def reference_model(policy):
+    """The frozen reference (detail 19): an fp32 copy of the policy, or with LoRA the policy itself, which
+    adapters_off() turns into its base at each use: no copy is made (detail 23)."""
+    return policy if hasattr(policy, "disable_adapter") else copy.deepcopy(policy).requires_grad_(False)
+
+
+def adapters_off(model):
+    """A context in which a LoRA model is its frozen base (peft's disable_adapter); nothing for other models."""
+    return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
+
+
+def save_merged(policy, tokenizer, path):
+    """--save-merged: the base with W + (alpha / r) B A merged in, a plain transformers model; merged in a copy
+    (memory: one more base, for the moment of saving), so the training model keeps its adapters."""
+    copy.deepcopy(policy).merge_and_unload().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def check_lora_args(args):
+    """The LoRA flags (detail 23), each bad one a one-line error."""
+    if args.lora_dropout:
+        raise SystemExit(f"error: --lora-dropout must be 0, or the first ratio is not 1 (got {args.lora_dropout})")
+    if args.save_merged and not args.lora_r:
+        raise SystemExit("error: --save-merged needs --lora-r: without LoRA the saved policy is already a full model")
 
 
 def add_pad_token(tokenizer):
@@ -674,9 +733,9 @@ def hidden_states(model, query_responses, attention_mask, prompt_width):
     The state at position t predicts token t + 1, so the response query_responses[:, prompt_width:] is predicted
     by positions prompt_width - 1 ... -2: this slice is the off-by-one shift between logits and tokens."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # detail 7
-    out = model.base_model(
-        input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    )
+    # a peft model's .base_model is its LoRA wrapper, whose forward ends in the LM head: take the trunk under it
+    trunk = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model
+    out = trunk(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state[:, prompt_width - 1 : -1]
 
 
@@ -745,8 +804,9 @@ def check_logits(model, flag, name):
     expected = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), dim=-1)
     expected = expected.gather(-1, ids[:, 1:, None])[..., 0]
     scale, softcap = logit_postprocessing(model.config)
+    # the head's matmul in the model's own dtype, as its forward does (a LoRA base may be bf16, detail 23)
     got, _ = lm_head_logprobs(hidden_states(model, ids, mask, 1), model.get_output_embeddings(), ids[:, 1:], 1.0,
-                              scale, softcap)  # fmt: skip
+                              scale, softcap, fp32=False)  # fmt: skip
     error = (got - expected).abs().max().item()
     if error > 1e-3:
         raise SystemExit(
@@ -802,14 +862,15 @@ def load_models(args, device):
     """--model's tokenizer and policy and --reward-model's model, each failure a one-line error.
 
     Returns (tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids). The policy is fp32
-    (detail 19), checked against its own logits (detail 18), samples with sampling_config (detail 20) and
-    stays on the CPU; rm_tokenizer is None when the reward model reads the policy's own tokens (the ids are
-    then scored as they are); the reward model keeps its checkpoint dtype, frozen, on `device`."""
+    (detail 19; with --lora-r a peft model whose base keeps the checkpoint's dtype, detail 23), checked against
+    its own logits (detail 18), samples with sampling_config (detail 20) and stays on the CPU; rm_tokenizer is
+    None when the reward model reads the policy's own tokens (the ids are then scored as they are); the reward
+    model keeps its checkpoint dtype, frozen, on `device`."""
     args.model = resolve(args.model)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
-    policy = load_model(AutoModelForCausalLM, args.model, "--model")
+    policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
     check_logits(policy, "--model", args.model)
     context = context_window_of(policy.config)
     if context is not None and args.max_new_tokens >= context:
@@ -848,6 +909,8 @@ def load_models(args, device):
     for model in [policy] + ([reward_model] if reward_model is not None and rm_tokenizer is None else []):
         fit_embeddings(model, tokenizer)
     policy.generation_config = sampling_config(args.max_new_tokens, args.temperature, tokenizer.pad_token_id, eos_ids)
+    if args.lora_r:
+        policy = add_lora(policy, args)
     return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
 
 
@@ -1010,7 +1073,7 @@ def wall_clock(device):
 
 def parse_args(argv=None):
     """tyro.cli(Args). With --resume RUN_DIR the run's args.json gives the defaults, so that only the flags on the
-    command line change (detail 21: a larger --total-steps, say)."""
+    command line change (detail 22: a larger --total-steps, say)."""
     args = tyro.cli(Args, args=argv)
     if args.resume is None:
         return args
@@ -1069,6 +1132,7 @@ def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
 
 def check_args(args):
     """Every bad combination of flags, as one line each, before anything is loaded."""
+    check_lora_args(args)
     G, B = args.num_generations, args.prompts_per_update * args.num_generations
     if G < 2:
         raise SystemExit(f"error: --num-generations must be at least 2: the group is the baseline (got {G})")
@@ -1109,10 +1173,13 @@ def score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args):
     return torch.tensor([load_reward_fn(name)(completions, rows) for name in args.reward_fn], dtype=torch.float).T
 
 
-def save(path, policy, tokenizer):
-    """save_pretrained of the policy and its tokenizer: transformers loads them back."""
+def save(path, policy, tokenizer, merged=False):
+    """save_pretrained of the policy and its tokenizer: transformers loads them back (with LoRA the adapter, which
+    peft loads on the base; with merged=True also the merged model in merged/)."""
     policy.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    if merged:
+        save_merged(policy, tokenizer, os.path.join(path, "merged"))
     return path
 
 
@@ -1130,14 +1197,14 @@ def main(args: Args | None = None):
     tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
     if args.eval_only:  # no training, no run directory
         return eval_only(args, policy.to(device), tokenizer, load_reward_fn(args.reward_fn[0]), eos_ids, autocast)
-    ref_policy = copy.deepcopy(policy).requires_grad_(False) if args.beta else None  # details 13, 19
+    ref_policy = reference_model(policy) if args.beta else None  # details 13, 19, 23
     for model in [policy, ref_policy]:
         if model is not None:
             model.to(device)
     if args.gradient_checkpointing:  # HF checkpoints in train mode only, which step 5 switches to
         policy.activation_checkpointing_enable()
     small_model_defaults(args, policy, device)
-    params = list(policy.parameters())
+    params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay)
     checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
     prompts = PromptStream(load_prompts(args, tokenizer), checkpoint.get("prompt_cursor", 0))
@@ -1147,7 +1214,7 @@ def main(args: Args | None = None):
 
     def save_all():
         save_checkpoint(logger, models, optimizer, dict(update=update, prompt_cursor=prompts.cursor))
-        return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer)
+        return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer, args.save_merged)
 
     def evaluate_policy():
         return evaluate(policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn[0]), eos_ids, B, autocast)
@@ -1200,7 +1267,8 @@ def main(args: Args | None = None):
                         hidden = hidden_states(policy, qr, am, prompt_width)
                         old_logprobs.append(response_logprobs(policy, hidden, responses[mc], args)[0])
                     if ref_policy is not None:
-                        hidden = hidden_states(ref_policy, qr, am, prompt_width)
+                        with adapters_off(ref_policy):  # LoRA: the base is the reference (detail 23)
+                            hidden = hidden_states(ref_policy, qr, am, prompt_width)
                         ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
             old_logprobs = torch.cat(old_logprobs) if old_logprobs else None
             ref_logprobs = torch.cat(ref_logprobs) if ref_logprobs else None

@@ -53,7 +53,9 @@ Implementation details (cited as "detail N" in the comments):
 19. Dtypes: the policy, critic and value head train in fp32 (master weights, whatever the checkpoint
     dtype: bf16 AdamW updates of lr 1e-5 mostly round away); compute runs under bf16 autocast on CUDA
     (--mixed-precision). The reference is an fp32 copy of the policy, scored by the same function in the
-    same shapes, so the first KL is exactly 0; the frozen reward model keeps its checkpoint dtype.
+    same shapes, so the first KL is exactly 0; the frozen reward model keeps its checkpoint dtype. With LoRA
+    (detail 23) the adapters are the fp32 master weights and the frozen base keeps its checkpoint dtype: an
+    fp32 copy of a 7B base would cost 28 GB.
 20. Sampling is softmax(logits / temperature) and nothing else: the checkpoint's generation_config
     (repetition_penalty, top_k, min_p, ...) is replaced, since transformers would apply it silently, and
     --top-k / --top-p are refused: the ratio and the KL need the log-probs of the distribution sampled,
@@ -70,8 +72,14 @@ Implementation details (cited as "detail N" in the comments):
     beta, the update counter, the python, numpy and torch RNG states, the number of prompts drawn (the stream is
     re-created from --seed and fast-forwarded) and the wandb run id: 2 updates and a resume to 4 log what 4 do.
     Saved flags are the defaults, flags given win; the --anneal-lr schedule follows the new --total-steps.
+23. LoRA (--lora-r, through peft, as TRL): only adapters train, W x + (alpha / r) B A x on every linear layer
+    of the trunk (not the LM head). B starts at 0, so the base with its adapters switched off (peft's
+    disable_adapter) is the initial policy exactly: it is the reference, at no memory cost, and the first KL
+    is 0. Adapter dropout is refused (detail 6). The saved policy is the adapter (--save-merged: also the
+    merged model). A separate critic gets adapters of its own; the value head trains in full.
 """
 
+import contextlib
 import copy
 import functools
 import importlib.util
@@ -136,7 +144,7 @@ class Args:
     save_every: int = 0
     """also save every N updates (0: only at the end)"""
     resume: str | None = None
-    """continue the run in this run directory from its checkpoint.pt (detail 21); flags given override the saved ones"""
+    """continue the run in this run directory from its checkpoint.pt (detail 22); flags given override the saved ones"""
 
     # Model and data
     model: str = "assets/arith-sft"
@@ -167,6 +175,16 @@ class Args:
     """value function: a head on the policy's trunk, or a separate network (detail 8)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the policy and critic"""
+    lora_r: int = 0
+    """LoRA rank (0: off; detail 23); LoRA usually wants ~10x the --learning-rate of full fine-tuning"""
+    lora_alpha: int = 32
+    """LoRA scale numerator: the adapters add (alpha / r) B A x"""
+    lora_dropout: float = 0.0
+    """must stay 0: dropout on the adapters would move the first ratio away from 1 (detail 6)"""
+    lora_target_modules: tuple[str, ...] | None = None
+    """module names to adapt (default: every linear layer of the trunk, not the LM head: peft's all-linear)"""
+    save_merged: bool = False
+    """with --lora-r, also save the base with the adapters merged in, to policy/merged (transformers loads it)"""
 
     # Generation
     max_new_tokens: int = 8
@@ -534,7 +552,7 @@ def load_prompts(args, tokenizer):
 
 
 class PromptStream:
-    """load_prompts' rows, counted (detail 21): a resumed run re-creates the seeded stream and skips `cursor` rows."""
+    """load_prompts' rows, counted (detail 22): a resumed run re-creates the seeded stream and skips `cursor` rows."""
 
     def __init__(self, rows, cursor=0):
         self.rows, self.cursor = rows, 0
@@ -602,6 +620,47 @@ def load_model(cls, name, flag, dtype=torch.float32):
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     return model
+
+
+def add_lora(model, args):
+    """Detail 21: peft's LoRA on a frozen base, W x + (alpha / r) B A x with B = 0 at start (the base exactly);
+    the adapters are fp32 (peft's default), the base keeps its dtype (detail 19)."""
+    try:
+        import peft  # optional: only LoRA runs need it
+    except ImportError:
+        raise SystemExit("error: --lora-r needs peft, which is not installed: pip install peft") from None
+    config = peft.LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        target_modules=list(args.lora_target_modules or []) or "all-linear",  # all-linear leaves out the LM head
+        task_type="CAUSAL_LM" if model.get_output_embeddings() is not None else None,
+    )  # fmt: skip
+    return peft.get_peft_model(model, config)
+
+
+def reference_model(policy):
+    """The frozen reference (detail 19): an fp32 copy of the policy, or with LoRA the policy itself, which
+    adapters_off() turns into its base at each use: no copy is made (detail 23)."""
+    return policy if hasattr(policy, "disable_adapter") else copy.deepcopy(policy).requires_grad_(False)
+
+
+def adapters_off(model):
+    """A context in which a LoRA model is its frozen base (peft's disable_adapter); nothing for other models."""
+    return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
+
+
+def save_merged(policy, tokenizer, path):
+    """--save-merged: the base with W + (alpha / r) B A merged in, a plain transformers model; merged in a copy
+    (memory: one more base, for the moment of saving), so the training model keeps its adapters."""
+    copy.deepcopy(policy).merge_and_unload().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def check_lora_args(args):
+    """The LoRA flags (detail 23), each bad one a one-line error."""
+    if args.lora_dropout:
+        raise SystemExit(f"error: --lora-dropout must be 0, or the first ratio is not 1 (got {args.lora_dropout})")
+    if args.save_merged and not args.lora_r:
+        raise SystemExit("error: --save-merged needs --lora-r: without LoRA the saved policy is already a full model")
 
 
 def add_pad_token(tokenizer):
@@ -679,9 +738,9 @@ def hidden_states(model, query_responses, attention_mask, prompt_width):
     The state at position t predicts token t + 1, so the response query_responses[:, prompt_width:] is predicted
     by positions prompt_width - 1 ... -2: this slice is the off-by-one shift between logits and tokens."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # detail 7
-    out = model.base_model(
-        input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    )
+    # a peft model's .base_model is its LoRA wrapper, whose forward ends in the LM head: take the trunk under it
+    trunk = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model
+    out = trunk(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state[:, prompt_width - 1 : -1]
 
 
@@ -750,8 +809,9 @@ def check_logits(model, flag, name):
     expected = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), dim=-1)
     expected = expected.gather(-1, ids[:, 1:, None])[..., 0]
     scale, softcap = logit_postprocessing(model.config)
+    # the head's matmul in the model's own dtype, as its forward does (a LoRA base may be bf16, detail 23)
     got, _ = lm_head_logprobs(hidden_states(model, ids, mask, 1), model.get_output_embeddings(), ids[:, 1:], 1.0,
-                              scale, softcap)  # fmt: skip
+                              scale, softcap, fp32=False)  # fmt: skip
     error = (got - expected).abs().max().item()
     if error > 1e-3:
         raise SystemExit(
@@ -807,14 +867,15 @@ def load_models(args, device):
     """--model's tokenizer and policy and --reward-model's model, each failure a one-line error.
 
     Returns (tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids). The policy is fp32
-    (detail 19), checked against its own logits (detail 18), samples with sampling_config (detail 20) and
-    stays on the CPU; rm_tokenizer is None when the reward model reads the policy's own tokens (the ids are
-    then scored as they are); the reward model keeps its checkpoint dtype, frozen, on `device`."""
+    (detail 19; with --lora-r a peft model whose base keeps the checkpoint's dtype, detail 23), checked against
+    its own logits (detail 18), samples with sampling_config (detail 20) and stays on the CPU; rm_tokenizer is
+    None when the reward model reads the policy's own tokens (the ids are then scored as they are); the reward
+    model keeps its checkpoint dtype, frozen, on `device`."""
     args.model = resolve(args.model)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
-    policy = load_model(AutoModelForCausalLM, args.model, "--model")
+    policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
     check_logits(policy, "--model", args.model)
     context = context_window_of(policy.config)
     if context is not None and args.max_new_tokens >= context:
@@ -853,6 +914,8 @@ def load_models(args, device):
     for model in [policy] + ([reward_model] if reward_model is not None and rm_tokenizer is None else []):
         fit_embeddings(model, tokenizer)
     policy.generation_config = sampling_config(args.max_new_tokens, args.temperature, tokenizer.pad_token_id, eos_ids)
+    if args.lora_r:
+        policy = add_lora(policy, args)
     return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
 
 
@@ -1015,7 +1078,7 @@ def wall_clock(device):
 
 def parse_args(argv=None):
     """tyro.cli(Args). With --resume RUN_DIR the run's args.json gives the defaults, so that only the flags on the
-    command line change (detail 21: a larger --total-steps, say)."""
+    command line change (detail 22: a larger --total-steps, say)."""
     args = tyro.cli(Args, args=argv)
     if args.resume is None:
         return args
@@ -1074,6 +1137,7 @@ def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
 
 def check_args(args):
     """Every bad combination of flags, as one line each, before anything is loaded."""
+    check_lora_args(args)
     mini_batch_size = args.prompts_per_update // args.num_mini_batches
     if args.prompts_per_update % args.num_mini_batches or mini_batch_size % args.micro_batch_size:
         raise SystemExit(
@@ -1088,6 +1152,8 @@ def check_args(args):
             "log-probs the update never sees (detail 20); train with --temperature alone"
         )
     load_reward_fn(args.reward_fn)  # a bad name or file fails here, before anything is loaded
+    if args.lora_r and args.ref_update_every:
+        raise SystemExit("error: --ref-update-every cannot refresh a LoRA run's reference: the adapter-free base")
     if args.score_norm == "auto":
         args.score_norm = "on" if args.reward_model is not None else "off"  # detail 14
         print(f"score normalisation {args.score_norm}: the default with a reward "
@@ -1100,8 +1166,9 @@ def build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer):
     critic = None
     if args.critic == "separate":
         source = args.reward_model if reward_model is not None and rm_tokenizer is None else args.model
-        critic = load_model(AutoModel, source, "--critic source")
+        critic = load_model(AutoModel, source, "--critic source", "auto" if args.lora_r else torch.float32)
         fit_embeddings(critic, tokenizer)
+        critic = add_lora(critic, args) if args.lora_r else critic  # adapters of its own (detail 23)
         print(f"critic: a separate network initialised from {source}")
     value_head = nn.Linear((critic or policy).config.hidden_size, 1)
     nn.init.zeros_(value_head.weight)
@@ -1150,15 +1217,19 @@ def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast)
     return stats
 
 
-def save(path, policy, tokenizer, value_head, critic):
+def save(path, policy, tokenizer, value_head, critic, merged=False):
     """save_pretrained for the policy and its tokenizer (transformers loads them back). The value model is one
     directory too: path/critic (trunk, tokenizer, value_head.pt), or path itself with --critic head. It reloads as
         critic = AutoModel.from_pretrained(critic_dir)  # --critic head: AutoModel.from_pretrained(path)
         value_head = torch.nn.Linear(critic.config.hidden_size, 1)  # with its bias: HF's score layers have none
         value_head.load_state_dict(torch.load(os.path.join(critic_dir, "value_head.pt")))
-        values = value_head(critic(input_ids).last_hidden_state).squeeze(-1)  # (B, T): V of each prefix"""
+        values = value_head(critic(input_ids).last_hidden_state).squeeze(-1)  # (B, T): V of each prefix
+    With LoRA the directories hold adapters (PeftModel.from_pretrained(base, dir)); merged=True also writes
+    the policy with its adapters merged in to path/merged."""
     policy.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    if merged:
+        save_merged(policy, tokenizer, os.path.join(path, "merged"))
     value_dir = path if critic is None else os.path.join(path, "critic")
     if critic is not None:
         critic.save_pretrained(value_dir)
@@ -1176,7 +1247,7 @@ def main(args: Args | None = None):
     if args.eval_only:  # no training, no run directory
         return eval_only(args, policy.to(device), tokenizer, load_reward_fn(args.reward_fn), eos_ids, autocast)
     critic, value_head = build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer)
-    ref_policy = copy.deepcopy(policy).requires_grad_(False) if args.kl_coef or args.kl_target else None  # detail 19
+    ref_policy = reference_model(policy) if args.kl_coef or args.kl_target else None  # details 19, 23
     trained = [m for m in [policy, critic] if m is not None]
     for model in [policy, critic, ref_policy, value_head]:
         if model is not None:
@@ -1185,7 +1256,7 @@ def main(args: Args | None = None):
         for model in trained:
             model.activation_checkpointing_enable()
     small_model_defaults(args, policy, device)
-    params = [p for m in [policy, critic, value_head] if m is not None for p in m.parameters()]
+    params = [p for m in [policy, critic, value_head] if m is not None for p in m.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay)
     checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
     kl_coef = checkpoint.get("kl_coef", args.kl_coef) if args.kl_target else args.kl_coef
@@ -1199,7 +1270,7 @@ def main(args: Args | None = None):
 
     def save_all():
         save_checkpoint(logger, models, optimizer, dict(update=update, kl_coef=kl_coef, prompt_cursor=prompts.cursor))
-        return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head, critic)
+        return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head, critic, args.save_merged)
 
     B, mini_batch_size = args.prompts_per_update, args.prompts_per_update // args.num_mini_batches
 
@@ -1234,7 +1305,8 @@ def main(args: Args | None = None):
                     old_logprobs.append(response_logprobs(policy, hidden, responses[mc], args)[0])
                     values.append(values_of(value_head, hidden if critic is None else hidden_states(critic, qr, am, W)))
                     if ref_policy is not None:
-                        hidden = hidden_states(ref_policy, qr, am, W)
+                        with adapters_off(ref_policy):  # LoRA: the base is the reference (detail 23)
+                            hidden = hidden_states(ref_policy, qr, am, W)
                         ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
             old_logprobs, values = torch.cat(old_logprobs), torch.cat(values)
             ref_logprobs = torch.cat(ref_logprobs) if ref_policy is not None else old_logprobs

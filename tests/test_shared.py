@@ -24,7 +24,8 @@ SHARED = ARITHMETIC + ["masked_mean", "kl_penalty", "gsm8k_reward", "load_prompt
                        "rollout", "check_finite", "wall_clock", "eval_line", "eval_rows", "eval_only", "eta",
                        "final_answer", "format_reward", "load_reward_fn", "render_prompt", "read_dataset", "prompt_row",
                        "check_hub", "end_of_turn_id", "tokenize_texts", "rm_text", "PromptStream",
-                       "parse_args", "save_checkpoint", "load_checkpoint", "restore_checkpoint"]  # fmt: skip
+                       "parse_args", "save_checkpoint", "load_checkpoint", "restore_checkpoint",
+                       "add_lora", "reference_model", "adapters_off", "save_merged", "check_lora_args"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SHARED)

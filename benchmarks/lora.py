@@ -1,0 +1,144 @@
+"""LoRA (--lora-r) against full fine-tuning, both LLM scripts, on this machine (CPU, fp32: no autocast there).
+
+(a) memory and time: each script for 1 update on a GPT-2-124M-shaped model built from its config (random
+    weights, 50257 tokens, so responses run to --max-new-tokens), with and without --lora-r, each run in its own
+    process: peak resident set (perf/peak_memory_mb, ru_maxrss, loading included) and seconds of that update
+    (the first, warm-up included);
+(b) learning: `ppo_llm.py` defaults on the embedded task for --updates updates, full fine-tuning (lr 1e-4, the
+    default) against LoRA (--lora-r 16, lr 1e-3: LoRA usually wants ~10x), 3 seeds, held-out accuracy.
+Runs are sequential, niced; results go to benchmarks/results/lora.json and lora.md as they come.
+
+    python benchmarks/lora.py                 # both parts
+    python benchmarks/lora.py --part memory   # or learning
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Literal
+
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from llm_speed import gpt2_shaped_model, machine_name  # noqa: E402
+
+OUT = os.path.join(ROOT, "benchmarks", "results")
+
+
+@dataclass
+class Args:
+    part: Literal["both", "memory", "learning"] = "both"
+    updates: int = 30
+    """PPO updates per learning run (the default run is 300; 90% is reached near 90)"""
+    seeds: tuple[int, ...] = (1, 2, 3)
+    lora_r: int = 16
+    lora_lr: float = 1e-3
+    grpo: bool = False
+    """also measure grpo_llm.py in part (a) (skipped in the recorded run: the machine was shared at load ~15)"""
+
+
+def run(script, flags, out):
+    """One run of `script` in its own niced process; returns its metrics records."""
+    cmd = ["nice", "-n", "10", sys.executable, os.path.join(ROOT, script), "--output-dir", out, *flags]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    (run_dir,) = [os.path.join(out, d) for d in os.listdir(out)]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def memory_part(args, results):
+    shape = ["--total-steps", "1", "--max-new-tokens", "4", "--micro-batch-size", "8", "--eval-every", "0",
+             "--sample-every", "0"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        model = gpt2_shaped_model(os.path.join(tmp, "gpt2-124m"))
+        ppo = ["--prompts-per-update", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1"]
+        grpo = ["--prompts-per-update", "2", "--num-generations", "4", "--micro-batch-size", "4", "--beta", "0.04"]
+        for script, batch in [("ppo_llm.py", ppo), ("grpo_llm.py", grpo)][: 2 if args.grpo else 1]:
+            for lora in [[], ["--lora-r", str(args.lora_r)]]:
+                with tempfile.TemporaryDirectory() as out:
+                    m = run(script, ["--model", model, *shape, *batch, *lora], out)[-1]
+                name = f"{script} {'--lora-r ' + str(args.lora_r) if lora else '(full)'}"
+                results["memory"][name] = {
+                    "peak_rss_mb": m["perf/peak_memory_mb"],
+                    "s_per_update": m["time/generation"] + m["time/scoring"] + m["time/update"],
+                    "flags": " ".join(batch + lora),
+                }
+                print(name, results["memory"][name], flush=True)
+                save(results)
+
+
+def learning_part(args, results):
+    for seed in args.seeds:
+        for name, flags in [("full", []), (f"lora-r{args.lora_r}", ["--lora-r", str(args.lora_r), "--learning-rate",
+                                                                       str(args.lora_lr)])]:  # fmt: skip
+            with tempfile.TemporaryDirectory() as out:
+                m = run("ppo_llm.py", ["--seed", str(seed), "--total-steps", str(args.updates), *flags], out)
+            curve = [(x["update"], x["eval/accuracy"]) for x in m if "eval/accuracy" in x]
+            results["learning"].setdefault(name, {})[str(seed)] = {"curve": curve, "seconds": m[-1]["time/elapsed"]}
+            print(name, seed, curve[-1], flush=True)
+            save(results)
+
+
+def save(results):
+    with open(os.path.join(OUT, "lora.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    lines = [f"# LoRA against full fine-tuning\n\nMachine: {results['machine']}; CPU, fp32 (no autocast on CPU).\n"]
+    if results["memory"]:
+        lines += ["## GPT-2-124M shape (random weights, built from its config), 1 update, 4 new tokens\n",
+                  "| run | batch flags | peak RSS (MB) | s / update (the first) |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {k} | `{v['flags']}` | {v['peak_rss_mb']:.0f} | {v['s_per_update']:.1f} |"
+                  for k, v in results["memory"].items()]  # fmt: skip
+    if results["learning"]:
+        lines += ["\n## Embedded task, `ppo_llm.py` defaults, held-out accuracy (256 problems, temperature 1)\n",
+                  "| run | seeds | start | end (per seed) | mean end | first update >= 0.9 (per seed) |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for name, seeds in results["learning"].items():
+            ends = [s["curve"][-1][1] for s in seeds.values()]
+            first90 = [next((u for u, a in s["curve"] if a >= 0.9), None) for s in seeds.values()]
+            starts = [s["curve"][0][1] for s in seeds.values()]
+            lines.append(f"| {name} | {len(seeds)} | {sum(starts) / len(starts):.3f} | "
+                         f"{', '.join(f'{e:.3f}' for e in ends)} | {sum(ends) / len(ends):.3f} | "
+                         f"{', '.join('not reached' if u is None else str(u) for u in first90)} |")  # fmt: skip
+    with open(os.path.join(OUT, "lora.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if results["learning"]:
+        plot(results["learning"])
+
+
+def plot(learning):
+    """Held-out accuracy against updates, a line per seed, LoRA beside full fine-tuning: lora.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (name, seeds), color in zip(learning.items(), ["C0", "C1", "C2"]):
+        for i, s in enumerate(seeds.values()):
+            ax.plot(*zip(*s["curve"]), color=color, alpha=0.8, label=name if i == 0 else None)
+    ax.set(xlabel="PPO update (128 responses each)", ylabel="held-out accuracy", title="ppo_llm.py: LoRA vs full")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT, "lora.png"), dpi=100)
+
+
+def main():
+    args = tyro.cli(Args)
+    results = {"machine": machine_name(__import__("torch").device("cpu")), "memory": {}, "learning": {}}
+    if os.path.exists(os.path.join(OUT, "lora.json")):  # one part at a time keeps the other's results
+        with open(os.path.join(OUT, "lora.json")) as f:
+            results = json.load(f)
+    results["args_" + args.part] = vars(args)
+    if args.part in ("both", "memory"):
+        memory_part(args, results)
+    if args.part in ("both", "learning"):
+        learning_part(args, results)
+
+
+if __name__ == "__main__":
+    main()
