@@ -182,7 +182,7 @@ class Args:
     lora_dropout: float = 0.0
     """must stay 0: dropout on the adapters would move the first ratio away from 1 (detail 6)"""
     lora_target_modules: tuple[str, ...] | None = None
-    """module names to adapt (default: every linear layer of the trunk, not the LM head: peft's all-linear)"""
+    """module names to adapt; None: every linear layer of the trunk, not the LM head (peft's all-linear)"""
     save_merged: bool = False
     """with --lora-r, also save the base with the adapters merged in, to policy/merged (transformers loads it)"""
 
