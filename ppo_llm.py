@@ -59,21 +59,32 @@ Implementation details (cited as "detail N" in the comments):
     --top-k / --top-p are refused: the ratio and the KL need the log-probs of the distribution sampled,
     and a truncated one would also give the reference -inf log-probs for tokens outside its own support.
     The saved policy carries this generation config.
+21. Under torchrun, data parallel (DDP): each rank rolls out and scores its share of the prompts (rank-strided,
+    none shared; sampling seeds differ per rank, initialisation's do not) and the update is the one-process
+    update over the union batch. Each rank shuffles its own rollout into minibatches, and minibatch k of the
+    union batch is the union of the ranks' minibatch k. DDP averages the gradients once per minibatch (no_sync
+    on the other micro-batches); every batch statistic (whitening, score normalisation, the minibatch's token
+    count, the KL of the controller and of the early stop, the metrics) is reduced over the ranks, so all
+    ranks stop and skip together. Only rank 0 prints, logs, evaluates and saves.
 """
 
+import contextlib
 import copy
 import functools
+import itertools
 import json
 import os
 import random
 import re
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
@@ -222,9 +233,7 @@ def masked_whiten(values, mask, shift_mean=True):
     """(x - mean) / sqrt(var + 1e-8) over the masked entries, var = sum (x - mean)^2 / (n - 1) (Bessel).
 
     With shift_mean=False the mean is added back: only the scale changes (TRL's convention)."""
-    mean = masked_mean(values, mask)
-    n = mask.sum()
-    var = masked_mean((values - mean) ** 2, mask) * n / (n - 1)
+    mean, var = global_mean_var(values, mask)  # over every rank's entries under torchrun (detail 21)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
@@ -743,16 +752,112 @@ def wall_clock(device):
     return time.perf_counter()
 
 
+# DISTRIBUTED: torchrun's data parallelism (detail 21), identical in grpo_llm.py; without torchrun each is a no-op
+
+
+def setup_distributed(args):
+    """Join torchrun's process group (NCCL on GPUs, gloo on CPU); returns (rank, world_size), (0, 1) without
+    torchrun. Ranks other than 0 print nothing."""
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        return 0, 1
+    cuda = args.cuda and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if dist.get_rank():
+        sys.stdout = open(os.devnull, "w")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_reduce(x, op="sum"):
+    """The tensor x reduced over the ranks by "sum", "min" or "max"; x itself in one process."""
+    if not dist.is_initialized():
+        return x
+    y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y, {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+    return y.to(x.device)
+
+
+def global_mean(values):
+    """Mean of the scalar tensors of every rank's list together (sums and counts over the ranks, not a mean of
+    means), NaNs left out: the token means of a micro-batch without tokens are 0 / 0."""
+    x = torch.stack(values).double()
+    total, count = all_reduce(torch.stack([x.nansum(), (~x.isnan()).sum().double()])).tolist()
+    return total / count
+
+
+def global_mean_var(values, mask):
+    """Mean and Bessel-corrected variance of the entries of values where mask is 1, over every rank's:
+    mean = sum(x * m) / n, var = sum((x - mean)^2 * m) / (n - 1), n = sum(m), each sum over the ranks."""
+    n = all_reduce(mask.sum())
+    mean = all_reduce((values * mask).sum()) / n
+    return mean, all_reduce(((values - mean) ** 2 * mask).sum()) / (n - 1)
+
+
+def global_metrics(metrics, ops):
+    """The metrics of the union batch: every rank holds as many sequences, so a mean over them is the mean of
+    the ranks' means (a value already equal on every rank stays as it is); the keys of ops are reduced by "sum",
+    "min" or "max" instead."""
+    if not dist.is_initialized():
+        return metrics
+    reduced = {k: all_reduce(torch.tensor(float(v), dtype=torch.float64), ops.get(k, "sum")).item()
+               for k, v in metrics.items()}  # fmt: skip
+    return {k: type(v)(reduced[k] if k in ops else reduced[k] / dist.get_world_size()) for k, v in metrics.items()}
+
+
+class TrainedModels(nn.Module):
+    """The trained models as one module for DistributedDataParallel, whose forward(fn, *inputs) is fn(*inputs):
+    fn runs the bare models, and DDP averages the gradients of their parameters over the ranks in backward."""
+
+    def __init__(self, models):
+        super().__init__()
+        self.models = nn.ModuleList(models)
+
+    def forward(self, fn, *inputs):
+        return fn(*inputs)
+
+
+def data_parallel(models):
+    """DistributedDataParallel over the trained models under torchrun, None without. Only the training forward
+    goes through it (ddp_forward): generate() and the no-grad passes use the bare models."""
+    if not dist.is_initialized():
+        return None
+    return nn.parallel.DistributedDataParallel(TrainedModels(models))
+
+
+def ddp_forward(ddp, sync, fn, *inputs):
+    """fn(*inputs), under torchrun through DDP's forward so that backward averages the gradients over the ranks;
+    with sync False (all micro-batches but the last) they accumulate locally (no_sync), averaged once per step."""
+    if ddp is None:
+        return fn(*inputs)
+    with contextlib.nullcontext() if sync else ddp.no_sync():
+        return ddp(fn, *inputs)
+
+
+class Silent:
+    """The logger of ranks other than 0: every call does nothing."""
+
+    run_dir = None
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 # PPO: arguments, the value model, scores, the minibatch update, saving
 
 
 def check_args(args):
     """Every bad combination of flags, as one line each, before anything is loaded."""
-    mini_batch_size = args.prompts_per_update // args.num_mini_batches
-    if args.prompts_per_update % args.num_mini_batches or mini_batch_size % args.micro_batch_size:
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's processes, each with its share (detail 21)
+    if args.prompts_per_update % world:
+        raise SystemExit(
+            f"error: the {world} processes must divide --prompts-per-update (got {args.prompts_per_update})"
+        )
+    B = args.prompts_per_update // world
+    if B % args.num_mini_batches or B // args.num_mini_batches % args.micro_batch_size:
         raise SystemExit(
             f"error: --num-mini-batches must divide --prompts-per-update, and --micro-batch-size the minibatch "
-            f"(got {args.prompts_per_update}, {args.num_mini_batches} and {args.micro_batch_size})"
+            f"(got {B}{' per process' if world > 1 else ''}, {args.num_mini_batches} and {args.micro_batch_size})"
         )
     if args.temperature <= 0:
         raise SystemExit(f"error: --temperature must be > 0: log-probs divide by it (got {args.temperature})")
@@ -799,20 +904,32 @@ def score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args):
                                args.reward_label or 0, args.micro_batch_size)  # fmt: skip
 
 
-def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast):
+def training_forward(policy, critic, value_head, r, mc, args):
+    """The training forward of micro-batch mc: log-probs and entropies (B, R) of the responses, values (B, R)."""
+    qr, am = r["query_responses"][mc], r["attention_mask"][mc]
+    hidden = hidden_states(policy, qr, am, r["prompt_width"])
+    logprobs, entropy = response_logprobs(policy, hidden, r["responses"][mc], args, with_entropy=True)
+    if critic is not None:
+        hidden = hidden_states(critic, qr, am, r["prompt_width"])
+    return logprobs, entropy, values_of(value_head, hidden)
+
+
+def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast, ddp=None):
     """Forward and backward one minibatch, micro-batch by micro-batch; returns each micro-batch's stats.
 
     Every loss term is a mean over the minibatch's real tokens, so a micro-batch's own token mean is weighted by
-    its share of those tokens: the accumulated gradient is the minibatch's whatever --micro-batch-size (detail 12)."""
-    stats, n_tokens = [], r["mask"][mb_inds].sum()
-    for mc in mb_inds.split(args.micro_batch_size):
-        qr, am, mask = r["query_responses"][mc], r["attention_mask"][mc], r["mask"][mc]
+    its share of those tokens: the accumulated gradient is the minibatch's whatever --micro-batch-size (detail 12).
+    Under torchrun the minibatch is the union of the ranks' (detail 21): n_tokens is its real tokens per rank, as
+    DDP averages the ranks' gradients."""
+    stats, n_tokens = [], global_mean([r["mask"][mb_inds].sum()])
+    micro_batches = mb_inds.split(args.micro_batch_size)
+    for mc in micro_batches:
+        mask = r["mask"][mc]
         with autocast:
-            hidden = hidden_states(policy, qr, am, r["prompt_width"])
-            logprobs, entropy = response_logprobs(policy, hidden, r["responses"][mc], args, with_entropy=True)
-            if critic is not None:
-                hidden = hidden_states(critic, qr, am, r["prompt_width"])
-            values = values_of(value_head, hidden)
+            last = mc is micro_batches[-1]
+            logprobs, entropy, values = ddp_forward(
+                ddp, last, training_forward, policy, critic, value_head, r, mc, args
+            )
         pg_loss, pg_stats = policy_loss(logprobs, r["old_logprobs"][mc], r["advantages"][mc], mask, args.cliprange)
         vf_loss, vf_stats = value_loss(values, r["values"][mc], r["returns"][mc], mask, args.cliprange_value)
         entropy = masked_mean(entropy, mask)
@@ -839,6 +956,7 @@ def main(args: Args | None = None):
     args = tyro.cli(Args) if args is None else args
     # TRY NOT TO MODIFY: set-up
     check_args(args)
+    rank, world = setup_distributed(args)  # detail 21
     device, autocast, precision = setup(args)
     tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
     critic, value_head = build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer)
@@ -853,13 +971,18 @@ def main(args: Args | None = None):
     small_model_defaults(args, policy, device)
     params = [p for m in [policy, critic, value_head] if m is not None for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5)
+    ddp = data_parallel(trained + [value_head])
+    if world > 1:  # the same initialisation on every rank, different samples (detail 21)
+        torch.manual_seed(args.seed + rank)
     kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
     kl_coef = args.kl_coef
-    prompts = load_prompts(args)
-    eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every else None
-    logger = RunLogger(args, device, precision)
-    save_all = functools.partial(save, os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head, critic)
-    B, mini_batch_size = args.prompts_per_update, args.prompts_per_update // args.num_mini_batches
+    prompts = itertools.islice(load_prompts(args), rank, None, world)  # rank-strided: no prompt on two ranks
+    eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every and not rank else None
+    logger = RunLogger(args, device, precision) if rank == 0 else Silent()
+    save_all = functools.partial(save, os.path.join(logger.run_dir or "", "policy"), policy, tokenizer, value_head,
+                                 critic) if rank == 0 else lambda: None  # fmt: skip
+    B = args.prompts_per_update // world  # this rank's share (detail 21)
+    mini_batch_size = B // args.num_mini_batches
 
     def evaluate_policy():
         return evaluate(policy, tokenizer, eval_problems, REWARD_FNS[args.reward_fn], eos_ids, B, autocast)
@@ -900,8 +1023,9 @@ def main(args: Args | None = None):
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contains_eos).float()
             raw_scores = scores  # the logs show the scores before normalisation and clipping (detail 14)
-            if args.score_norm:
-                scores = (scores - scores.mean()) / (scores.std() + 1e-8)
+            if args.score_norm:  # over every rank's scores (detail 21)
+                mean, var = global_mean_var(scores, torch.ones_like(scores))
+                scores = (scores - mean) / (var.sqrt() + 1e-8)
             if args.score_clip is not None:
                 scores = scores.clamp(-args.score_clip, args.score_clip)
             t2 = wall_clock(device)
@@ -926,20 +1050,20 @@ def main(args: Args | None = None):
             for _ in range(args.num_ppo_epochs):
                 epoch_stats = []
                 for mb_inds in torch.randperm(B, device=device).split(mini_batch_size):
-                    epoch_stats += accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast)
+                    epoch_stats += accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast, ddp)
                     check_finite(nn.utils.clip_grad_norm_(params, args.max_grad_norm), update, save_all)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 stats += epoch_stats
-                approxkl = torch.stack([s["policy/approxkl_avg"] for s in epoch_stats]).mean()
+                approxkl = global_mean([s["policy/approxkl_avg"] for s in epoch_stats])  # all ranks stop together
                 if args.target_kl is not None and approxkl > args.target_kl:
                     break
             t3 = wall_clock(device)
 
             # 6. KL controller and reference refresh
-            mean_kl = kl.sum(1).mean().item()
+            mean_kl = global_mean([kl.sum(1).mean()])  # over every rank's batch (detail 21)
             if kl_ctl is not None:
-                kl_ctl.update(mean_kl, B)
+                kl_ctl.update(mean_kl, args.prompts_per_update)
                 kl_coef = kl_ctl.value
             if args.ref_update_every and update % args.ref_update_every == 0 and ref_policy is not None:
                 ref_policy.load_state_dict(policy.state_dict())
@@ -948,7 +1072,7 @@ def main(args: Args | None = None):
             n_tokens = mask.sum().item()
             metrics = {
                 "update": update,
-                "episode": update * B,
+                "episode": update * args.prompts_per_update,
                 "objective/kl": mean_kl,
                 "objective/kl_coef": kl_coef,
                 "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
@@ -968,6 +1092,8 @@ def main(args: Args | None = None):
             if rows[0]["answer"] is not None:  # the reward function's verdict, beside a reward model too
                 correct = REWARD_FNS[args.reward_fn](completions, [row["answer"] for row in rows])
                 metrics["objective/accuracy"] = sum(correct) / B
+            metrics = global_metrics(metrics, {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum",
+                                               "perf/peak_memory_mb": "max"})  # fmt: skip
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics["eval/accuracy"] = evaluate_policy()
             logger.log(metrics)
@@ -987,6 +1113,8 @@ def main(args: Args | None = None):
         print(f"interrupted at update {update}: saving")
     print(f"saved the policy to {save_all()}")
     logger.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return logger.run_dir
 
 
