@@ -852,6 +852,9 @@ def check_args(args):
             f"error: the {world} processes must divide --prompts-per-update (got {args.prompts_per_update})"
         )
     G, B = args.num_generations, args.prompts_per_update // world * args.num_generations
+    if world > 1 and args.micro_batch_size > B:  # the default of 64 must not refuse a run of 8 GPUs
+        args.micro_batch_size = B
+        print(f"micro-batch size {B}: the completions of each of the {world} processes")
     if G < 2:
         raise SystemExit(f"error: --num-generations must be at least 2: the group is the baseline (got {G})")
     if B % args.micro_batch_size:
@@ -937,8 +940,8 @@ def save(path, policy, tokenizer):
 def main(args: Args | None = None):
     args = tyro.cli(Args) if args is None else args
     # TRY NOT TO MODIFY: set-up
-    check_args(args)
     rank, world = setup_distributed(args)  # detail 21
+    check_args(args)
     G, B = args.num_generations, args.prompts_per_update // world * args.num_generations  # this rank's share
     reward_names = [os.path.basename(args.reward_model)] if args.reward_model else list(args.reward_fn)
     device, autocast, precision = setup(args)

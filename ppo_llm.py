@@ -854,6 +854,9 @@ def check_args(args):
             f"error: the {world} processes must divide --prompts-per-update (got {args.prompts_per_update})"
         )
     B = args.prompts_per_update // world
+    if world > 1 and not B % args.num_mini_batches and args.micro_batch_size > B // args.num_mini_batches:
+        args.micro_batch_size = B // args.num_mini_batches  # the default of 64 must not refuse a run of 8 GPUs
+        print(f"micro-batch size {args.micro_batch_size}: a minibatch of each of the {world} processes")
     if B % args.num_mini_batches or B // args.num_mini_batches % args.micro_batch_size:
         raise SystemExit(
             f"error: --num-mini-batches must divide --prompts-per-update, and --micro-batch-size the minibatch "
@@ -955,8 +958,8 @@ def save(path, policy, tokenizer, value_head, critic):
 def main(args: Args | None = None):
     args = tyro.cli(Args) if args is None else args
     # TRY NOT TO MODIFY: set-up
-    check_args(args)
     rank, world = setup_distributed(args)  # detail 21
+    check_args(args)
     device, autocast, precision = setup(args)
     tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
     critic, value_head = build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer)

@@ -8,6 +8,7 @@ import sys
 import types
 from contextlib import nullcontext
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -121,3 +122,11 @@ def test_torchrun_two_processes_end_to_end(tmp_path):
         lines = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         assert [m["update"] for m in lines] == [1, 2]
         assert lines[-1]["episode"] == 16  # 8 sequences an update, counted over both ranks
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_processes_must_divide_the_prompts(script, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun --nproc_per_node 3 sets it
+    with pytest.raises(SystemExit) as e:
+        script.check_args(script.Args(prompts_per_update=8))
+    assert str(e.value) == "error: the 3 processes must divide --prompts-per-update (got 8)"

@@ -21,7 +21,9 @@ SHARED = ARITHMETIC + ["masked_mean", "kl_penalty", "gsm8k_reward", "load_prompt
                        "sampling_config", "generate", "truncate_after_eos", "hidden_states", "logit_postprocessing",
                        "head_chunk", "lm_head_logprobs", "response_logprobs", "check_logits", "reward_model_scores",
                        "evaluate", "peak_memory_mb", "load_models", "setup", "small_model_defaults", "RunLogger",
-                       "rollout", "check_finite", "wall_clock"]  # fmt: skip
+                       "rollout", "check_finite", "wall_clock", "setup_distributed", "all_reduce", "global_mean",
+                       "global_mean_var", "global_metrics", "TrainedModels", "data_parallel", "ddp_forward",
+                       "Silent"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SHARED)
