@@ -68,7 +68,6 @@ Implementation details (cited as "detail N" in the comments):
     ranks stop and skip together. Only rank 0 prints, logs, evaluates and saves.
 """
 
-import contextlib
 import copy
 import functools
 import itertools
@@ -756,88 +755,73 @@ def wall_clock(device):
 
 
 def setup_distributed(args):
-    """Join torchrun's process group (NCCL on GPUs, gloo on CPU); returns (rank, world_size), (0, 1) without
-    torchrun. Ranks other than 0 print nothing."""
+    """(rank, world size) after joining torchrun's process group (NCCL on GPUs, gloo on CPU); (0, 1) without."""
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return 0, 1
-    cuda = args.cuda and torch.cuda.is_available()
-    if cuda:
+    if args.cuda and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    if dist.get_rank():
+    dist.init_process_group("nccl" if args.cuda and torch.cuda.is_available() else "gloo")
+    if dist.get_rank():  # only rank 0 prints
         sys.stdout = open(os.devnull, "w")
     return dist.get_rank(), dist.get_world_size()
 
 
 def all_reduce(x, op="sum"):
-    """The tensor x reduced over the ranks by "sum", "min" or "max"; x itself in one process."""
+    """The tensor x summed over the ranks (or their "min", "max"); x itself in one process."""
     if not dist.is_initialized():
         return x
     y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
-    dist.all_reduce(y, {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+    dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
     return y.to(x.device)
 
 
 def global_mean(values):
-    """Mean of the scalar tensors of every rank's list together (sums and counts over the ranks, not a mean of
-    means), NaNs left out: the token means of a micro-batch without tokens are 0 / 0."""
+    """Mean of the scalar tensors in every rank's list, pooled (not a mean of means), NaNs (0 / 0 token means) out."""
     x = torch.stack(values).double()
     total, count = all_reduce(torch.stack([x.nansum(), (~x.isnan()).sum().double()])).tolist()
     return total / count
 
 
 def global_mean_var(values, mask):
-    """Mean and Bessel-corrected variance of the entries of values where mask is 1, over every rank's:
-    mean = sum(x * m) / n, var = sum((x - mean)^2 * m) / (n - 1), n = sum(m), each sum over the ranks."""
+    """Mean and Bessel-corrected variance of the entries where mask is 1, over every rank's: n = sum(m),
+    mean = sum(x * m) / n, var = sum((x - mean)^2 * m) / (n - 1), each sum over the ranks."""
     n = all_reduce(mask.sum())
     mean = all_reduce((values * mask).sum()) / n
     return mean, all_reduce(((values - mean) ** 2 * mask).sum()) / (n - 1)
 
 
 def global_metrics(metrics, ops):
-    """The metrics of the union batch: every rank holds as many sequences, so a mean over them is the mean of
-    the ranks' means (a value already equal on every rank stays as it is); the keys of ops are reduced by "sum",
-    "min" or "max" instead."""
+    """The metrics over every rank's sequences: each rank has as many, so their mean is the mean of the ranks' means
+    (a value equal on every rank stays as it is); the keys of ops are reduced by "sum", "min" or "max" instead."""
     if not dist.is_initialized():
         return metrics
-    reduced = {k: all_reduce(torch.tensor(float(v), dtype=torch.float64), ops.get(k, "sum")).item()
-               for k, v in metrics.items()}  # fmt: skip
+    reduced = {
+        k: all_reduce(torch.tensor(float(v), dtype=torch.float64), ops.get(k, "sum")).item() for k, v in metrics.items()
+    }
     return {k: type(v)(reduced[k] if k in ops else reduced[k] / dist.get_world_size()) for k, v in metrics.items()}
 
 
-class TrainedModels(nn.Module):
-    """The trained models as one module for DistributedDataParallel, whose forward(fn, *inputs) is fn(*inputs):
-    fn runs the bare models, and DDP averages the gradients of their parameters over the ranks in backward."""
-
-    def __init__(self, models):
-        super().__init__()
-        self.models = nn.ModuleList(models)
+class TrainedModels(nn.ModuleList):
+    """The trained models as one module for DistributedDataParallel: forward(fn, *inputs) is fn(*inputs)."""
 
     def forward(self, fn, *inputs):
         return fn(*inputs)
 
 
-def data_parallel(models):
-    """DistributedDataParallel over the trained models under torchrun, None without. Only the training forward
-    goes through it (ddp_forward): generate() and the no-grad passes use the bare models."""
-    if not dist.is_initialized():
-        return None
-    return nn.parallel.DistributedDataParallel(TrainedModels(models))
-
-
 def ddp_forward(ddp, sync, fn, *inputs):
-    """fn(*inputs), under torchrun through DDP's forward so that backward averages the gradients over the ranks;
-    with sync False (all micro-batches but the last) they accumulate locally (no_sync), averaged once per step."""
+    """fn(*inputs), under torchrun through DDP(TrainedModels) so that backward averages the gradients over the ranks,
+    but only where sync (the last micro-batch): the others accumulate locally (no_sync). generate() and the no-grad
+    passes run the bare models."""
     if ddp is None:
         return fn(*inputs)
-    with contextlib.nullcontext() if sync else ddp.no_sync():
+    if sync:
+        return ddp(fn, *inputs)
+    with ddp.no_sync():
         return ddp(fn, *inputs)
 
 
 class Silent:
     """The logger of ranks other than 0: every call does nothing."""
-
-    run_dir = None
 
     def __getattr__(self, name):
         return lambda *args, **kwargs: None
@@ -850,13 +834,10 @@ def check_args(args):
     """Every bad combination of flags, as one line each, before anything is loaded."""
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's processes, each with its share (detail 21)
     if args.prompts_per_update % world:
-        raise SystemExit(
-            f"error: the {world} processes must divide --prompts-per-update (got {args.prompts_per_update})"
-        )
+        raise SystemExit(f"error: {world} processes must divide --prompts-per-update (got {args.prompts_per_update})")
     B = args.prompts_per_update // world
-    if world > 1 and not B % args.num_mini_batches and args.micro_batch_size > B // args.num_mini_batches:
-        args.micro_batch_size = B // args.num_mini_batches  # the default of 64 must not refuse a run of 8 GPUs
-        print(f"micro-batch size {args.micro_batch_size}: a minibatch of each of the {world} processes")
+    if world > 1 and args.micro_batch_size > B // args.num_mini_batches > 0:  # the default 64 must not refuse 8 GPUs
+        args.micro_batch_size = B // args.num_mini_batches
     if B % args.num_mini_batches or B // args.num_mini_batches % args.micro_batch_size:
         raise SystemExit(
             f"error: --num-mini-batches must divide --prompts-per-update, and --micro-batch-size the minibatch "
@@ -974,7 +955,7 @@ def main(args: Args | None = None):
     small_model_defaults(args, policy, device)
     params = [p for m in [policy, critic, value_head] if m is not None for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5)
-    ddp = data_parallel(trained + [value_head])
+    ddp = nn.parallel.DistributedDataParallel(TrainedModels(trained + [value_head])) if world > 1 else None
     if world > 1:  # the same initialisation on every rank, different samples (detail 21)
         torch.manual_seed(args.seed + rank)
     kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
@@ -982,7 +963,7 @@ def main(args: Args | None = None):
     prompts = itertools.islice(load_prompts(args), rank, None, world)  # rank-strided: no prompt on two ranks
     eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every and not rank else None
     logger = RunLogger(args, device, precision) if rank == 0 else Silent()
-    save_all = functools.partial(save, os.path.join(logger.run_dir or "", "policy"), policy, tokenizer, value_head,
+    save_all = functools.partial(save, os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head,
                                  critic) if rank == 0 else lambda: None  # fmt: skip
     B = args.prompts_per_update // world  # this rank's share (detail 21)
     mini_batch_size = B // args.num_mini_batches

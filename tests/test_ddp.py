@@ -53,7 +53,7 @@ def update(case, r, ddp_on):
         trained = [m for m in models if m is not None]
         args = types.SimpleNamespace(micro_batch_size=2, temperature=1.0, cast_lm_head_to_fp32=True, cliprange=0.2,
                                      cliprange_value=0.2, vf_coef=0.1, ent_coef=0.01)  # fmt: skip
-        ddp = ppo_llm.data_parallel(trained) if ddp_on else None
+        ddp = torch.nn.parallel.DistributedDataParallel(ppo_llm.TrainedModels(trained)) if ddp_on else None
         n = r["mask"].shape[0]
         stats = ppo_llm.accumulate_gradients(*models, r, torch.arange(n), args, nullcontext(), ddp)
         stats = {k: ppo_llm.global_mean([s[k] for s in stats]) for k in stats[0]}
@@ -63,7 +63,7 @@ def update(case, r, ddp_on):
         args = types.SimpleNamespace(micro_batch_size=2, temperature=1.0, cast_lm_head_to_fp32=True, epsilon=0.2,
                                      epsilon_high=0.28, beta=0.04, loss_type=variant, max_new_tokens=R,
                                      importance_sampling_level="token")  # fmt: skip
-        ddp = grpo_llm.data_parallel(trained) if ddp_on else None
+        ddp = torch.nn.parallel.DistributedDataParallel(grpo_llm.TrainedModels(trained)) if ddp_on else None
         loss, stats = grpo_llm.accumulate_gradients(trained[0], r, args, nullcontext(), ddp)
         stats = {k: grpo_llm.global_mean(v) for k, v in stats.items()} | {"loss": grpo_llm.global_mean([loss])}
     params = [p for m in trained for p in m.parameters()]
@@ -129,4 +129,4 @@ def test_processes_must_divide_the_prompts(script, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun --nproc_per_node 3 sets it
     with pytest.raises(SystemExit) as e:
         script.check_args(script.Args(prompts_per_update=8))
-    assert str(e.value) == "error: the 3 processes must divide --prompts-per-update (got 8)"
+    assert str(e.value) == "error: 3 processes must divide --prompts-per-update (got 8)"

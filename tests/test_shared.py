@@ -22,8 +22,7 @@ SHARED = ARITHMETIC + ["masked_mean", "kl_penalty", "gsm8k_reward", "load_prompt
                        "head_chunk", "lm_head_logprobs", "response_logprobs", "check_logits", "reward_model_scores",
                        "evaluate", "peak_memory_mb", "load_models", "setup", "small_model_defaults", "RunLogger",
                        "rollout", "check_finite", "wall_clock", "setup_distributed", "all_reduce", "global_mean",
-                       "global_mean_var", "global_metrics", "TrainedModels", "data_parallel", "ddp_forward",
-                       "Silent"]  # fmt: skip
+                       "global_mean_var", "global_metrics", "TrainedModels", "ddp_forward", "Silent"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SHARED)
