@@ -55,13 +55,10 @@ Implementation details (cited as "detail N" in the comments):
     --top-k / --top-p are refused: the ratio and the KL need the log-probs of the distribution sampled,
     and a truncated one would also give the reference -inf log-probs for tokens outside its own support.
     The saved policy carries this generation config.
-21. Under torchrun, data parallel (DDP): each rank rolls out and scores its share of the prompts (rank-strided,
-    none shared, each group whole on one rank; sampling seeds differ per rank, initialisation's do not) and the
-    update is the one-process update over the union batch. DDP averages the gradients once per step (no_sync on
-    the other micro-batches); every batch statistic (the batch std, the dapo token count, whether any token is
-    in the loss, the metrics) is reduced over the ranks, so all ranks skip together, and a micro-batch without
-    loss tokens still runs with weight 0: a rank that skipped a backward would leave the others waiting.
-    Only rank 0 prints, logs, evaluates and saves.
+21. Under torchrun (DDP) each rank rolls out its share of the prompts (rank-strided, groups whole); the update is
+    the one-process update on the union batch: every batch statistic (batch std, token counts, metrics) is over all
+    ranks, so they all skip together, and an empty micro-batch runs with weight 0 (a rank that skipped a backward
+    would hang the others). Gradients are averaged once per step; only rank 0 logs and saves.
 
 The variants, as differences from GRPO (loss-type grpo, scale-rewards group, epsilon-high = epsilon):
 - Dr. GRPO (Liu et al. 2025): --loss-type dr_grpo --scale-rewards none. Dividing by each completion's
@@ -944,7 +941,7 @@ def main(args: Args | None = None):
     eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every and not rank else None
     logger = RunLogger(args, device, precision) if rank == 0 else Silent()
     save_all = functools.partial(save, os.path.join(logger.run_dir, "policy"), policy,
-                                 tokenizer) if rank == 0 else lambda: None  # fmt: skip
+                                 tokenizer) if rank == 0 else lambda: "rank 0's run directory"  # fmt: skip
 
     def evaluate_policy():
         return evaluate(policy, tokenizer, eval_problems, arithmetic_reward, eos_ids, B, autocast)

@@ -59,13 +59,10 @@ Implementation details (cited as "detail N" in the comments):
     --top-k / --top-p are refused: the ratio and the KL need the log-probs of the distribution sampled,
     and a truncated one would also give the reference -inf log-probs for tokens outside its own support.
     The saved policy carries this generation config.
-21. Under torchrun, data parallel (DDP): each rank rolls out and scores its share of the prompts (rank-strided,
-    none shared; sampling seeds differ per rank, initialisation's do not) and the update is the one-process
-    update over the union batch. Each rank shuffles its own rollout into minibatches, and minibatch k of the
-    union batch is the union of the ranks' minibatch k. DDP averages the gradients once per minibatch (no_sync
-    on the other micro-batches); every batch statistic (whitening, score normalisation, the minibatch's token
-    count, the KL of the controller and of the early stop, the metrics) is reduced over the ranks, so all
-    ranks stop and skip together. Only rank 0 prints, logs, evaluates and saves.
+21. Under torchrun (DDP) each rank rolls out its share of the prompts (rank-strided) and shuffles it into its
+    minibatches; the update is the one-process update on the union batch whose minibatch k is the union of the
+    ranks' minibatch k: every batch statistic (whitening, score norm, token counts, KL, metrics) is over all ranks,
+    so they all stop and skip together. Gradients are averaged once per minibatch; only rank 0 logs and saves.
 """
 
 import copy
@@ -964,7 +961,7 @@ def main(args: Args | None = None):
     eval_problems = arithmetic_eval_set() if args.dataset == "arithmetic" and args.eval_every and not rank else None
     logger = RunLogger(args, device, precision) if rank == 0 else Silent()
     save_all = functools.partial(save, os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head,
-                                 critic) if rank == 0 else lambda: None  # fmt: skip
+                                 critic) if rank == 0 else lambda: "rank 0's run directory"  # fmt: skip
     B = args.prompts_per_update // world  # this rank's share (detail 21)
     mini_batch_size = B // args.num_mini_batches
 
