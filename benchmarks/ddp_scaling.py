@@ -1,6 +1,6 @@
 """Data-parallel scaling of the LLM scripts under torchrun (detail 21): tokens per second against processes.
 
-Usage (from the repository root; ~6 minutes on 2 CPU cores):
+Usage (from the repository root; 13 minutes on 2 CPU cores shared with other jobs):
     python benchmarks/ddp_scaling.py                        # 1 and 2 processes, CPU (gloo)
     python benchmarks/ddp_scaling.py --nproc 1 2 4 8        # on a machine with 8 GPUs (NCCL)
 
