@@ -73,6 +73,10 @@ Implementation details (cited as "detail N" in the comments):
     disable_adapter) is the initial policy exactly: it is the reference, at no memory cost, and the first KL
     is 0. Adapter dropout is refused (detail 6). The saved policy is the adapter (--save-merged: also the
     merged model).
+24. Under torchrun (DDP) each rank rolls out its share of the prompts (rank-strided, groups whole); the update is
+    the one-process update on the union batch: every batch statistic (batch std, token counts, metrics) is over all
+    ranks, so they all skip together, and an empty micro-batch runs with weight 0 (a rank that skipped a backward
+    would hang the others). Gradients are averaged once per step; only rank 0 logs and saves.
 
 The variants, as differences from GRPO (loss-type grpo, scale-rewards group, epsilon-high = epsilon):
 - Dr. GRPO (Liu et al. 2025): --loss-type dr_grpo --scale-rewards none. Dividing by each completion's
@@ -93,12 +97,14 @@ import contextlib
 import copy
 import functools
 import importlib.util
+import itertools
 import json
 import numbers
 import os
 import random
 import re
 import resource
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -108,6 +114,7 @@ from typing import Literal
 import huggingface_hub.constants as hub_constants
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
@@ -291,7 +298,8 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
     """Advantage of each completion relative to its group (detail 3): rewards (B,) -> (B,), G contiguous each.
 
     A_i = r_i - mean(group), or r_i - mean of the other G - 1 (leave_one_out, RLOO); then divided by
-    std(group) + 1e-4 (scale "group"), std(batch) + 1e-4 ("batch") or nothing ("none"), std Bessel-corrected.
+    std(group) + 1e-4 (scale "group"), std(batch) + 1e-4 ("batch", every rank's, detail 24) or nothing ("none"),
+    std Bessel-corrected.
     A group of equal rewards gets exactly 0 (detail 8)."""
     grouped = rewards.view(-1, group_size)  # (P, G)
     if leave_one_out:
@@ -302,7 +310,7 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
     if scale == "group":
         advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
     elif scale == "batch":
-        advantages = advantages / (rewards.std() + 1e-4)
+        advantages = advantages / (global_mean_var(rewards, torch.ones_like(rewards))[1].sqrt() + 1e-4)
     equal = grouped.max(1, keepdim=True).values == grouped.min(1, keepdim=True).values
     return advantages.masked_fill(equal, 0.0).view(-1)
 
@@ -1127,19 +1135,100 @@ def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
             torch.cuda.set_rng_state_all(rng["cuda"])
 
 
+# DISTRIBUTED: torchrun's data parallelism (detail 24), identical in grpo_llm.py; without torchrun each is a no-op
+
+
+def setup_distributed(args):
+    """(rank, world size) after joining torchrun's process group (NCCL on GPUs, gloo on CPU); (0, 1) without."""
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        return 0, 1
+    if args.cuda and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if args.cuda and torch.cuda.is_available() else "gloo")
+    if dist.get_rank():  # only rank 0 prints
+        sys.stdout = open(os.devnull, "w")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_reduce(x, op="sum"):
+    """The tensor x summed over the ranks (or their "min", "max"); x itself in one process."""
+    if not dist.is_initialized():
+        return x
+    y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
+    return y.to(x.device)
+
+
+def global_mean(values):
+    """Mean of the scalar tensors in every rank's list, pooled (not a mean of means), NaNs (0 / 0 token means) out."""
+    x = torch.stack(values).double()
+    total, count = all_reduce(torch.stack([x.nansum(), (~x.isnan()).sum().double()])).tolist()
+    return total / count
+
+
+def global_mean_var(values, mask):
+    """Mean and Bessel-corrected variance of the entries where mask is 1, over every rank's: n = sum(m),
+    mean = sum(x * m) / n, var = sum((x - mean)^2 * m) / (n - 1), each sum over the ranks."""
+    n = all_reduce(mask.sum())
+    mean = all_reduce((values * mask).sum()) / n
+    return mean, all_reduce(((values - mean) ** 2 * mask).sum()) / (n - 1)
+
+
+def global_metrics(metrics, ops):
+    """The metrics over every rank's sequences: each rank has as many, so their mean is the mean of the ranks' means
+    (a value equal on every rank stays as it is); the keys of ops are reduced by "sum", "min" or "max" instead."""
+    if not dist.is_initialized():
+        return metrics
+    reduced = {
+        k: all_reduce(torch.tensor(float(v), dtype=torch.float64), ops.get(k, "sum")).item() for k, v in metrics.items()
+    }
+    return {k: type(v)(reduced[k] if k in ops else reduced[k] / dist.get_world_size()) for k, v in metrics.items()}
+
+
+class TrainedModels(nn.ModuleList):
+    """The trained models as one module for DistributedDataParallel: forward(fn, *inputs) is fn(*inputs)."""
+
+    def forward(self, fn, *inputs):
+        return fn(*inputs)
+
+
+def ddp_forward(ddp, sync, fn, *inputs):
+    """fn(*inputs), under torchrun through DDP(TrainedModels) so that backward averages the gradients over the ranks,
+    but only where sync (the last micro-batch): the others accumulate locally (no_sync). generate() and the no-grad
+    passes run the bare models."""
+    if ddp is None:
+        return fn(*inputs)
+    if sync:
+        return ddp(fn, *inputs)
+    with ddp.no_sync():
+        return ddp(fn, *inputs)
+
+
+class Silent:
+    """The logger of ranks other than 0: every call does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 # GRPO: arguments, scores
 
 
 def check_args(args):
     """Every bad combination of flags, as one line each, before anything is loaded."""
     check_lora_args(args)
-    G, B = args.num_generations, args.prompts_per_update * args.num_generations
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's processes, each with its share (detail 24)
+    if args.prompts_per_update % world:
+        raise SystemExit(f"error: {world} processes must divide --prompts-per-update (got {args.prompts_per_update})")
+    G, B = args.num_generations, args.prompts_per_update // world * args.num_generations
+    if world > 1 and args.micro_batch_size > B:  # the default 64 must not refuse 8 GPUs
+        args.micro_batch_size = B
     if G < 2:
         raise SystemExit(f"error: --num-generations must be at least 2: the group is the baseline (got {G})")
     if B % args.micro_batch_size:
         raise SystemExit(
             f"error: --micro-batch-size must divide the completions per update, --prompts-per-update x "
-            f"--num-generations (got {args.micro_batch_size} and {B})"
+            f"--num-generations (got {args.micro_batch_size} and {B}{' per process' if world > 1 else ''})"
         )
     if args.num_iterations < 1:
         raise SystemExit(f"error: --num-iterations must be at least 1 (got {args.num_iterations})")
@@ -1173,6 +1262,42 @@ def score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args):
     return torch.tensor([load_reward_fn(name)(completions, rows) for name in args.reward_fn], dtype=torch.float).T
 
 
+def training_forward(policy, r, mc, args):
+    """The training forward of micro-batch mc: log-probs and entropies (B, T) of its completions."""
+    hidden = hidden_states(policy, r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"])
+    return response_logprobs(policy, hidden, r["responses"][mc], args, with_entropy=True)
+
+
+def accumulate_gradients(policy, r, args, autocast, ddp=None):
+    """Forward and backward the whole batch, micro-batch by micro-batch, each loss weighted so that the accumulated
+    gradient is the batch's (detail 12); returns (the weighted loss, each micro-batch's stats).
+
+    Under torchrun the batch is the union of the ranks' (detail 24): the dapo normaliser n_tokens is its loss tokens
+    per rank, as DDP averages the ranks' gradients, and no rank skips a micro-batch."""
+    loss_mask, B = r["loss_mask"], r["loss_mask"].shape[0]
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    stats, loss_sum, n_tokens = {}, torch.zeros((), device=loss_mask.device), global_mean([loss_mask.sum()])
+    micro_batches = torch.arange(B, device=loss_mask.device).split(args.micro_batch_size)
+    for mc in micro_batches:
+        mc_mask = loss_mask[mc]
+        if mc_mask.sum() == 0 and ddp is None:
+            continue  # nothing of it is in the loss: its gradient would be 0
+        with autocast:
+            logprobs, entropy = ddp_forward(ddp, mc is micro_batches[-1], training_forward, policy, r, mc, args)
+        loss, mc_stats = grpo_loss(
+            logprobs, logprobs.detach() if r["old_logprobs"] is None else r["old_logprobs"][mc],
+            None if r["ref_logprobs"] is None else r["ref_logprobs"][mc], r["advantages"][mc], mc_mask, args.epsilon,
+            epsilon_high, args.beta, args.loss_type, args.max_new_tokens, args.importance_sampling_level,
+        )  # fmt: skip
+        weight = mc_mask.sum() / n_tokens if args.loss_type == "dapo" else len(mc) / B
+        (loss * weight).backward()
+        loss_sum += (loss * weight).detach()  # no .item() per micro-batch: one sync at logging
+        mc_stats["entropy"] = masked_mean(entropy.detach(), mc_mask)
+        for key, value in mc_stats.items():
+            stats.setdefault(key, []).append(value)
+    return loss_sum, stats
+
+
 def save(path, policy, tokenizer, merged=False):
     """save_pretrained of the policy and its tokenizer: transformers loads them back (with LoRA the adapter, which
     peft loads on the base; with merged=True also the merged model in merged/)."""
@@ -1186,9 +1311,9 @@ def save(path, policy, tokenizer, merged=False):
 def main(args: Args | None = None):
     args = parse_args() if args is None else args
     # TRY NOT TO MODIFY: set-up
+    rank, world = setup_distributed(args)  # detail 24
     check_args(args)
-    G, B = args.num_generations, args.prompts_per_update * args.num_generations
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    G, B = args.num_generations, args.prompts_per_update // world * args.num_generations  # this rank's share
     reward_names = (
         [os.path.basename(args.reward_model)] if args.reward_model else [n.rpartition(":")[2] for n in args.reward_fn]
     )
@@ -1206,13 +1331,17 @@ def main(args: Args | None = None):
     small_model_defaults(args, policy, device)
     params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay)
+    ddp = nn.parallel.DistributedDataParallel(TrainedModels([policy])) if world > 1 else None
     checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
-    prompts = PromptStream(load_prompts(args, tokenizer), checkpoint.get("prompt_cursor", 0))
-    eval_problems = eval_rows(args, tokenizer) if args.eval_every else None
-    logger = RunLogger(args, device, precision, checkpoint.get("wandb_id"))
+    prompts = PromptStream(itertools.islice(load_prompts(args, tokenizer), rank, None, world),  # rank-strided
+                           checkpoint.get("prompt_cursor", 0))  # fmt: skip
+    eval_problems = eval_rows(args, tokenizer) if args.eval_every and rank == 0 else None
+    logger = RunLogger(args, device, precision, checkpoint.get("wandb_id")) if rank == 0 else Silent()
     models = dict(policy=policy)  # what --resume restores (detail 22); the reference is re-derived from --model
 
     def save_all():
+        if rank:  # only rank 0 writes (detail 24)
+            return "rank 0's run directory"
         save_checkpoint(logger, models, optimizer, dict(update=update, prompt_cursor=prompts.cursor))
         return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer, args.save_merged)
 
@@ -1225,6 +1354,8 @@ def main(args: Args | None = None):
         print(f"update 0: {eval_line(evaluation)}")
     restore_checkpoint(checkpoint, models, optimizer, args.learning_rate)
     first_update = update = checkpoint.get("update", 0)
+    if world > 1:  # every rank holds rank 0's weights (DDP's broadcast) and draws its own samples (detail 24)
+        torch.manual_seed(args.seed + rank + world * update)
     start_time = time.time()
     try:
         for update in range(update + 1, args.total_steps + 1):
@@ -1232,7 +1363,7 @@ def main(args: Args | None = None):
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
             # ALGO LOGIC: 1. rollout -- G completions of each prompt, contiguous (detail 1)
             t0 = wall_clock(device)
-            rows = [row for row in (next(prompts) for _ in range(args.prompts_per_update)) for _ in range(G)]
+            rows = [row for row in (next(prompts) for _ in range(B // G)) for _ in range(G)]
             r = rollout(policy, tokenizer, [row["prompt"] for row in rows], max_prompt_length, eos_ids, autocast)
             query_responses, attention_mask, prompt_width = r["query_responses"], r["attention_mask"], r["prompt_width"]
             responses, mask = r["responses"], r["mask"]  # (B, T)
@@ -1277,28 +1408,13 @@ def main(args: Args | None = None):
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 12)
             policy.train()
             stats, losses, grad_norms = {}, [], []
-            n_tokens = loss_mask.sum()
+            r |= dict(loss_mask=loss_mask, advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+            n_tokens = all_reduce(loss_mask.sum())  # every rank's (detail 24)
             num_iterations = args.num_iterations if n_tokens > 0 else 0  # no token in the loss: no update (logged)
             for _ in range(num_iterations):
-                loss_sum = torch.zeros((), device=device)
-                for mc in torch.arange(B, device=device).split(args.micro_batch_size):
-                    mc_mask = loss_mask[mc]
-                    if mc_mask.sum() == 0:
-                        continue  # nothing of it is in the loss: its gradient would be 0
-                    with autocast:
-                        hidden = hidden_states(policy, query_responses[mc], attention_mask[mc], prompt_width)
-                        logprobs, entropy = response_logprobs(policy, hidden, responses[mc], args, with_entropy=True)
-                    loss, mc_stats = grpo_loss(
-                        logprobs, logprobs.detach() if old_logprobs is None else old_logprobs[mc],
-                        None if ref_logprobs is None else ref_logprobs[mc], advantages[mc], mc_mask, args.epsilon,
-                        epsilon_high, args.beta, args.loss_type, args.max_new_tokens, args.importance_sampling_level,
-                    )  # fmt: skip
-                    weight = mc_mask.sum() / n_tokens if args.loss_type == "dapo" else len(mc) / B
-                    (loss * weight).backward()
-                    loss_sum += (loss * weight).detach()  # no .item() per micro-batch: one sync at logging
-                    mc_stats["entropy"] = masked_mean(entropy.detach(), mc_mask)
-                    for key, value in mc_stats.items():
-                        stats.setdefault(key, []).append(value)
+                loss_sum, mc_stats = accumulate_gradients(policy, r, args, autocast, ddp)
+                for key, values in mc_stats.items():
+                    stats.setdefault(key, []).extend(values)
                 grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                 check_finite(grad_norm, update, save_all)
                 optimizer.step()
@@ -1311,7 +1427,7 @@ def main(args: Args | None = None):
             n_completion_tokens = mask.sum().item()
             metrics = {
                 "update": update,
-                "episode": update * B,
+                "episode": update * B * world,
                 "reward": rewards.mean().item(),
                 "reward_std": grouped.std(1).mean().item(),
                 "frac_reward_zero_std": zero_std.mean().item(),
@@ -1329,11 +1445,15 @@ def main(args: Args | None = None):
             }
             for j, name in enumerate(reward_names):
                 metrics[f"rewards/{name}/mean"] = scores[:, j].mean().item()
-                metrics[f"rewards/{name}/std"] = scores[:, j].std().item()
+                metrics[f"rewards/{name}/std"] = (
+                    global_mean_var(scores[:, j], torch.ones_like(rewards))[1].sqrt().item()
+                )
             if losses:
-                metrics["loss"] = torch.stack(losses).mean().item()
+                metrics["loss"] = global_mean(losses)
                 metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
-                metrics |= {k: torch.stack(v).mean().item() for k, v in stats.items()}
+                metrics |= {k: global_mean(v) for k, v in stats.items()}
+            metrics = global_metrics(metrics, {"completions/min_length": "min", "completions/max_length": "max",
+                                               "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"})  # fmt: skip
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics |= evaluate_policy()
             logger.log(metrics)
@@ -1355,6 +1475,8 @@ def main(args: Args | None = None):
         print(f"interrupted at update {update}: saving")
     print(f"saved the policy to {save_all()}")
     logger.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return logger.run_dir
 
 

@@ -77,18 +77,24 @@ Implementation details (cited as "detail N" in the comments):
     disable_adapter) is the initial policy exactly: it is the reference, at no memory cost, and the first KL
     is 0. Adapter dropout is refused (detail 6). The saved policy is the adapter (--save-merged: also the
     merged model). A separate critic gets adapters of its own; the value head trains in full.
+24. Under torchrun (DDP) each rank rolls out its share of the prompts (rank-strided) and shuffles it into its
+    minibatches; the update is the one-process update on the union batch whose minibatch k is the union of the
+    ranks' minibatch k: every batch statistic (whitening, score norm, token counts, KL, metrics) is over all ranks,
+    so they all stop and skip together. Gradients are averaged once per minibatch; only rank 0 logs and saves.
 """
 
 import contextlib
 import copy
 import functools
 import importlib.util
+import itertools
 import json
 import numbers
 import os
 import random
 import re
 import resource
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -98,6 +104,7 @@ from typing import Literal
 import huggingface_hub.constants as hub_constants
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
@@ -281,9 +288,7 @@ def masked_whiten(values, mask, shift_mean=True):
     """(x - mean) / sqrt(var + 1e-8) over the masked entries, var = sum (x - mean)^2 / (n - 1) (Bessel).
 
     With shift_mean=False the mean is added back: only the scale changes (TRL's convention)."""
-    mean = masked_mean(values, mask)
-    n = mask.sum()
-    var = masked_mean((values - mean) ** 2, mask) * n / (n - 1)
+    mean, var = global_mean_var(values, mask)  # over every rank's entries under torchrun (detail 24)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
@@ -1132,17 +1137,98 @@ def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
             torch.cuda.set_rng_state_all(rng["cuda"])
 
 
+# DISTRIBUTED: torchrun's data parallelism (detail 24), identical in grpo_llm.py; without torchrun each is a no-op
+
+
+def setup_distributed(args):
+    """(rank, world size) after joining torchrun's process group (NCCL on GPUs, gloo on CPU); (0, 1) without."""
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        return 0, 1
+    if args.cuda and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if args.cuda and torch.cuda.is_available() else "gloo")
+    if dist.get_rank():  # only rank 0 prints
+        sys.stdout = open(os.devnull, "w")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_reduce(x, op="sum"):
+    """The tensor x summed over the ranks (or their "min", "max"); x itself in one process."""
+    if not dist.is_initialized():
+        return x
+    y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
+    return y.to(x.device)
+
+
+def global_mean(values):
+    """Mean of the scalar tensors in every rank's list, pooled (not a mean of means), NaNs (0 / 0 token means) out."""
+    x = torch.stack(values).double()
+    total, count = all_reduce(torch.stack([x.nansum(), (~x.isnan()).sum().double()])).tolist()
+    return total / count
+
+
+def global_mean_var(values, mask):
+    """Mean and Bessel-corrected variance of the entries where mask is 1, over every rank's: n = sum(m),
+    mean = sum(x * m) / n, var = sum((x - mean)^2 * m) / (n - 1), each sum over the ranks."""
+    n = all_reduce(mask.sum())
+    mean = all_reduce((values * mask).sum()) / n
+    return mean, all_reduce(((values - mean) ** 2 * mask).sum()) / (n - 1)
+
+
+def global_metrics(metrics, ops):
+    """The metrics over every rank's sequences: each rank has as many, so their mean is the mean of the ranks' means
+    (a value equal on every rank stays as it is); the keys of ops are reduced by "sum", "min" or "max" instead."""
+    if not dist.is_initialized():
+        return metrics
+    reduced = {
+        k: all_reduce(torch.tensor(float(v), dtype=torch.float64), ops.get(k, "sum")).item() for k, v in metrics.items()
+    }
+    return {k: type(v)(reduced[k] if k in ops else reduced[k] / dist.get_world_size()) for k, v in metrics.items()}
+
+
+class TrainedModels(nn.ModuleList):
+    """The trained models as one module for DistributedDataParallel: forward(fn, *inputs) is fn(*inputs)."""
+
+    def forward(self, fn, *inputs):
+        return fn(*inputs)
+
+
+def ddp_forward(ddp, sync, fn, *inputs):
+    """fn(*inputs), under torchrun through DDP(TrainedModels) so that backward averages the gradients over the ranks,
+    but only where sync (the last micro-batch): the others accumulate locally (no_sync). generate() and the no-grad
+    passes run the bare models."""
+    if ddp is None:
+        return fn(*inputs)
+    if sync:
+        return ddp(fn, *inputs)
+    with ddp.no_sync():
+        return ddp(fn, *inputs)
+
+
+class Silent:
+    """The logger of ranks other than 0: every call does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 # PPO: arguments, the value model, scores, the minibatch update, saving
 
 
 def check_args(args):
     """Every bad combination of flags, as one line each, before anything is loaded."""
     check_lora_args(args)
-    mini_batch_size = args.prompts_per_update // args.num_mini_batches
-    if args.prompts_per_update % args.num_mini_batches or mini_batch_size % args.micro_batch_size:
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's processes, each with its share (detail 24)
+    if args.prompts_per_update % world:
+        raise SystemExit(f"error: {world} processes must divide --prompts-per-update (got {args.prompts_per_update})")
+    B = args.prompts_per_update // world
+    if world > 1 and args.micro_batch_size > B // args.num_mini_batches > 0:  # the default 64 must not refuse 8 GPUs
+        args.micro_batch_size = B // args.num_mini_batches
+    if B % args.num_mini_batches or B // args.num_mini_batches % args.micro_batch_size:
         raise SystemExit(
             f"error: --num-mini-batches must divide --prompts-per-update, and --micro-batch-size the minibatch "
-            f"(got {args.prompts_per_update}, {args.num_mini_batches} and {args.micro_batch_size})"
+            f"(got {B}{' per process' if world > 1 else ''}, {args.num_mini_batches} and {args.micro_batch_size})"
         )
     if args.temperature <= 0:
         raise SystemExit(f"error: --temperature must be > 0: log-probs divide by it (got {args.temperature})")
@@ -1191,20 +1277,32 @@ def score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args):
                                completions, args.reward_label or 0, args.micro_batch_size)  # fmt: skip
 
 
-def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast):
+def training_forward(policy, critic, value_head, r, mc, args):
+    """The training forward of micro-batch mc: log-probs and entropies (B, R) of the responses, values (B, R)."""
+    qr, am = r["query_responses"][mc], r["attention_mask"][mc]
+    hidden = hidden_states(policy, qr, am, r["prompt_width"])
+    logprobs, entropy = response_logprobs(policy, hidden, r["responses"][mc], args, with_entropy=True)
+    if critic is not None:
+        hidden = hidden_states(critic, qr, am, r["prompt_width"])
+    return logprobs, entropy, values_of(value_head, hidden)
+
+
+def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast, ddp=None):
     """Forward and backward one minibatch, micro-batch by micro-batch; returns each micro-batch's stats.
 
     Every loss term is a mean over the minibatch's real tokens, so a micro-batch's own token mean is weighted by
-    its share of those tokens: the accumulated gradient is the minibatch's whatever --micro-batch-size (detail 12)."""
-    stats, n_tokens = [], r["mask"][mb_inds].sum()
-    for mc in mb_inds.split(args.micro_batch_size):
-        qr, am, mask = r["query_responses"][mc], r["attention_mask"][mc], r["mask"][mc]
+    its share of those tokens: the accumulated gradient is the minibatch's whatever --micro-batch-size (detail 12).
+    Under torchrun the minibatch is the union of the ranks' (detail 24): n_tokens is its real tokens per rank, as
+    DDP averages the ranks' gradients."""
+    stats, n_tokens = [], global_mean([r["mask"][mb_inds].sum()])
+    micro_batches = mb_inds.split(args.micro_batch_size)
+    for mc in micro_batches:
+        mask = r["mask"][mc]
         with autocast:
-            hidden = hidden_states(policy, qr, am, r["prompt_width"])
-            logprobs, entropy = response_logprobs(policy, hidden, r["responses"][mc], args, with_entropy=True)
-            if critic is not None:
-                hidden = hidden_states(critic, qr, am, r["prompt_width"])
-            values = values_of(value_head, hidden)
+            last = mc is micro_batches[-1]
+            logprobs, entropy, values = ddp_forward(
+                ddp, last, training_forward, policy, critic, value_head, r, mc, args
+            )
         pg_loss, pg_stats = policy_loss(logprobs, r["old_logprobs"][mc], r["advantages"][mc], mask, args.cliprange)
         vf_loss, vf_stats = value_loss(values, r["values"][mc], r["returns"][mc], mask, args.cliprange_value)
         entropy = masked_mean(entropy, mask)
@@ -1241,6 +1339,7 @@ def save(path, policy, tokenizer, value_head, critic, merged=False):
 def main(args: Args | None = None):
     args = parse_args() if args is None else args
     # TRY NOT TO MODIFY: set-up
+    rank, world = setup_distributed(args)  # detail 24
     check_args(args)
     device, autocast, precision = setup(args)
     tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
@@ -1258,21 +1357,26 @@ def main(args: Args | None = None):
     small_model_defaults(args, policy, device)
     params = [p for m in [policy, critic, value_head] if m is not None for p in m.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay)
+    ddp = nn.parallel.DistributedDataParallel(TrainedModels(trained + [value_head])) if world > 1 else None
     checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
     kl_coef = checkpoint.get("kl_coef", args.kl_coef) if args.kl_target else args.kl_coef
     kl_ctl = AdaptiveKLController(kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
-    prompts = PromptStream(load_prompts(args, tokenizer), checkpoint.get("prompt_cursor", 0))
-    eval_problems = eval_rows(args, tokenizer) if args.eval_every else None
-    logger = RunLogger(args, device, precision, checkpoint.get("wandb_id"))
+    prompts = PromptStream(itertools.islice(load_prompts(args, tokenizer), rank, None, world),  # rank-strided
+                           checkpoint.get("prompt_cursor", 0))  # fmt: skip
+    eval_problems = eval_rows(args, tokenizer) if args.eval_every and rank == 0 else None
+    logger = RunLogger(args, device, precision, checkpoint.get("wandb_id")) if rank == 0 else Silent()
     # what --resume restores (detail 22); the reference is re-derived from --model unless --ref-update-every moves it
     models = dict(policy=policy, critic=critic, value_head=value_head,
                   ref_policy=ref_policy if args.ref_update_every else None)  # fmt: skip
 
     def save_all():
+        if rank:  # only rank 0 writes (detail 24)
+            return "rank 0's run directory"
         save_checkpoint(logger, models, optimizer, dict(update=update, kl_coef=kl_coef, prompt_cursor=prompts.cursor))
         return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head, critic, args.save_merged)
 
-    B, mini_batch_size = args.prompts_per_update, args.prompts_per_update // args.num_mini_batches
+    B = args.prompts_per_update // world  # this rank's share (detail 24)
+    mini_batch_size = B // args.num_mini_batches
 
     def evaluate_policy():
         return evaluate(policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn), eos_ids, B, autocast)
@@ -1283,6 +1387,8 @@ def main(args: Args | None = None):
         print(f"update 0: {eval_line(evaluation)}")
     restore_checkpoint(checkpoint, models, optimizer, args.learning_rate)
     first_update = update = checkpoint.get("update", 0)
+    if world > 1:  # every rank holds rank 0's weights (DDP's broadcast) and draws its own samples (detail 24)
+        torch.manual_seed(args.seed + rank + world * update)
     start_time = time.time()
     try:
         for update in range(update + 1, args.total_steps + 1):
@@ -1316,8 +1422,9 @@ def main(args: Args | None = None):
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contains_eos).float()
             raw_scores = scores  # the logs show the scores before normalisation and clipping (detail 14)
-            if args.score_norm == "on":
-                scores = (scores - scores.mean()) / (scores.std() + 1e-8)
+            if args.score_norm == "on":  # over every rank's scores (detail 24)
+                mean, var = global_mean_var(scores, torch.ones_like(scores))
+                scores = (scores - mean) / (var.sqrt() + 1e-8)
             if args.score_clip is not None:
                 scores = scores.clamp(-args.score_clip, args.score_clip)
             t2 = wall_clock(device)
@@ -1342,20 +1449,20 @@ def main(args: Args | None = None):
             for _ in range(args.num_ppo_epochs):
                 epoch_stats = []
                 for mb_inds in torch.randperm(B, device=device).split(mini_batch_size):
-                    epoch_stats += accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast)
+                    epoch_stats += accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast, ddp)
                     check_finite(nn.utils.clip_grad_norm_(params, args.max_grad_norm), update, save_all)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 stats += epoch_stats
-                approxkl = torch.stack([s["policy/approxkl_avg"] for s in epoch_stats]).mean()
+                approxkl = global_mean([s["policy/approxkl_avg"] for s in epoch_stats])  # all ranks stop together
                 if args.target_kl is not None and approxkl > args.target_kl:
                     break
             t3 = wall_clock(device)
 
             # 6. KL controller and reference refresh
-            mean_kl = kl.sum(1).mean().item()
+            mean_kl = global_mean([kl.sum(1).mean()])  # over every rank's batch (detail 24)
             if kl_ctl is not None:
-                kl_ctl.update(mean_kl, B)
+                kl_ctl.update(mean_kl, args.prompts_per_update)
                 kl_coef = kl_ctl.value
             if args.ref_update_every and update % args.ref_update_every == 0 and ref_policy is not None:
                 ref_policy.load_state_dict(policy.state_dict())
@@ -1364,7 +1471,7 @@ def main(args: Args | None = None):
             n_tokens = mask.sum().item()
             metrics = {
                 "update": update,
-                "episode": update * B,
+                "episode": update * args.prompts_per_update,
                 "objective/kl": mean_kl,
                 "objective/kl_coef": kl_coef,
                 "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
@@ -1384,6 +1491,8 @@ def main(args: Args | None = None):
             if rows[0]["answer"] is not None:  # the reward function's verdict, beside a reward model too
                 correct = load_reward_fn(args.reward_fn)(completions, rows)
                 metrics["objective/accuracy"] = sum(correct) / B
+            metrics = global_metrics(metrics, {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum",
+                                               "perf/peak_memory_mb": "max"})  # fmt: skip
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics |= evaluate_policy()
             logger.log(metrics)
@@ -1403,6 +1512,8 @@ def main(args: Args | None = None):
         print(f"interrupted at update {update}: saving")
     print(f"saved the policy to {save_all()}")
     logger.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return logger.run_dir
 
 

@@ -1,0 +1,132 @@
+"""Data parallel under torchrun (detail 24), on CPU with gloo: one update on 2 ranks is the one-process update over
+the union of their batches, and `torchrun --nproc_per_node 2` runs each LLM script end to end."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModel, AutoModelForCausalLM
+
+import grpo_llm
+import ppo_llm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SFT = os.path.join(ROOT, "assets", "arith-sft")
+B, Q, R = 8, 4, 6  # the union batch: 2 ranks x 4 sequences, micro-batches of 2
+
+
+def union_batch():
+    """A rollout batch of the union: random tokens, responses of 1 to 6 real tokens, old and reference log-probs,
+    per-token advantages, values and returns, and a GRPO loss mask whose first micro-batch on rank 1 is empty."""
+    g = torch.Generator().manual_seed(0)
+    qr = torch.randint(3, 14, (B, Q + R), generator=g)
+    mask = (torch.arange(R)[None] < torch.tensor([1, 6, 3, 6, 2, 5, 6, 4])[:, None]).float()
+    loss_mask = mask * torch.tensor([1, 1, 1, 0, 0, 0, 1, 1.0])[:, None]
+    batch = dict(query_responses=qr, attention_mask=torch.cat([torch.ones(B, Q), mask], 1).long(),
+                 responses=qr[:, Q:], mask=mask, loss_mask=loss_mask, old_logprobs=-3 * torch.rand(B, R, generator=g),
+                 ref_logprobs=-3 * torch.rand(B, R, generator=g), values=torch.randn(B, R, generator=g),
+                 advantages=torch.randn(B, R, generator=g), returns=torch.randn(B, R, generator=g))  # fmt: skip
+    return batch | dict(prompt_width=Q)
+
+
+def ppo_models(critic):
+    torch.manual_seed(0)
+    policy = ppo_llm.load_model(AutoModelForCausalLM, SFT, "--model")
+    critic_model = ppo_llm.load_model(AutoModel, SFT, "--model") if critic == "separate" else None
+    value_head = torch.nn.Linear(policy.config.hidden_size, 1)  # random, so that the critic gets a gradient
+    return [policy, critic_model, value_head]
+
+
+def update(case, r, ddp_on):
+    """One optimizer step of `case` on the rollout r, through the scripts' own accumulate_gradients; returns the
+    gradients, the weights after the step and the logged loss stats, pooled over the ranks."""
+    script, variant = case
+    if script == "ppo":
+        models = ppo_models(variant)
+        trained = [m for m in models if m is not None]
+        args = types.SimpleNamespace(micro_batch_size=2, temperature=1.0, cast_lm_head_to_fp32=True, cliprange=0.2,
+                                     cliprange_value=0.2, vf_coef=0.1, ent_coef=0.01)  # fmt: skip
+        ddp = torch.nn.parallel.DistributedDataParallel(ppo_llm.TrainedModels(trained)) if ddp_on else None
+        n = r["mask"].shape[0]
+        stats = ppo_llm.accumulate_gradients(*models, r, torch.arange(n), args, nullcontext(), ddp)
+        stats = {k: ppo_llm.global_mean([s[k] for s in stats]) for k in stats[0]}
+    else:
+        torch.manual_seed(0)
+        trained = [grpo_llm.load_model(AutoModelForCausalLM, SFT, "--model")]
+        args = types.SimpleNamespace(micro_batch_size=2, temperature=1.0, cast_lm_head_to_fp32=True, epsilon=0.2,
+                                     epsilon_high=0.28, beta=0.04, loss_type=variant, max_new_tokens=R,
+                                     importance_sampling_level="token")  # fmt: skip
+        ddp = torch.nn.parallel.DistributedDataParallel(grpo_llm.TrainedModels(trained)) if ddp_on else None
+        loss, stats = grpo_llm.accumulate_gradients(trained[0], r, args, nullcontext(), ddp)
+        stats = {k: grpo_llm.global_mean(v) for k, v in stats.items()} | {"loss": grpo_llm.global_mean([loss])}
+    params = [p for m in trained for p in m.parameters()]
+    grads = [p.grad.clone() for p in params]
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    torch.optim.AdamW(params, lr=1e-3, eps=1e-5).step()
+    return grads, [p.detach().clone() for p in params], stats
+
+
+CASES = [("ppo", "separate"), ("ppo", "head"), ("grpo", "grpo"), ("grpo", "dapo"), ("grpo", "dr_grpo")]
+
+
+def worker(rank, world, init_file):
+    torch.set_num_threads(1)
+    full = union_batch()
+    expected = {case: update(case, full, ddp_on=False) for case in CASES}  # one process, the whole batch
+    rewards = full["values"][:, 0]
+    whitened, group_advantages = ppo_llm.masked_whiten(full["advantages"], full["mask"]), grpo_llm.group_advantages(
+        rewards, 2, "batch")  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    mine = slice(rank * B // world, (rank + 1) * B // world)
+    r = {k: v[mine] if torch.is_tensor(v) else v for k, v in full.items()}
+    for case in CASES:
+        grads, weights, stats = update(case, r, ddp_on=True)
+        for got, want in zip(grads, expected[case][0]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7, msg=lambda m: f"{case} gradient: {m}")
+        for got, want in zip(weights, expected[case][1]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} weights: {m}")
+        for key, want in expected[case][2].items():
+            assert abs(stats[key] - want) < 1e-5 * (1 + abs(want)), (case, key, stats[key], want)
+    # the batch statistics: whitening, score normalisation, GRPO's batch std, the metrics
+    torch.testing.assert_close(ppo_llm.masked_whiten(r["advantages"], r["mask"]), whitened[mine])
+    torch.testing.assert_close(grpo_llm.group_advantages(rewards[mine], 2, "batch"), group_advantages[mine])
+    metrics = {"update": 3, "mean": float(rank), "n": rank + 1, "lo": rank + 5.0}
+    metrics = ppo_llm.global_metrics(metrics, {"n": "sum", "lo": "min"})
+    assert metrics == {"update": 3, "mean": 0.5, "n": 3, "lo": 5.0}, metrics
+    dist.destroy_process_group()
+
+
+def test_two_ranks_update_equals_one_process_on_the_union_batch(tmp_path):
+    # PPO (separate critic, head) and GRPO (each loss type; rank 1 has an empty micro-batch), gloo on CPU
+    mp.spawn(worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2)
+
+
+def test_torchrun_two_processes_end_to_end(tmp_path):
+    # one launch per script: one run directory, one saved policy, one metrics line per update (rank 0's only)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    common = ["--total-steps", "2", "--eval-every", "0", "--sample-every", "1", "--micro-batch-size", "4"]
+    for script, extra in [("ppo_llm.py", ["--prompts-per-update", "8", "--num-mini-batches", "1"]),
+                          ("grpo_llm.py", ["--prompts-per-update", "4", "--num-generations", "2"])]:  # fmt: skip
+        out = tmp_path / script
+        command = [torchrun, "--standalone", "--nproc_per_node", "2", script, *common, *extra, "--output-dir", out]
+        subprocess.run(command, check=True, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=300)
+        (run_dir,) = out.iterdir()
+        assert os.path.isfile(run_dir / "policy" / "model.safetensors")
+        lines = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+        assert [m["update"] for m in lines] == [1, 2]
+        assert lines[-1]["episode"] == 16  # 8 sequences an update, counted over both ranks
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_processes_must_divide_the_prompts(script, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun --nproc_per_node 3 sets it
+    with pytest.raises(SystemExit) as e:
+        script.check_args(script.Args(prompts_per_update=8))
+    assert str(e.value) == "error: 3 processes must divide --prompts-per-update (got 8)"
