@@ -33,10 +33,22 @@ CONFIGS = {
     "ppo-head": ["ppo_llm.py", "--critic", "head"],
     "ppo-rm": ["ppo_llm.py", "--reward-model", "assets/arith-rm"],
     "ppo-rm-raw": ["ppo_llm.py", "--reward-model", "assets/arith-rm", "--score-norm", "False"],
-    "grpo": ["grpo_llm.py", "--loss-type", "grpo", "--beta", "0.04"],  # the paper's beta, so the KL is measured
+    # the paper's beta, so the KL is measured; k3 without the ratio, as these runs were made before detail 26
+    "grpo": ["grpo_llm.py", "--loss-type", "grpo", "--beta", "0.04", "--no-use-bias-correction-kl"],
     "dr_grpo": ["grpo_llm.py", "--loss-type", "dr_grpo", "--scale-rewards", "none"],
     "dapo": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28"],
+    # issue #18, shorter runs (CPU budget, shared machine): 200 updates at mu = 1, 120 at mu = 2. At mu = 1
+    # cispo's gradient is dapo's and sapo's is grpo's (ratio 1), and --delta / --off-policy-mask-threshold change
+    # nothing: the ratio-based variants run at mu = 2, beside dapo at mu = 2
+    "dapo-mu2": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28", "--num-iterations", "2"],
+    "cispo-mu2": ["grpo_llm.py", "--loss-type", "cispo", "--epsilon-high", "4.0", "--num-iterations", "2"],
+    "sapo-mu2": ["grpo_llm.py", "--loss-type", "sapo", "--num-iterations", "2"],
+    "dapo-top-ent": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28", "--top-entropy-quantile", "0.2"],
+    "dapo-ent-coef": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28", "--ent-coef", "0.01"],
+    "grpo-kl-corrected": ["grpo_llm.py", "--loss-type", "grpo", "--beta", "0.04"],
 }
+for name in ["dapo-mu2", "cispo-mu2", "sapo-mu2", "dapo-top-ent", "dapo-ent-coef", "grpo-kl-corrected"]:
+    CONFIGS[name] += ["--total-steps", "120" if "mu2" in name else "200"]
 
 
 @dataclass
