@@ -62,9 +62,8 @@ Implementation details (cited as "detail N" in the comments):
 23. --delta (INTELLECT-2, 2025): two-sided clipping, the unclipped ratio capped at delta: with A < 0, a token
     whose probability rose far since sampling gets a bounded push down.
 24. --top-entropy-quantile q (Wang et al. 2025, "Beyond the 80/20 rule"): only tokens whose entropy is in the
-    top q carry the policy gradient (the normaliser counts all). The quantile is the whole batch's, from the
-    rollout policy (an extra no-grad forward at mu = 1), so it does not depend on --micro-batch-size; TRL takes
-    it per micro-batch from the current policy (the same at mu = 1 with one micro-batch).
+    top q carry the policy gradient (the normaliser counts all); q of the whole batch, from the rollout policy
+    (an extra no-grad forward at mu = 1), not of each micro-batch from the current one as in TRL.
 25. --off-policy-mask-threshold t (DeepSeek-V3.2, 2025): completions with A < 0 whose mean k1 KL(old || policy)
     exceeds t leave the policy-gradient term. At mu = 1 the rollout policy is the current one: a no-op.
 26. --use-bias-correction-kl (DeepSeek-V3.2; on, as TRL): the KL term is rho k3. Tokens come from pi_old, so
@@ -72,6 +71,20 @@ Implementation details (cited as "detail N" in the comments):
     even at mu = 1 (rho = 1, grad rho != 0): the KL the objective names and `kl` reports. k3 alone: gradient
     E_pi[(1 - ref/pi) grad log pi] = -E_ref[grad log pi] = grad KL(ref || pi), the other direction (the GRPO paper's).
 27. --ent-coef c: entropy bonus -c H (detail 9's entropy, with gradient), a token mean over the batch's loss tokens.
+
+The variants, as differences from GRPO (loss-type grpo, scale-rewards group, epsilon-high = epsilon):
+- Dr. GRPO (Liu et al. 2025): --loss-type dr_grpo --scale-rewards none. Dividing by each completion's
+  length favours long wrong answers and short right ones, dividing by the group std favours too easy and
+  too hard prompts; both biases go: the sum is divided by a constant (completions x --max-new-tokens).
+- DAPO (Yu et al. 2025): --loss-type dapo --epsilon-high 0.28 --dynamic-sampling --overlong-buffer N.
+  Token-level loss (every token weighs the same, however long its completion); clip-higher; groups with
+  equal rewards leave the loss (dynamic sampling, here without resampling); soft overlong punishment:
+  -penalty * (L - (max_new_tokens - N)) / N for the last N lengths. --mask-truncated-completions drops
+  completions that never emitted EOS from the loss (DAPO's overlong filtering).
+- GSPO (Zheng et al. 2025): --importance-sampling-level sequence (with clip ranges like 3e-4 / 4e-4). One
+  ratio per completion, exp(mean over its tokens of logp - old_logp), clipped as a whole and broadcast.
+- RLOO (Ahmadian et al. 2024): --leave-one-out --scale-rewards none. Baseline = the mean of the other
+  G - 1 rewards of the group, so a completion's own reward does not bias its baseline.
 """
 
 import copy
@@ -273,7 +286,7 @@ def high_entropy_mask(entropy, mask, quantile):
 def grpo_loss(
     logprobs, old_logprobs, ref_logprobs, advantages, mask, epsilon, epsilon_high, beta, loss_type,
     max_completion_length, importance_sampling_level="token", delta=None, sapo_temperatures=(1.0, 1.05),
-    entropy_mask=None, off_policy_mask_threshold=None, use_bias_correction_kl=False,
+    entropy_mask=1.0, off_policy_mask_threshold=None, use_bias_correction_kl=False,
 ):  # fmt: skip
     """Per-token policy loss by loss_type, plus beta * k3, aggregated by loss_type. Returns (loss, stats).
 
@@ -296,14 +309,12 @@ def grpo_loss(
         "cispo": lambda: -ratio.clamp(max=1 + epsilon_high).detach() * advantages * logprobs,
         "sapo": lambda: -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages,
     }.get(loss_type, lambda: -torch.min(capped_ratio * advantages, clipped_ratio * advantages))()
-    if entropy_mask is not None:
-        per_token_loss = per_token_loss * entropy_mask
+    per_token_loss = per_token_loss * entropy_mask
     if off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
         off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
         per_token_loss = per_token_loss * ~((advantages < 0) & (off_policy_kl > off_policy_mask_threshold))
-    kl = kl_penalty(logprobs, ref_logprobs, "k3") if ref_logprobs is not None else None
-    if kl is not None and use_bias_correction_kl:
-        kl = kl * ratio
+    correction = ratio if use_bias_correction_kl else 1  # detail 26: rho k3 has the gradient of KL(pi || ref)
+    kl = kl_penalty(logprobs, ref_logprobs, "k3") * correction if ref_logprobs is not None else None
     if beta:
         per_token_loss = per_token_loss + beta * kl
     lengths, rows = mask.sum(1).clamp(min=1), logprobs.shape[0]
@@ -871,7 +882,7 @@ def main(args: Args | None = None):
                         None if ref_logprobs is None else ref_logprobs[mc], advantages[mc], mc_mask, args.epsilon,
                         epsilon_high, args.beta, args.loss_type, args.max_new_tokens, args.importance_sampling_level,
                         args.delta, (args.sapo_temperature_pos, args.sapo_temperature_neg),
-                        entropy_mask[mc] if by_entropy else None, args.off_policy_mask_threshold,
+                        entropy_mask[mc] if by_entropy else 1.0, args.off_policy_mask_threshold,
                         args.use_bias_correction_kl,
                     )  # fmt: skip
                     token_mean = args.loss_type in ("dapo", "cispo")

@@ -39,14 +39,16 @@ CONFIGS = {
     "dapo": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28"],
     # issue #18, short runs (CPU budget, on a shared machine under load 8-14): at mu = 1 cispo's gradient is
     # dapo's and sapo's is grpo's (ratio 1), and --delta / --off-policy-mask-threshold change nothing, so the
-    # family runs at mu = 2, beside dapo at mu = 2: 120 updates, or 60 for the last two
+    # family runs at mu = 2, beside dapo at mu = 2: 120 updates, or 60 for the last three
     "dapo-mu2": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28", "--num-iterations", "2"],
     "cispo-mu2": ["grpo_llm.py", "--loss-type", "cispo", "--epsilon-high", "4.0", "--num-iterations", "2"],
     "sapo-mu2": ["grpo_llm.py", "--loss-type", "sapo", "--num-iterations", "2"],
     "dapo-top-ent-mu2": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28", "--num-iterations", "2"]
     + ["--top-entropy-quantile", "0.2"],
+    "dapo-ent-coef-mu2": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28", "--num-iterations", "2"]
+    + ["--ent-coef", "0.01"],
 }
-for name in ["dapo-mu2", "cispo-mu2", "sapo-mu2", "dapo-top-ent-mu2"]:
+for name in ["dapo-mu2", "cispo-mu2", "sapo-mu2", "dapo-top-ent-mu2", "dapo-ent-coef-mu2"]:
     CONFIGS[name] += ["--total-steps", "120" if name in ["dapo-mu2", "cispo-mu2"] else "60"]
 
 
