@@ -37,7 +37,7 @@ Implementation details (cited as "detail N" in the comments):
     stays out of the advantages; beta = 0 loads no reference at all (TRL's default since Dr. GRPO).
 13. Several reward functions are summed with --reward-weights (TRL); a reward model scores alone.
 14. Micro-batches weight their loss so that the accumulated gradient is the whole batch's: by completions
-    for grpo and dr_grpo, by their share of the batch's loss tokens for dapo (the normalisers are global).
+    for grpo, sapo and dr_grpo, by their share of the loss tokens for dapo and cispo (the normalisers are global).
 15. A non-finite gradient stops the run before the optimizer step and saves the last good weights;
     Ctrl-C saves before exiting.
 16. A completion ends at any EOS id: the tokenizer's and the checkpoint's generation_config's (chat models
