@@ -1,4 +1,4 @@
-"""GRPO for language models, and its current variants (Dr. GRPO, DAPO, GSPO, RLOO), in one file.
+"""GRPO for language models, and its current variants (Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO, ...), in one file.
 
 Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath) is PPO without the critic: every prompt
 gets a group of G sampled completions, each completion's advantage is its reward relative to the group's,
@@ -34,7 +34,7 @@ Implementation details (cited as "detail N" in the comments):
 11. Clipped surrogate per token with asymmetric bounds [1 - epsilon, 1 + epsilon_high]: a higher upper
     bound lets unlikely tokens with a positive advantage grow (DAPO's clip-higher, against entropy collapse).
 12. Micro-batches weight their loss so that the accumulated gradient is the whole batch's: by completions
-    for grpo and dr_grpo, by their share of the batch's loss tokens for dapo (the normalisers are global).
+    for grpo, sapo and dr_grpo, by their share of the loss tokens for dapo and cispo (the normalisers are global).
 13. KL to the frozen reference is a loss term beta * k3 (unbiased, >= 0), not a reward penalty, so it
     stays out of the advantages; beta = 0 loads no reference at all (TRL's default since Dr. GRPO).
 14. Several reward functions are summed with --reward-weights (TRL); a reward model scores alone.
@@ -77,6 +77,22 @@ Implementation details (cited as "detail N" in the comments):
     the one-process update on the union batch: every batch statistic (batch std, token counts, metrics) is over all
     ranks, so they all skip together, and an empty micro-batch runs with weight 0 (a rank that skipped a backward
     would hang the others). Gradients are averaged once per step; only rank 0 logs and saves.
+25. --loss-type cispo (MiniMax-M1, 2025): REINFORCE weighted by the capped, detached ratio: no token's gradient
+    is clipped away. The cap is 1 + --epsilon-high (TRL reads its epsilon_high as the cap: TRL's 5 = our 4).
+26. --loss-type sapo (Gao et al. 2025): a sigmoid gate instead of the hard clip: gradient A at rho = 1, fading
+    smoothly off-policy, faster for A <= 0 (--sapo-temperature-neg > -pos).
+27. --delta (INTELLECT-2, 2025): two-sided clipping, the unclipped ratio capped at delta: with A < 0, a token
+    whose probability rose far since sampling gets a bounded push down.
+28. --top-entropy-quantile q (Wang et al. 2025, "Beyond the 80/20 rule"): only tokens whose entropy is in the
+    top q carry the policy gradient (the normaliser counts all); q of the whole batch, from the rollout policy
+    (an extra no-grad forward at mu = 1), not of each micro-batch from the current one as in TRL.
+29. --off-policy-mask-threshold t (DeepSeek-V3.2, 2025): completions with A < 0 whose mean k1 KL(old || policy)
+    exceeds t leave the policy-gradient term. At mu = 1 the rollout policy is the current one: a no-op.
+30. --use-bias-correction-kl (DeepSeek-V3.2; on, as TRL): the KL term is rho k3. Tokens come from pi_old, so
+    E_old[rho k3] = E_pi[k3] = KL(pi || ref), with gradient E_pi[(k3 + 1 - ref/pi) grad log pi] = grad KL(pi || ref)
+    even at mu = 1 (rho = 1, grad rho != 0): the KL the objective names and `kl` reports. k3 alone: gradient
+    E_pi[(1 - ref/pi) grad log pi] = -E_ref[grad log pi] = grad KL(ref || pi), the other direction (the GRPO paper's).
+31. --ent-coef c: entropy bonus -c H (detail 9's entropy, with gradient), a token mean over the batch's loss tokens.
 
 The variants, as differences from GRPO (loss-type grpo, scale-rewards group, epsilon-high = epsilon):
 - Dr. GRPO (Liu et al. 2025): --loss-type dr_grpo --scale-rewards none. Dividing by each completion's
@@ -240,9 +256,23 @@ class Args:
     epsilon: float = 0.2
     """lower clip range of the ratio: 1 - epsilon"""
     epsilon_high: float | None = None
-    """upper clip range of the ratio: 1 + epsilon_high (unset: epsilon; DAPO: 0.28)"""
-    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
-    """token-loss aggregation: per-completion mean then mean (grpo), sum / tokens (dapo), sum / (B x max) (dr_grpo)"""
+    """upper clip range of the ratio: 1 + epsilon_high (unset: epsilon; DAPO: 0.28; cispo's cap, detail 25)"""
+    delta: float | None = None
+    """two-sided clipping: the unclipped ratio capped at delta > 1 + epsilon_high (INTELLECT-2: 4; detail 27)"""
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "cispo", "sapo"] = "grpo"
+    """per-token loss and its normaliser (details 11, 25, 26): see grpo_loss"""
+    sapo_temperature_pos: float = 1.0
+    """sapo's gate temperature for positive advantages"""
+    sapo_temperature_neg: float = 1.05
+    """sapo's gate temperature for the other advantages"""
+    top_entropy_quantile: float = 1.0
+    """only the tokens in this top quantile of entropy carry the policy gradient (0.2 in the paper; detail 28)"""
+    off_policy_mask_threshold: float | None = None
+    """drop completions with A < 0 whose KL to the sampling policy exceeds it from the loss (detail 29)"""
+    use_bias_correction_kl: bool = True
+    """multiply k3 by the importance ratio: the gradient of KL(policy || ref) itself (detail 30)"""
+    ent_coef: float = 0.0
+    """entropy-bonus weight (token mean over the loss tokens, detail 31)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide the advantages by the group's std, the batch's std, or nothing (Dr. GRPO)"""
     leave_one_out: bool = False
@@ -315,34 +345,49 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
     return advantages.masked_fill(equal, 0.0).view(-1)
 
 
+def high_entropy_mask(entropy, mask, quantile):
+    """1 on the real tokens whose entropy is in the top `quantile` of all real tokens' (detail 28), else 0."""
+    threshold = torch.quantile(entropy[mask.bool()].float(), 1 - quantile)
+    return (entropy >= threshold).float() * mask
+
+
 def grpo_loss(
     logprobs, old_logprobs, ref_logprobs, advantages, mask, epsilon, epsilon_high, beta, loss_type,
-    max_completion_length, importance_sampling_level="token",
+    max_completion_length, importance_sampling_level="token", delta=None, sapo_temperatures=(1.0, 1.05),
+    entropy_mask=1.0, off_policy_mask_threshold=None, use_bias_correction_kl=False,
 ):  # fmt: skip
-    """Clipped surrogate plus beta * k3 per token, aggregated by loss_type. Returns (loss, stats).
+    """Per-token policy loss by loss_type, plus beta * k3, aggregated by loss_type. Returns (loss, stats).
 
-    per token: -min(rho * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A) + beta * k3, with
     rho = exp(logprobs - old_logprobs) (token) or exp(mean over the completion of logprobs - old_logprobs)
-    broadcast to its tokens (sequence, GSPO), and k3 = exp(ref - logp) - (ref - logp) - 1.
-    grpo: mean over each completion's tokens, then over completions; dapo: sum over all tokens / their
-    number; dr_grpo: sum / (completions x max_completion_length). logprobs (B, T), advantages (B,) or (B, T).
-    ref_logprobs may be None when beta is 0; stats (kl, clip fractions, mean ratio) are over real tokens."""
+    broadcast to its tokens (sequence, GSPO); per token, with A the advantage and sg() stop-gradient:
+      grpo, dapo, dr_grpo: -min(min(rho, delta) A, clip(rho, 1 - epsilon, 1 + epsilon_high) A)    (details 11, 27)
+      cispo: -sg(min(rho, 1 + epsilon_high)) A logprobs;  sapo: -sigmoid(tau (rho - 1)) 4 / tau A   (details 25, 26)
+    times entropy_mask and the off-policy mask (details 28, 29), plus beta k3 (times rho, detail 30), k3 = exp(ref
+    - logp) - (ref - logp) - 1; the masked token sum / (each completion's length x completions) (grpo, sapo), /
+    real tokens (dapo, cispo) or / (completions x max_completion_length) (dr_grpo). logprobs (B, T), advantages
+    (B,) or (B, T); ref_logprobs may be None when beta is 0."""
     log_ratio = logprobs - old_logprobs  # (B, T)
     if importance_sampling_level == "sequence":
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
     ratio = torch.exp(log_ratio)
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    clipped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high)
-    per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)  # (B, T)
-    kl = kl_penalty(logprobs, ref_logprobs, "k3") if ref_logprobs is not None else None
+    clipped_ratio, capped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high), ratio.clamp(max=delta or torch.inf)
+    tau = torch.where(advantages > 0, *sapo_temperatures)
+    per_token_loss = {
+        "cispo": lambda: -ratio.clamp(max=1 + epsilon_high).detach() * advantages * logprobs,
+        "sapo": lambda: -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages,
+    }.get(loss_type, lambda: -torch.min(capped_ratio * advantages, clipped_ratio * advantages))()
+    per_token_loss = per_token_loss * entropy_mask
+    if off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
+        off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
+        per_token_loss = per_token_loss * ~((advantages < 0) & (off_policy_kl > off_policy_mask_threshold))
+    correction = ratio if use_bias_correction_kl else 1  # detail 30: rho k3 has the gradient of KL(pi || ref)
+    kl = kl_penalty(logprobs, ref_logprobs, "k3") * correction if ref_logprobs is not None else None
     if beta:
         per_token_loss = per_token_loss + beta * kl
-    if loss_type == "grpo":
-        loss = ((per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
-    elif loss_type == "dapo":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1)
-    else:
-        loss = (per_token_loss * mask).sum() / (logprobs.shape[0] * max_completion_length)
+    lengths, rows = mask.sum(1).clamp(min=1), logprobs.shape[0]
+    normaliser = {"grpo": lengths * rows, "sapo": lengths * rows, "dr_grpo": rows * max_completion_length}
+    loss = ((per_token_loss * mask).sum(1) / normaliser.get(loss_type, mask.sum().clamp(min=1))).sum()
     with torch.no_grad():
         low = (ratio < 1 - epsilon) & (advantages < 0)  # clipped where the min picks the clipped term
         high = (ratio > 1 + epsilon_high) & (advantages > 0)
@@ -352,6 +397,8 @@ def grpo_loss(
             "clip_ratio/region_mean": masked_mean((low | high).float(), mask),
             "importance_ratio/mean": masked_mean(ratio.expand_as(mask), mask),
         }
+        if loss_type == "cispo":
+            stats["cispo_clip_ratio"] = stats["clip_ratio/high_mean"]  # TRL's name: rho above the cap, A > 0
         if kl is not None:
             stats["kl"] = masked_mean(kl, mask)
     return loss, stats
@@ -1232,8 +1279,11 @@ def check_args(args):
         )
     if args.num_iterations < 1:
         raise SystemExit(f"error: --num-iterations must be at least 1 (got {args.num_iterations})")
-    if args.epsilon_high is not None and args.epsilon_high < args.epsilon:
-        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high} and {args.epsilon})")
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if epsilon_high < args.epsilon:
+        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {epsilon_high} and {args.epsilon})")
+    if not 0 < args.top_entropy_quantile <= 1 or min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
+        raise SystemExit("error: --top-entropy-quantile must be in (0, 1] and the --sapo-temperature-* > 0")
     if args.temperature <= 0:
         raise SystemExit(f"error: --temperature must be > 0: log-probs divide by it (got {args.temperature})")
     if args.top_k or args.top_p < 1.0:
@@ -1288,10 +1338,15 @@ def accumulate_gradients(policy, r, args, autocast, ddp=None):
             logprobs, logprobs.detach() if r["old_logprobs"] is None else r["old_logprobs"][mc],
             None if r["ref_logprobs"] is None else r["ref_logprobs"][mc], r["advantages"][mc], mc_mask, args.epsilon,
             epsilon_high, args.beta, args.loss_type, args.max_new_tokens, args.importance_sampling_level,
+            args.delta, (args.sapo_temperature_pos, args.sapo_temperature_neg),
+            1.0 if r.get("entropy_mask") is None else r["entropy_mask"][mc], args.off_policy_mask_threshold,
+            args.use_bias_correction_kl,
         )  # fmt: skip
-        weight = mc_mask.sum() / n_tokens if args.loss_type == "dapo" else len(mc) / B
-        (loss * weight).backward()
-        loss_sum += (loss * weight).detach()  # no .item() per micro-batch: one sync at logging
+        loss = loss * (mc_mask.sum() / n_tokens if args.loss_type in ("dapo", "cispo") else len(mc) / B)
+        if args.ent_coef:  # detail 31: a token mean over the batch, whatever the loss type
+            loss = loss - args.ent_coef * (entropy * mc_mask).sum() / n_tokens
+        loss.backward()
+        loss_sum += loss.detach()  # no .item() per micro-batch: one sync at logging
         mc_stats["entropy"] = masked_mean(entropy.detach(), mc_mask)
         for key, value in mc_stats.items():
             stats.setdefault(key, []).append(value)
@@ -1390,25 +1445,35 @@ def main(args: Args | None = None):
                 loss_mask *= (~truncated).float()[:, None]
 
             # 4. old log-probs (mu > 1) and reference log-probs, in the training's micro-batch shapes (detail 5)
-            old_logprobs, ref_logprobs = [], []
+            old_logprobs, ref_logprobs, entropies, by_entropy = [], [], [], args.top_entropy_quantile < 1
             with torch.no_grad(), autocast:
                 for mc in torch.arange(B, device=device).split(args.micro_batch_size):
                     qr, am = query_responses[mc], attention_mask[mc]
-                    if args.num_iterations > 1:
+                    if args.num_iterations > 1 or by_entropy:  # detail 28: the whole batch's entropy first
                         hidden = hidden_states(policy, qr, am, prompt_width)
-                        old_logprobs.append(response_logprobs(policy, hidden, responses[mc], args)[0])
+                        logprobs, mc_entropy = response_logprobs(policy, hidden, responses[mc], args, by_entropy)
+                        old_logprobs.append(logprobs)
+                        entropies.append(mc_entropy)
                     if ref_policy is not None:
                         with adapters_off(ref_policy):  # LoRA: the base is the reference (detail 23)
                             hidden = hidden_states(ref_policy, qr, am, prompt_width)
                         ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
-            old_logprobs = torch.cat(old_logprobs) if old_logprobs else None
+            old_logprobs = torch.cat(old_logprobs) if args.num_iterations > 1 else None
+            if by_entropy:
+                entropy_mask = high_entropy_mask(torch.cat(entropies), loss_mask, args.top_entropy_quantile)
             ref_logprobs = torch.cat(ref_logprobs) if ref_logprobs else None
             t2 = wall_clock(device)
 
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 12)
             policy.train()
             stats, losses, grad_norms = {}, [], []
-            r |= dict(loss_mask=loss_mask, advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+            r |= dict(
+                loss_mask=loss_mask,
+                advantages=advantages,
+                old_logprobs=old_logprobs,
+                ref_logprobs=ref_logprobs,
+                entropy_mask=entropy_mask if by_entropy else None,
+            )
             n_tokens = all_reduce(loss_mask.sum())  # every rank's (detail 24)
             num_iterations = args.num_iterations if n_tokens > 0 else 0  # no token in the loss: no update (logged)
             for _ in range(num_iterations):

@@ -1,4 +1,4 @@
-"""Data-parallel scaling of the LLM scripts under torchrun (detail 21): tokens per second against processes.
+"""Data-parallel scaling of the LLM scripts under torchrun (detail 24): tokens per second against processes.
 
 Usage (from the repository root; 13 minutes on 2 CPU cores shared with other jobs):
     python benchmarks/ddp_scaling.py                        # 1 and 2 processes, CPU (gloo)

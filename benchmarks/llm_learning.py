@@ -33,10 +33,23 @@ CONFIGS = {
     "ppo-head": ["ppo_llm.py", "--critic", "head"],
     "ppo-rm": ["ppo_llm.py", "--reward-model", "assets/arith-rm"],
     "ppo-rm-raw": ["ppo_llm.py", "--reward-model", "assets/arith-rm", "--score-norm", "off"],
-    "grpo": ["grpo_llm.py", "--loss-type", "grpo", "--beta", "0.04"],  # the paper's beta, so the KL is measured
+    # the paper's beta, so the KL is measured; k3 without the ratio, as these runs were made before detail 30
+    "grpo": ["grpo_llm.py", "--loss-type", "grpo", "--beta", "0.04", "--no-use-bias-correction-kl"],
     "dr_grpo": ["grpo_llm.py", "--loss-type", "dr_grpo", "--scale-rewards", "none"],
     "dapo": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28"],
+    # issue #18, short runs (CPU budget, on a shared machine under load 8-14): at mu = 1 cispo's gradient is
+    # dapo's and sapo's is grpo's (ratio 1), and --delta / --off-policy-mask-threshold change nothing, so the
+    # family runs at mu = 2, beside dapo at mu = 2: 120 updates, or 60 for the last three
+    "dapo-mu2": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28", "--num-iterations", "2"],
+    "cispo-mu2": ["grpo_llm.py", "--loss-type", "cispo", "--epsilon-high", "4.0", "--num-iterations", "2"],
+    "sapo-mu2": ["grpo_llm.py", "--loss-type", "sapo", "--num-iterations", "2"],
+    "dapo-top-ent-mu2": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28", "--num-iterations", "2"]
+    + ["--top-entropy-quantile", "0.2"],
+    "dapo-ent-coef-mu2": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28", "--num-iterations", "2"]
+    + ["--ent-coef", "0.01"],
 }
+for name in ["dapo-mu2", "cispo-mu2", "sapo-mu2", "dapo-top-ent-mu2", "dapo-ent-coef-mu2"]:
+    CONFIGS[name] += ["--total-steps", "120" if name in ["dapo-mu2", "cispo-mu2"] else "60"]
 
 
 @dataclass
@@ -53,6 +66,8 @@ class Args:
     """where the runs go"""
     out_dir: str = os.path.join(ROOT, "benchmarks", "results")
     """where the table and plots go"""
+    at_update: int = 0
+    """also tabulate the held-out accuracy at this update, to compare runs of different lengths (0: off)"""
 
 
 def load(runs_dir, name):
@@ -111,14 +126,18 @@ def main():
         text = f"{np.mean(ok):{fmt}} ± {np.std(ok):{fmt}}"
         return text + (f" ({len(ok)}/{len(values)} seeds)" if len(ok) < len(values) else "")
 
-    rows = ["| configuration | seeds | held-out accuracy, start | end | seconds to 90% | samples to 90% | final KL* |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    at = f" at update {args.at_update} |" if args.at_update else ""
+    rows = [f"| configuration | seeds | held-out accuracy, start |{at} end | seconds to 90% | samples to 90% | "
+            "final KL* |", "|---|---|---|---|---|---|---|" + ("---|" if at else "")]  # fmt: skip
     for name, runs in data.items():
         start = [series(r, "eval/accuracy")[1][0] for r in runs]
         end = [series(r, "eval/accuracy")[1][-1] for r in runs]
         kl = [series(r, kl_key(r))[1][-5:].mean() if any(kl_key(r) in m for m in r) else np.nan for r in runs]
+        acc_at = [dict(zip(*series(r, "eval/accuracy"))).get(args.at_update, np.nan) for r in runs]
         rows.append(
-            f"| {name} (`{' '.join(CONFIGS[name])}`) | {len(runs)} | {stat(start, '.3f')} | {stat(end, '.3f')} | "
+            f"| {name} (`{' '.join(CONFIGS[name])}`) | {len(runs)} | {stat(start, '.3f')} |"
+            + (f" {stat(acc_at, '.3f')} |" if at else "")
+            + f" {stat(end, '.3f')} | "
             f"{stat([first_reaching(r, 'time/elapsed') for r in runs], '.0f')} | "
             f"{stat([first_reaching(r, 'episode') for r in runs], '.0f')} | {stat(kl, '.3f', 'none (beta 0)')} |"
         )

@@ -60,9 +60,7 @@ def update(case, r, ddp_on):
     else:
         torch.manual_seed(0)
         trained = [grpo_llm.load_model(AutoModelForCausalLM, SFT, "--model")]
-        args = types.SimpleNamespace(micro_batch_size=2, temperature=1.0, cast_lm_head_to_fp32=True, epsilon=0.2,
-                                     epsilon_high=0.28, beta=0.04, loss_type=variant, max_new_tokens=R,
-                                     importance_sampling_level="token")  # fmt: skip
+        args = grpo_llm.Args(micro_batch_size=2, epsilon_high=0.28, beta=0.04, loss_type=variant, max_new_tokens=R)
         ddp = torch.nn.parallel.DistributedDataParallel(grpo_llm.TrainedModels(trained)) if ddp_on else None
         loss, stats = grpo_llm.accumulate_gradients(trained[0], r, args, nullcontext(), ddp)
         stats = {k: grpo_llm.global_mean(v) for k, v in stats.items()} | {"loss": grpo_llm.global_mean([loss])}

@@ -146,6 +146,108 @@ def test_grpo_loss_gradient_at_ratio_one_is_the_policy_gradient():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the rest of the family (issue #18), on the same (2, 3) batch: rho = [[1.5, 1.0, 0.5], [0.7, 1.1, (2.0)]]
+# ---------------------------------------------------------------------------------------------------------
+RATIOS = [[1.5, 1.0, 0.5], [0.7, 1.1, 2.0]]
+
+
+def test_cispo_weights_log_probs_by_the_capped_detached_ratio():
+    # -sg(min(rho, 1 + 0.28)) * A * log rho (old = 0), dapo's normaliser (5 real tokens):
+    #   row 0, A = +1: -1.28 * ln 1.5 = -0.5189955, -1 * ln 1 = 0, -0.5 * ln 0.5 = +0.3465736
+    #   row 1, A = -1: +0.7 * ln 0.7 = -0.2496725, +1.1 * ln 1.1 = +0.1048412
+    logprobs, old = loss_inputs(RATIOS)
+    logprobs.requires_grad_(True)
+    loss, stats = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, "cispo", 4)
+    expected = (-1.28 * math.log(1.5) - 0.5 * math.log(0.5) + 0.7 * math.log(0.7) + 1.1 * math.log(1.1)) / 5
+    torch.testing.assert_close(loss, torch.tensor(expected))
+    loss.backward()  # d/d logp = -sg(w) * A / 5: the weight carries no gradient
+    torch.testing.assert_close(logprobs.grad, t([[-1.28, -1.0, -0.5], [0.7, 1.1, 0.0]]) / 5)
+    torch.testing.assert_close(stats["cispo_clip_ratio"], torch.tensor(0.2))  # rho 1.5 > 1.28 with A > 0: 1 of 5
+
+
+def test_sapo_soft_gate_with_two_temperatures():
+    # -sigmoid(tau (rho - 1)) * 4 / tau * A, tau 1 for A > 0, 1.05 otherwise; grpo's normaliser:
+    #   row 0: -4 (s(0.5) + s(0) + s(-0.5)) / 3 = -4 * 1.5 / 3 = -2 (s(x) + s(-x) = 1)
+    #   row 1: +(4 / 1.05) (s(1.05 * -0.3) + s(1.05 * 0.1)) / 2 = 3.8095238 * (0.4218947 + 0.5262259) / 2 = 1.8059440
+    def s(x):
+        return 1 / (1 + math.exp(-x))
+
+    logprobs, old = loss_inputs(RATIOS)
+    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.2, 0.0, "sapo", 4, sapo_temperatures=(1, 1.05))
+    expected = (-4 * (s(0.5) + s(0) + s(-0.5)) / 3 + 4 / 1.05 * (s(-0.315) + s(0.105)) / 2) / 2
+    torch.testing.assert_close(loss, torch.tensor(expected))
+    torch.testing.assert_close(loss, torch.tensor((-2 + 1.8059440) / 2))
+
+
+def test_two_sided_clipping_caps_the_ratio_of_negative_advantages():
+    # row 1 rho = 0.7, 3.0 with A = -1: max(0.7, 0.8) = 0.8, and max(min(3, delta 2), 1.28) = 2 (3 without delta);
+    # row 0 as before (-2.78: min(min(rho, 2), clip) is unchanged for A > 0). dapo: (-2.78 + 0.8 + 2) / 5 = 0.004
+    logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.7, 3.0, 2.0]])
+    logprobs.requires_grad_(True)
+    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, "dapo", 4, delta=2.0)
+    torch.testing.assert_close(loss, torch.tensor(0.004))
+    loss.backward()  # the capped token has no gradient; the clipped ones neither
+    torch.testing.assert_close(logprobs.grad, t([[0.0, -1.0, -0.5], [0.0, 0.0, 0.0]]) / 5)
+    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, "dapo", 4)
+    torch.testing.assert_close(loss, torch.tensor((-2.78 + 0.8 + 3.0) / 5))
+
+
+@pytest.mark.parametrize("threshold, expected", [(0.1, -2.78 / 5), (0.2, -0.88 / 5)])
+def test_off_policy_mask_drops_negative_completions_far_from_the_rollout_policy(threshold, expected):
+    # mean of old - logp per completion: row 0 -(ln 1.5 + ln 0.5) / 3 = 0.0958940 (A > 0: kept anyway),
+    # row 1 -(ln 0.7 + ln 1.1) / 2 = 0.1306822: dropped at 0.1 (its +1.9 goes; the normaliser stays 5), kept at 0.2
+    logprobs, old = loss_inputs(RATIOS)
+    loss, _ = grpo_llm.grpo_loss(
+        logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, "dapo", 4, off_policy_mask_threshold=threshold
+    )
+    torch.testing.assert_close(loss, torch.tensor(expected))
+
+
+def test_high_entropy_mask_and_loss():
+    # real entropies 0.1 0.5 0.9 | 0.3 0.7 (5.0 is padding); top 40%: quantile 0.6 of [0.1, 0.3, 0.5, 0.7, 0.9]
+    # at position 0.6 * 4 = 2.4: 0.5 + 0.4 * 0.2 = 0.58 -> 0.9 and 0.7 carry the gradient
+    entropy = t([[0.1, 0.5, 0.9], [0.3, 0.7, 5.0]])
+    entropy_mask = grpo_llm.high_entropy_mask(entropy, MASK, 0.4)
+    torch.testing.assert_close(entropy_mask, t([[0, 0, 1], [0, 1, 0]]))
+    # dapo: only -0.5 (row 0, rho 0.5) and +1.1 (row 1, rho 1.1) remain, over all 5 tokens: 0.6 / 5 = 0.12
+    logprobs, old = loss_inputs(RATIOS)
+    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, "dapo", 4, entropy_mask=entropy_mask)
+    torch.testing.assert_close(loss, torch.tensor(0.12))
+
+
+def test_bias_corrected_kl_value_and_gradient():
+    # ref = logp + ln 2: k3 = 1 - ln 2 per token; corrected, rho k3: sum of real rho 1.5 + 1 + 0.5 + 0.7 + 1.1 = 4.8
+    logprobs, old = loss_inputs(RATIOS)
+    ref = logprobs + math.log(2)
+    loss, stats = grpo_llm.grpo_loss(
+        logprobs, old, ref, ADV, MASK, 0.2, 0.28, 0.1, "dapo", 4, use_bias_correction_kl=True
+    )
+    torch.testing.assert_close(loss, torch.tensor((-0.88 + 0.1 * 4.8 * (1 - math.log(2))) / 5))
+    torch.testing.assert_close(stats["kl"], torch.tensor(4.8 / 5 * (1 - math.log(2))))
+    # at mu = 1 (rho = 1 in value) the gradient still differs: d(rho k3)/d logp = k3 + d k3/d logp =
+    # (1 - ln 2) + (1 - exp(ref - logp)) = (1 - ln 2) - 1 = -ln 2, against -1 without the ratio; A = 0, beta 1, dapo
+    for corrected, per_token in [(True, -math.log(2)), (False, -1.0)]:
+        logprobs = torch.zeros(2, 3, requires_grad=True)
+        loss, _ = grpo_llm.grpo_loss(
+            logprobs, logprobs.detach(), logprobs.detach() + math.log(2), torch.zeros(2), MASK, 0.2, 0.2, 1.0,
+            "dapo", 4, use_bias_correction_kl=corrected,
+        )  # fmt: skip
+        loss.backward()
+        torch.testing.assert_close(logprobs.grad, MASK * per_token / 5)
+
+
+@pytest.mark.parametrize("loss_type, base", [("cispo", "dapo"), ("sapo", "grpo")])
+def test_at_ratio_one_cispo_and_sapo_have_the_gradient_of_their_base(loss_type, base):
+    # cispo: -1 * A * grad logp = dapo's; sapo: d/d rho [sigmoid(tau (rho - 1)) 4 / tau] at 1 = tau / 4 * 4 / tau = 1
+    grads = []
+    for name in [loss_type, base]:
+        logprobs = torch.zeros(2, 3, requires_grad=True)
+        grpo_llm.grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, 0.2, 0.2, 0.0, name, 4)[0].backward()
+        grads.append(logprobs.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+# ---------------------------------------------------------------------------------------------------------
 # end to end, in-process, tiny models (tests/conftest.py)
 # ---------------------------------------------------------------------------------------------------------
 def run(tiny, tmp_path, **kwargs):
@@ -295,6 +397,40 @@ def test_ratio_is_exactly_one_at_unchanged_weights(tiny, tmp_path, num_iteration
         assert r["grad_norm"] > 0
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(loss_type="cispo", epsilon_high=4.0),
+        dict(loss_type="sapo"),
+        dict(top_entropy_quantile=0.3),
+        # grpo, and rewards all 0 (arithmetic, random policy): the gradient is the bonus alone, a token mean
+        dict(ent_coef=0.1, reward_model=None, dataset="arithmetic"),
+        dict(beta=0.1, delta=2.0, off_policy_mask_threshold=0.0, num_iterations=2),
+    ],
+)
+def test_new_variants_accumulate_the_whole_batch_gradient(tiny, tmp_path, monkeypatch, options):
+    # lr 0: the weights never change, so one micro-batch of 8 and two of 4 must give the same gradient; EOS
+    # after 1, 2, 3, 1, 2, ... tokens, so that the micro-batches hold 7 and 8 tokens and the weights differ
+    real_generate = grpo_llm.generate
+
+    def uneven(policy, queries, query_mask):
+        responses = real_generate(policy, queries, query_mask).clone()
+        for i in range(len(responses)):
+            responses[i, min(i % 3, responses.shape[1] - 1)] = policy.config.eos_token_id
+        return responses
+
+    monkeypatch.setattr(grpo_llm, "generate", uneven)
+    grad_norms = []
+    for micro_batch_size in [8, 4]:
+        _, records = run(
+            tiny, tmp_path, exp_name=f"mb{micro_batch_size}", learning_rate=0.0, micro_batch_size=micro_batch_size,
+            total_steps=1, **(dict(reward_model=tiny["rm"], dataset=tiny["jsonl"]) | options),
+        )  # fmt: skip
+        grad_norms.append(records[0]["grad_norm"])
+        assert ("cispo_clip_ratio" in records[0]) == (options.get("loss_type") == "cispo")
+    assert grad_norms[0] > 0 and grad_norms[0] == pytest.approx(grad_norms[1], rel=1e-5)
+
+
 def test_track_with_wandb_offline(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -377,6 +513,8 @@ def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
          "'gsm8k'], nor a path/to/file.py:function or module:function"),
         (dict(reward_weights=(1.0, 2.0)), "error: --reward-weights needs one weight per reward (arithmetic), got 2"),
         (dict(temperature=0.0), "error: --temperature must be > 0"),
+        (dict(top_entropy_quantile=0.0), "error: --top-entropy-quantile must be in (0, 1]"),
+        (dict(sapo_temperature_neg=0.0), "and the --sapo-temperature-* > 0"),
         (dict(model="/no/such/dir"), "error: --model /no/such/dir is not a local directory, nor reachable on the hub"),
         (dict(max_new_tokens=40), "error: --max-new-tokens 40 leaves no room for a prompt in the "
          "model's context of 32"),
