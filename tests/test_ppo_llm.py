@@ -348,7 +348,7 @@ def test_track_offline(tiny, tmp_path, monkeypatch):
     assert any(name.startswith("offline-run") for name in os.listdir(os.path.join(run_dir, "wandb")))
     ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--total-steps", "2"]))  # the same wandb run goes on
     runs = [name for name in os.listdir(os.path.join(run_dir, "wandb")) if name.startswith("offline-run")]
-    assert len({name.rsplit("-", 1)[-1] for name in runs}) == 1, runs  # offline-run-<time>-<run id>
+    assert len({name.split("-")[3] for name in runs}) == 1, runs  # offline-run-<time>-<run id>[-<n> if same second]
 
 
 def test_tokenizer_without_pad_gets_its_own(tmp_path):
