@@ -352,9 +352,9 @@ def high_entropy_mask(entropy, mask, quantile):
 
 
 def grpo_loss(
-    logprobs, old_logprobs, ref_logprobs, advantages, mask, epsilon, epsilon_high, beta, loss_type,
-    max_completion_length, importance_sampling_level="token", delta=None, sapo_temperatures=(1.0, 1.05),
-    entropy_mask=1.0, off_policy_mask_threshold=None, use_bias_correction_kl=False,
+    logprobs, old_logprobs, ref_logprobs, advantages, mask, *, loss_type="grpo", epsilon=0.2, epsilon_high=None,
+    beta=0.0, max_completion_length=None, importance_sampling_level="token", delta=None,
+    sapo_temperatures=(1.0, 1.05), entropy_mask=1.0, off_policy_mask_threshold=None, use_bias_correction_kl=False,
 ):  # fmt: skip
     """Per-token policy loss by loss_type, plus beta * k3, aggregated by loss_type. Returns (loss, stats).
 
@@ -366,6 +366,7 @@ def grpo_loss(
     - logp) - (ref - logp) - 1; the masked token sum / (each completion's length x completions) (grpo, sapo), /
     real tokens (dapo, cispo) or / (completions x max_completion_length) (dr_grpo). logprobs (B, T), advantages
     (B,) or (B, T); ref_logprobs may be None when beta is 0."""
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
     log_ratio = logprobs - old_logprobs  # (B, T)
     if importance_sampling_level == "sequence":
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
@@ -386,8 +387,11 @@ def grpo_loss(
     if beta:
         per_token_loss = per_token_loss + beta * kl
     lengths, rows = mask.sum(1).clamp(min=1), logprobs.shape[0]
-    normaliser = {"grpo": lengths * rows, "sapo": lengths * rows, "dr_grpo": rows * max_completion_length}
-    loss = ((per_token_loss * mask).sum(1) / normaliser.get(loss_type, mask.sum().clamp(min=1))).sum()
+    if loss_type in ("grpo", "sapo"):
+        normaliser = lengths * rows
+    else:
+        normaliser = rows * max_completion_length if loss_type == "dr_grpo" else mask.sum().clamp(min=1)
+    loss = ((per_token_loss * mask).sum(1) / normaliser).sum()
     with torch.no_grad():
         low = (ratio < 1 - epsilon) & (advantages < 0)  # clipped where the min picks the clipped term
         high = (ratio > 1 + epsilon_high) & (advantages > 0)
@@ -1182,6 +1186,44 @@ def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
             torch.cuda.set_rng_state_all(rng["cuda"])
 
 
+def build_optimizer(args, device, trained, frozen, world):
+    """The models onto the device and activation checkpointing for the trained transformers (HF checkpoints in train
+    mode only, which step 5 switches to); returns (the trainable parameters: with LoRA the adapters, AdamW over them,
+    DDP over the trained models under torchrun or None)."""
+    for model in trained + frozen:
+        if model is not None:
+            model.to(device)
+    trained = [m for m in trained if m is not None]
+    for model in trained if args.gradient_checkpointing else []:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable()
+    small_model_defaults(args, trained[0], device)
+    params = [p for m in trained for p in m.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay)
+    return params, optimizer, nn.parallel.DistributedDataParallel(TrainedModels(trained)) if world > 1 else None
+
+
+def start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, world):
+    """The update to start after: 0 after evaluating the initial policy, or the checkpoint's with its state restored
+    (detail 22); under torchrun each rank then draws its own samples (detail 24)."""
+    if evaluate_policy and not checkpoint:
+        evaluation = evaluate_policy()
+        logger.log({"update": 0, "episode": 0} | evaluation)
+        print(f"update 0: {eval_line(evaluation)}")
+    restore_checkpoint(checkpoint, models, optimizer, args.learning_rate)
+    update = checkpoint.get("update", 0)
+    if world > 1:  # every rank holds rank 0's weights (DDP's broadcast) and draws its own samples
+        torch.manual_seed(args.seed + rank + world * update)
+    return update
+
+
+def timing_metrics(t, start_time, n_tokens, device):
+    """time/* and perf/* of one update, from its wall-clock marks t = (t0, t1, t2, t3)."""
+    return {"time/generation": t[1] - t[0], "time/scoring": t[2] - t[1], "time/update": t[3] - t[2],
+            "time/elapsed": time.time() - start_time, "perf/tokens_per_sec": n_tokens / (t[3] - t[0]),
+            "perf/peak_memory_mb": peak_memory_mb(device)}  # fmt: skip
+
+
 # DISTRIBUTED: torchrun's data parallelism (detail 24), identical in grpo_llm.py; without torchrun each is a no-op
 
 
@@ -1325,7 +1367,6 @@ def accumulate_gradients(policy, r, args, autocast, ddp=None):
     Under torchrun the batch is the union of the ranks' (detail 24): the dapo normaliser n_tokens is its loss tokens
     per rank, as DDP averages the ranks' gradients, and no rank skips a micro-batch."""
     loss_mask, B = r["loss_mask"], r["loss_mask"].shape[0]
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     stats, loss_sum, n_tokens = {}, torch.zeros((), device=loss_mask.device), global_mean([loss_mask.sum()])
     micro_batches = torch.arange(B, device=loss_mask.device).split(args.micro_batch_size)
     for mc in micro_batches:
@@ -1336,11 +1377,13 @@ def accumulate_gradients(policy, r, args, autocast, ddp=None):
             logprobs, entropy = ddp_forward(ddp, mc is micro_batches[-1], training_forward, policy, r, mc, args)
         loss, mc_stats = grpo_loss(
             logprobs, logprobs.detach() if r["old_logprobs"] is None else r["old_logprobs"][mc],
-            None if r["ref_logprobs"] is None else r["ref_logprobs"][mc], r["advantages"][mc], mc_mask, args.epsilon,
-            epsilon_high, args.beta, args.loss_type, args.max_new_tokens, args.importance_sampling_level,
-            args.delta, (args.sapo_temperature_pos, args.sapo_temperature_neg),
-            1.0 if r.get("entropy_mask") is None else r["entropy_mask"][mc], args.off_policy_mask_threshold,
-            args.use_bias_correction_kl,
+            None if r["ref_logprobs"] is None else r["ref_logprobs"][mc], r["advantages"][mc], mc_mask,
+            loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high, beta=args.beta,
+            max_completion_length=args.max_new_tokens, importance_sampling_level=args.importance_sampling_level,
+            delta=args.delta, sapo_temperatures=(args.sapo_temperature_pos, args.sapo_temperature_neg),
+            entropy_mask=1.0 if r.get("entropy_mask") is None else r["entropy_mask"][mc],
+            off_policy_mask_threshold=args.off_policy_mask_threshold,
+            use_bias_correction_kl=args.use_bias_correction_kl,
         )  # fmt: skip
         loss = loss * (mc_mask.sum() / n_tokens if args.loss_type in ("dapo", "cispo") else len(mc) / B)
         if args.ent_coef:  # detail 31: a token mean over the batch, whatever the loss type
@@ -1378,15 +1421,7 @@ def main(args: Args | None = None):
     if args.eval_only:  # no training, no run directory
         return eval_only(args, policy.to(device), tokenizer, load_reward_fn(args.reward_fn[0]), eos_ids, autocast)
     ref_policy = reference_model(policy) if args.beta else None  # details 13, 19, 23
-    for model in [policy, ref_policy]:
-        if model is not None:
-            model.to(device)
-    if args.gradient_checkpointing:  # HF checkpoints in train mode only, which step 5 switches to
-        policy.activation_checkpointing_enable()
-    small_model_defaults(args, policy, device)
-    params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay)
-    ddp = nn.parallel.DistributedDataParallel(TrainedModels([policy])) if world > 1 else None
+    params, optimizer, ddp = build_optimizer(args, device, [policy], [ref_policy], world)
     checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
     prompts = PromptStream(itertools.islice(load_prompts(args, tokenizer), rank, None, world),  # rank-strided
                            checkpoint.get("prompt_cursor", 0))  # fmt: skip
@@ -1403,14 +1438,9 @@ def main(args: Args | None = None):
     def evaluate_policy():
         return evaluate(policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn[0]), eos_ids, B, autocast)
 
-    if eval_problems and not checkpoint:
-        evaluation = evaluate_policy()
-        logger.log({"update": 0, "episode": 0} | evaluation)
-        print(f"update 0: {eval_line(evaluation)}")
-    restore_checkpoint(checkpoint, models, optimizer, args.learning_rate)
-    first_update = update = checkpoint.get("update", 0)
-    if world > 1:  # every rank holds rank 0's weights (DDP's broadcast) and draws its own samples (detail 24)
-        torch.manual_seed(args.seed + rank + world * update)
+    first_update = update = start(
+        args, checkpoint, models, optimizer, logger, eval_problems and evaluate_policy, rank, world
+    )
     start_time = time.time()
     try:
         for update in range(update + 1, args.total_steps + 1):
@@ -1501,13 +1531,7 @@ def main(args: Args | None = None):
                 "completions/max_length": lengths.max().item(),
                 "completions/clipped_ratio": truncated.float().mean().item(),
                 "learning_rate": optimizer.param_groups[0]["lr"],
-                "time/generation": t1 - t0,
-                "time/scoring": t2 - t1,
-                "time/update": t3 - t2,
-                "time/elapsed": time.time() - start_time,
-                "perf/tokens_per_sec": n_completion_tokens / (t3 - t0),
-                "perf/peak_memory_mb": peak_memory_mb(device),
-            }
+            } | timing_metrics((t0, t1, t2, t3), start_time, n_completion_tokens, device)
             for j, name in enumerate(reward_names):
                 metrics[f"rewards/{name}/mean"] = scores[:, j].mean().item()
                 metrics[f"rewards/{name}/std"] = (

@@ -1137,6 +1137,44 @@ def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
             torch.cuda.set_rng_state_all(rng["cuda"])
 
 
+def build_optimizer(args, device, trained, frozen, world):
+    """The models onto the device and activation checkpointing for the trained transformers (HF checkpoints in train
+    mode only, which step 5 switches to); returns (the trainable parameters: with LoRA the adapters, AdamW over them,
+    DDP over the trained models under torchrun or None)."""
+    for model in trained + frozen:
+        if model is not None:
+            model.to(device)
+    trained = [m for m in trained if m is not None]
+    for model in trained if args.gradient_checkpointing else []:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable()
+    small_model_defaults(args, trained[0], device)
+    params = [p for m in trained for p in m.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay)
+    return params, optimizer, nn.parallel.DistributedDataParallel(TrainedModels(trained)) if world > 1 else None
+
+
+def start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, world):
+    """The update to start after: 0 after evaluating the initial policy, or the checkpoint's with its state restored
+    (detail 22); under torchrun each rank then draws its own samples (detail 24)."""
+    if evaluate_policy and not checkpoint:
+        evaluation = evaluate_policy()
+        logger.log({"update": 0, "episode": 0} | evaluation)
+        print(f"update 0: {eval_line(evaluation)}")
+    restore_checkpoint(checkpoint, models, optimizer, args.learning_rate)
+    update = checkpoint.get("update", 0)
+    if world > 1:  # every rank holds rank 0's weights (DDP's broadcast) and draws its own samples
+        torch.manual_seed(args.seed + rank + world * update)
+    return update
+
+
+def timing_metrics(t, start_time, n_tokens, device):
+    """time/* and perf/* of one update, from its wall-clock marks t = (t0, t1, t2, t3)."""
+    return {"time/generation": t[1] - t[0], "time/scoring": t[2] - t[1], "time/update": t[3] - t[2],
+            "time/elapsed": time.time() - start_time, "perf/tokens_per_sec": n_tokens / (t[3] - t[0]),
+            "perf/peak_memory_mb": peak_memory_mb(device)}  # fmt: skip
+
+
 # DISTRIBUTED: torchrun's data parallelism (detail 24), identical in grpo_llm.py; without torchrun each is a no-op
 
 
@@ -1347,17 +1385,7 @@ def main(args: Args | None = None):
         return eval_only(args, policy.to(device), tokenizer, load_reward_fn(args.reward_fn), eos_ids, autocast)
     critic, value_head = build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer)
     ref_policy = reference_model(policy) if args.kl_coef or args.kl_target else None  # details 19, 23
-    trained = [m for m in [policy, critic] if m is not None]
-    for model in [policy, critic, ref_policy, value_head]:
-        if model is not None:
-            model.to(device)
-    if args.gradient_checkpointing:  # HF checkpoints in train mode only: step 5 switches both models to it
-        for model in trained:
-            model.activation_checkpointing_enable()
-    small_model_defaults(args, policy, device)
-    params = [p for m in [policy, critic, value_head] if m is not None for p in m.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay)
-    ddp = nn.parallel.DistributedDataParallel(TrainedModels(trained + [value_head])) if world > 1 else None
+    params, optimizer, ddp = build_optimizer(args, device, [policy, critic, value_head], [ref_policy], world)
     checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
     kl_coef = checkpoint.get("kl_coef", args.kl_coef) if args.kl_target else args.kl_coef
     kl_ctl = AdaptiveKLController(kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
@@ -1381,14 +1409,9 @@ def main(args: Args | None = None):
     def evaluate_policy():
         return evaluate(policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn), eos_ids, B, autocast)
 
-    if eval_problems and not checkpoint:
-        evaluation = evaluate_policy()
-        logger.log({"update": 0, "episode": 0} | evaluation)
-        print(f"update 0: {eval_line(evaluation)}")
-    restore_checkpoint(checkpoint, models, optimizer, args.learning_rate)
-    first_update = update = checkpoint.get("update", 0)
-    if world > 1:  # every rank holds rank 0's weights (DDP's broadcast) and draws its own samples (detail 24)
-        torch.manual_seed(args.seed + rank + world * update)
+    first_update = update = start(
+        args, checkpoint, models, optimizer, logger, eval_problems and evaluate_policy, rank, world
+    )
     start_time = time.time()
     try:
         for update in range(update + 1, args.total_steps + 1):
@@ -1443,8 +1466,9 @@ def main(args: Args | None = None):
 
             # 5. PPO update: epochs of shuffled minibatches, micro-batches accumulate gradients (details 11, 12)
             r |= dict(old_logprobs=old_logprobs, values=values, advantages=advantages, returns=returns)
-            for model in trained:
-                model.train()
+            for model in [policy, critic]:
+                if model is not None:
+                    model.train()
             stats = []
             for _ in range(args.num_ppo_epochs):
                 epoch_stats = []
@@ -1469,24 +1493,22 @@ def main(args: Args | None = None):
 
             # TRY NOT TO MODIFY: log (TRL's metric names), evaluate, show samples, save
             n_tokens = mask.sum().item()
-            metrics = {
-                "update": update,
-                "episode": update * args.prompts_per_update,
-                "objective/kl": mean_kl,
-                "objective/kl_coef": kl_coef,
-                "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
-                "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
-                "objective/scores": raw_scores.mean().item(),
-                "val/num_eos_tokens": int(contains_eos.sum().item()),
-                "val/mean_length": n_tokens / B,
-                "lr": optimizer.param_groups[0]["lr"],
-                "time/generation": t1 - t0,
-                "time/scoring": t2 - t1,
-                "time/update": t3 - t2,
-                "time/elapsed": time.time() - start_time,
-                "perf/tokens_per_sec": n_tokens / (t3 - t0),
-                "perf/peak_memory_mb": peak_memory_mb(device),
-            } | {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
+            metrics = (
+                {
+                    "update": update,
+                    "episode": update * args.prompts_per_update,
+                    "objective/kl": mean_kl,
+                    "objective/kl_coef": kl_coef,
+                    "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
+                    "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
+                    "objective/scores": raw_scores.mean().item(),
+                    "val/num_eos_tokens": int(contains_eos.sum().item()),
+                    "val/mean_length": n_tokens / B,
+                    "lr": optimizer.param_groups[0]["lr"],
+                }
+                | timing_metrics((t0, t1, t2, t3), start_time, n_tokens, device)
+                | {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
+            )
             metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
             if rows[0]["answer"] is not None:  # the reward function's verdict, beside a reward model too
                 correct = load_reward_fn(args.reward_fn)(completions, rows)

@@ -85,7 +85,9 @@ def loss_inputs(ratios):
 )
 def test_grpo_loss_types_with_clip_higher(loss_type, expected):
     logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.7, 1.1, 2.0]])
-    loss, stats = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, loss_type, 4)
+    loss, stats = grpo_llm.grpo_loss(
+        logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type=loss_type, max_completion_length=4
+    )
     torch.testing.assert_close(loss, torch.tensor(expected))
     # 1 high-clipped and 1 low-clipped token of 5 real ones
     torch.testing.assert_close(stats["clip_ratio/high_mean"], torch.tensor(0.2))
@@ -98,7 +100,7 @@ def test_grpo_loss_symmetric_clip_and_per_token_advantages():
     # epsilon_high = epsilon = 0.2: the first token is clipped at 1.2, row 0 mean (-1.2 - 1 - 0.5) / 3 = -0.9,
     # loss = (-0.9 + 0.95) / 2 = 0.025; advantages given per token (B, T) give the same
     logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.7, 1.1, 2.0]])
-    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV[:, None].expand(2, 3), MASK, 0.2, 0.2, 0.0, "grpo", 4)
+    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV[:, None].expand(2, 3), MASK, loss_type="grpo")
     torch.testing.assert_close(loss, torch.tensor(0.025))
 
 
@@ -114,7 +116,9 @@ def test_grpo_loss_k3_term(loss_type, expected):
     # ref = logp + ln 2 everywhere: k3 = exp(ln 2) - ln 2 - 1 = 1 - ln 2 = 0.306853; beta = 0.1
     logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.7, 1.1, 2.0]])
     ref = logprobs + math.log(2)
-    loss, stats = grpo_llm.grpo_loss(logprobs, old, ref, ADV, MASK, 0.2, 0.28, 0.1, loss_type, 4)
+    loss, stats = grpo_llm.grpo_loss(
+        logprobs, old, ref, ADV, MASK, epsilon_high=0.28, beta=0.1, loss_type=loss_type, max_completion_length=4
+    )
     torch.testing.assert_close(loss, torch.tensor(expected))
     torch.testing.assert_close(stats["kl"], torch.tensor(1 - math.log(2)))
 
@@ -125,7 +129,9 @@ def test_grpo_loss_sequence_level_importance_ratio():
     #   row 1 (A = -1): (0.5 * 0.8)^(1/2) = 0.4^(1/2) = 0.6324555 (the masked 2.0 is ignored), low-clipped: 0.8
     # grpo: (-0.9085603 + 0.8) / 2 = -0.0542802; 2 of 5 tokens low-clipped
     logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.5, 0.8, 2.0]])
-    loss, stats = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, "grpo", 4, "sequence")
+    loss, stats = grpo_llm.grpo_loss(
+        logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="grpo", importance_sampling_level="sequence"
+    )
     torch.testing.assert_close(loss, torch.tensor((-(0.75 ** (1 / 3)) + 0.8) / 2))
     torch.testing.assert_close(stats["clip_ratio/low_mean"], torch.tensor(0.4))
     torch.testing.assert_close(stats["clip_ratio/high_mean"], torch.tensor(0.0))
@@ -136,11 +142,11 @@ def test_grpo_loss_sequence_level_importance_ratio():
 def test_grpo_loss_gradient_at_ratio_one_is_the_policy_gradient():
     # old = logprobs detached: rho = 1, d loss / d logp_t = -A_i / |o_i| / B (grpo), -A_i / tokens (dapo)
     logprobs = torch.zeros(2, 3, requires_grad=True)
-    loss, _ = grpo_llm.grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, 0.2, 0.2, 0.0, "grpo", 4)
+    loss, _ = grpo_llm.grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, loss_type="grpo")
     loss.backward()
     torch.testing.assert_close(logprobs.grad, t([[-1 / 6, -1 / 6, -1 / 6], [1 / 4, 1 / 4, 0.0]]))
     logprobs.grad = None
-    loss, _ = grpo_llm.grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, 0.2, 0.2, 0.0, "dapo", 4)
+    loss, _ = grpo_llm.grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, loss_type="dapo")
     loss.backward()
     torch.testing.assert_close(logprobs.grad, t([[-1 / 5, -1 / 5, -1 / 5], [1 / 5, 1 / 5, 0.0]]))
 
@@ -157,7 +163,7 @@ def test_cispo_weights_log_probs_by_the_capped_detached_ratio():
     #   row 1, A = -1: +0.7 * ln 0.7 = -0.2496725, +1.1 * ln 1.1 = +0.1048412
     logprobs, old = loss_inputs(RATIOS)
     logprobs.requires_grad_(True)
-    loss, stats = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, "cispo", 4)
+    loss, stats = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="cispo")
     expected = (-1.28 * math.log(1.5) - 0.5 * math.log(0.5) + 0.7 * math.log(0.7) + 1.1 * math.log(1.1)) / 5
     torch.testing.assert_close(loss, torch.tensor(expected))
     loss.backward()  # d/d logp = -sg(w) * A / 5: the weight carries no gradient
@@ -173,7 +179,7 @@ def test_sapo_soft_gate_with_two_temperatures():
         return 1 / (1 + math.exp(-x))
 
     logprobs, old = loss_inputs(RATIOS)
-    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.2, 0.0, "sapo", 4, sapo_temperatures=(1, 1.05))
+    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, loss_type="sapo", sapo_temperatures=(1, 1.05))
     expected = (-4 * (s(0.5) + s(0) + s(-0.5)) / 3 + 4 / 1.05 * (s(-0.315) + s(0.105)) / 2) / 2
     torch.testing.assert_close(loss, torch.tensor(expected))
     torch.testing.assert_close(loss, torch.tensor((-2 + 1.8059440) / 2))
@@ -184,11 +190,11 @@ def test_two_sided_clipping_caps_the_ratio_of_negative_advantages():
     # row 0 as before (-2.78: min(min(rho, 2), clip) is unchanged for A > 0). dapo: (-2.78 + 0.8 + 2) / 5 = 0.004
     logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.7, 3.0, 2.0]])
     logprobs.requires_grad_(True)
-    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, "dapo", 4, delta=2.0)
+    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo", delta=2.0)
     torch.testing.assert_close(loss, torch.tensor(0.004))
     loss.backward()  # the capped token has no gradient; the clipped ones neither
     torch.testing.assert_close(logprobs.grad, t([[0.0, -1.0, -0.5], [0.0, 0.0, 0.0]]) / 5)
-    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, "dapo", 4)
+    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo")
     torch.testing.assert_close(loss, torch.tensor((-2.78 + 0.8 + 3.0) / 5))
 
 
@@ -198,7 +204,7 @@ def test_off_policy_mask_drops_negative_completions_far_from_the_rollout_policy(
     # row 1 -(ln 0.7 + ln 1.1) / 2 = 0.1306822: dropped at 0.1 (its +1.9 goes; the normaliser stays 5), kept at 0.2
     logprobs, old = loss_inputs(RATIOS)
     loss, _ = grpo_llm.grpo_loss(
-        logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, "dapo", 4, off_policy_mask_threshold=threshold
+        logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo", off_policy_mask_threshold=threshold
     )
     torch.testing.assert_close(loss, torch.tensor(expected))
 
@@ -211,7 +217,9 @@ def test_high_entropy_mask_and_loss():
     torch.testing.assert_close(entropy_mask, t([[0, 0, 1], [0, 1, 0]]))
     # dapo: only -0.5 (row 0, rho 0.5) and +1.1 (row 1, rho 1.1) remain, over all 5 tokens: 0.6 / 5 = 0.12
     logprobs, old = loss_inputs(RATIOS)
-    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, 0.2, 0.28, 0.0, "dapo", 4, entropy_mask=entropy_mask)
+    loss, _ = grpo_llm.grpo_loss(
+        logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo", entropy_mask=entropy_mask
+    )
     torch.testing.assert_close(loss, torch.tensor(0.12))
 
 
@@ -220,7 +228,7 @@ def test_bias_corrected_kl_value_and_gradient():
     logprobs, old = loss_inputs(RATIOS)
     ref = logprobs + math.log(2)
     loss, stats = grpo_llm.grpo_loss(
-        logprobs, old, ref, ADV, MASK, 0.2, 0.28, 0.1, "dapo", 4, use_bias_correction_kl=True
+        logprobs, old, ref, ADV, MASK, epsilon_high=0.28, beta=0.1, loss_type="dapo", use_bias_correction_kl=True
     )
     torch.testing.assert_close(loss, torch.tensor((-0.88 + 0.1 * 4.8 * (1 - math.log(2))) / 5))
     torch.testing.assert_close(stats["kl"], torch.tensor(4.8 / 5 * (1 - math.log(2))))
@@ -229,9 +237,15 @@ def test_bias_corrected_kl_value_and_gradient():
     for corrected, per_token in [(True, -math.log(2)), (False, -1.0)]:
         logprobs = torch.zeros(2, 3, requires_grad=True)
         loss, _ = grpo_llm.grpo_loss(
-            logprobs, logprobs.detach(), logprobs.detach() + math.log(2), torch.zeros(2), MASK, 0.2, 0.2, 1.0,
-            "dapo", 4, use_bias_correction_kl=corrected,
-        )  # fmt: skip
+            logprobs,
+            logprobs.detach(),
+            logprobs.detach() + math.log(2),
+            torch.zeros(2),
+            MASK,
+            beta=1.0,
+            loss_type="dapo",
+            use_bias_correction_kl=corrected,
+        )
         loss.backward()
         torch.testing.assert_close(logprobs.grad, MASK * per_token / 5)
 
@@ -242,7 +256,9 @@ def test_at_ratio_one_cispo_and_sapo_have_the_gradient_of_their_base(loss_type, 
     grads = []
     for name in [loss_type, base]:
         logprobs = torch.zeros(2, 3, requires_grad=True)
-        grpo_llm.grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, 0.2, 0.2, 0.0, name, 4)[0].backward()
+        grpo_llm.grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, loss_type=name, max_completion_length=4)[
+            0
+        ].backward()
         grads.append(logprobs.grad)
     torch.testing.assert_close(grads[0], grads[1])
 
