@@ -1312,6 +1312,7 @@ def check_args(args):
     G, B = args.num_generations, args.prompts_per_update // world * args.num_generations
     if world > 1 and args.micro_batch_size > B:  # the default 64 must not refuse 8 GPUs
         args.micro_batch_size = B
+        print(f"--micro-batch-size {B}: each of the {world} processes' batch")
     if G < 2:
         raise SystemExit(f"error: --num-generations must be at least 2: the group is the baseline (got {G})")
     if B % args.micro_batch_size:

@@ -1263,6 +1263,7 @@ def check_args(args):
     B = args.prompts_per_update // world
     if world > 1 and args.micro_batch_size > B // args.num_mini_batches > 0:  # the default 64 must not refuse 8 GPUs
         args.micro_batch_size = B // args.num_mini_batches
+        print(f"--micro-batch-size {args.micro_batch_size}: each of the {world} processes' minibatch")
     if B % args.num_mini_batches or B // args.num_mini_batches % args.micro_batch_size:
         raise SystemExit(
             f"error: --num-mini-batches must divide --prompts-per-update, and --micro-batch-size the minibatch "
