@@ -71,7 +71,15 @@ def update(case, r, ddp_on):
     return grads, [p.detach().clone() for p in params], stats
 
 
-CASES = [("ppo", "separate"), ("ppo", "head"), ("grpo", "grpo"), ("grpo", "dapo"), ("grpo", "dr_grpo")]
+CASES = [
+    ("ppo", "separate"),
+    ("ppo", "head"),
+    ("grpo", "grpo"),
+    ("grpo", "dapo"),
+    ("grpo", "dr_grpo"),
+    ("grpo", "cispo"),
+    ("grpo", "sapo"),
+]
 
 
 def worker(rank, world, init_file):
