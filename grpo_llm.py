@@ -1,93 +1,75 @@
 """GRPO for language models, and its current variants (Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO, ...), in one file.
 
-Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath) is PPO without the critic: every prompt
-gets a group of G sampled completions, each completion's advantage is its reward relative to the group's,
-and a KL term to the frozen reference sits in the loss instead of in the reward. `main()` reads in the
-order of the algorithm: rollout (G completions per prompt) -> rewards -> group advantages -> old and
-reference log-probs -> num-iterations clipped updates -> log -> save.
+Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath) is PPO without the critic: every prompt gets a
+group of G sampled completions, each completion's advantage is its reward relative to the group's, and a KL term to
+the frozen reference sits in the loss instead of in the reward. `main()` reads in the order of the algorithm: rollout
+(G completions per prompt) -> rewards -> group advantages -> old and reference log-probs -> num-iterations clipped
+updates -> log -> save.
 
     python grpo_llm.py                                  # embedded arithmetic SFT model, offline, CPU
     python grpo_llm.py --reward-model assets/arith-rm   # the same, scored by the learned reward model
     python grpo_llm.py --model gpt2 --total-steps 200   # a hub model (a GPU is advisable)
 
 Implementation details (cited as "detail N" in the comments):
-1. An update samples --num-generations (G) completions for each of --prompts-per-update prompts; a prompt's
-   G completions are contiguous, so a group is a row of rewards.view(-1, G). (TRL counts completions instead.)
-2. Completions are cut after the first EOS; later tokens become pad and are masked out of every loss and
-   statistic, so the policy is not trained on text it would never show.
-3. Advantage = reward - group mean, divided by the group's std + 1e-4 (Bessel), the batch's, or nothing;
-   one advantage per completion, broadcast to its tokens. No value model, no GAE.
+1. Each of the --prompts-per-update prompts gets G = --num-generations completions, contiguous, so a group is a row of
+   rewards.view(-1, G) (TRL counts completions instead).
+2. Completions are cut after the first EOS; later tokens become pad, masked out of every loss and statistic, so the
+   policy is not trained on text it would never show.
+3. Advantage = reward - group mean, divided by the group's std + 1e-4 (Bessel), the batch's, or nothing; one advantage
+   per completion, broadcast to its tokens. No value model, no GAE.
 4. Log-probs divide the logits by the sampling temperature, or the ratio and KL start away from 1 and 0.
-5. With --num-iterations 1 the old log-probs are the current ones detached (ratio exactly 1, one gradient
-   step per batch); with more, they are recomputed after generation in the training's micro-batch shapes.
-6. Dropout is off in every model, set to 0 in the config before the model is built (Llama-style attention
-   reads config.attention_dropout in train mode) and in every nn.Dropout: the ratio and the KL then measure
-   policy change and nothing else.
-7. Prompts are left-padded for batched generation; position ids come from the attention mask, so a
-   padded prompt sees the positions an unpadded one would.
+5. With --num-iterations 1 the old log-probs are the current ones detached (ratio exactly 1, one gradient step per
+   batch); with more, they are recomputed after generation in the training's micro-batch shapes.
+6. Dropout is 0 in the config before the model is built (Llama-style attention reads attention_dropout in train mode)
+   and in every nn.Dropout: the ratio and the KL measure policy change and nothing else.
+7. Prompts are left-padded; position ids come from the attention mask, so a padded prompt sees an unpadded one's.
 8. A group whose rewards are all equal gets advantage exactly 0: nothing to prefer, and no 0 / 0.
-9. The LM head runs on completion positions only, in chunks of tokens (lm_head_logprobs): at most 2^24 logits
-   exist at once, and under autograd each chunk is recomputed in backward instead of kept, so memory does
-   not grow with completion length x vocabulary. Log-probs and entropy come from one fp32 log-sum-exp.
-10. Loss aggregation by --loss-type: per-completion token mean then mean (grpo), one token mean over the
-    batch (dapo), or the token sum over completions x --max-new-tokens (dr_grpo).
-11. Clipped surrogate per token with asymmetric bounds [1 - epsilon, 1 + epsilon_high]: a higher upper
-    bound lets unlikely tokens with a positive advantage grow (DAPO's clip-higher, against entropy collapse).
-12. Micro-batches weight their loss so that the accumulated gradient is the whole batch's: by completions
-    for grpo, sapo and dr_grpo, by their share of the loss tokens for dapo and cispo (the normalisers are global).
-13. KL to the frozen reference is a loss term beta * k3 (unbiased, >= 0), not a reward penalty, so it
-    stays out of the advantages; beta = 0 loads no reference at all (TRL's default since Dr. GRPO).
+9. The LM head runs on completion positions only, in chunks of at most 2^24 logits recomputed in backward, not kept:
+   memory does not grow with length x vocabulary. One fp32 log-sum-exp gives log-probs and entropy.
+10. Loss aggregation by --loss-type: per-completion token mean then mean (grpo), one token mean over the batch (dapo),
+    or the token sum over completions x --max-new-tokens (dr_grpo).
+11. Clipped surrogate per token with asymmetric bounds [1 - epsilon, 1 + epsilon_high]: a higher upper bound lets
+    unlikely tokens with a positive advantage grow (DAPO's clip-higher, against entropy collapse).
+12. Micro-batches weight their loss so that the accumulated gradient is the whole batch's: by completions for grpo, sapo
+    and dr_grpo, by their share of the loss tokens for dapo and cispo (the normalisers are global).
+13. KL to the frozen reference is a loss term beta * k3 (unbiased, >= 0), not a reward penalty, so it stays out of the
+    advantages; beta = 0 loads no reference at all (TRL's default since Dr. GRPO).
 14. Several reward functions are summed with --reward-weights (TRL); a reward model scores alone.
-15. A non-finite gradient stops the run before the optimizer step and saves the last good weights;
-    Ctrl-C saves before exiting.
-16. A completion ends at any EOS id: the tokenizer's and the checkpoint's generation_config's (chat models
-    declare several), in generation, truncation, --mask-truncated-completions, evaluation and the logs.
+15. A non-finite gradient stops the run before the optimizer step and saves the last good weights; Ctrl-C saves too.
+16. A completion ends at any EOS id, the tokenizer's and the generation_config's (chat models declare several), in
+    generation, truncation, --mask-truncated-completions, evaluation and the logs.
 17. Embeddings are resized to the tokenizer only to grow: checkpoints carry spare rows the model can sample.
-18. The family's logit post-processing (Gemma's final_logit_softcapping, Cohere's logit_scale, Granite's
-    logits_scaling) is applied inside each head chunk, before the temperature; at start the script checks
-    its log-probs against the model's own forward and refuses a model whose logits it does not reproduce.
-19. Dtypes: the policy trains in fp32 (master weights, whatever the checkpoint dtype: bf16 AdamW updates
-    of lr 1e-5 mostly round away); compute runs under bf16 autocast on CUDA (--mixed-precision). The
-    reference is an fp32 copy of the policy, scored by the same function in the same shapes, so the first
-    KL is exactly 0; the frozen reward model keeps its checkpoint dtype. With LoRA (detail 23) the adapters
-    are the fp32 master weights and the frozen base keeps its checkpoint dtype: an fp32 copy of a 7B base
-    would cost 28 GB.
-20. Sampling is softmax(logits / temperature) and nothing else: the checkpoint's generation_config
-    (repetition_penalty, top_k, min_p, ...) is replaced, since transformers would apply it silently, and
-    --top-k / --top-p are refused: the ratio and the KL need the log-probs of the distribution sampled,
-    and a truncated one would also give the reference -inf log-probs for tokens outside its own support.
-    The saved policy carries this generation config.
-21. Prompts are what the model was trained on (TRL's rule: the data decides): a conversation, a list of
-    {role, content} messages, goes through the tokenizer's chat template with the assistant header appended
-    (--chat-template / --system-prompt for plain strings); text that starts with the BOS gets no second one;
-    a prompt too long loses its start (left truncation, as TRL), never the header; the template's end-of-turn
-    token ends a response (detail 16). A reward model with its own tokenizer re-renders with its own template.
-22. --resume RUN_DIR continues a run from RUN_DIR/checkpoint.pt, written with the policy (--save-every, the end,
-    Ctrl-C) to a temporary file and renamed, so that a crash while saving leaves the previous one whole. It holds
-    the weights (the reference is re-derived from --model: it never moves), AdamW's state, the update counter,
-    the python, numpy and torch RNG states, the number of prompts drawn (the stream is re-created from --seed and
-    fast-forwarded) and the wandb run id: 2 updates and a resume to 4 log what 4 do. Saved flags are the
-    defaults, flags given win; the --anneal-lr schedule follows the new --total-steps.
-23. LoRA (--lora-r, through peft, as TRL): only adapters train, W x + (alpha / r) B A x on every linear layer
-    of the trunk (not the LM head). B starts at 0, so the base with its adapters switched off (peft's
-    disable_adapter) is the initial policy exactly: it is the reference, at no memory cost, and the first KL
-    is 0. Adapter dropout is refused (detail 6). The saved policy is the adapter (--save-merged: also the
-    merged model).
-24. Under torchrun (DDP) each rank rolls out its share of the prompts (rank-strided, groups whole); the update is
-    the one-process update on the union batch: every batch statistic (batch std, token counts, metrics) is over all
-    ranks, so they all skip together, and an empty micro-batch runs with weight 0 (a rank that skipped a backward
-    would hang the others). Gradients are averaged once per step; only rank 0 logs and saves.
-25. --loss-type cispo (MiniMax-M1, 2025): REINFORCE weighted by the capped, detached ratio: no token's gradient
-    is clipped away. The cap is 1 + --epsilon-high (TRL reads its epsilon_high as the cap: TRL's 5 = our 4).
-26. --loss-type sapo (Gao et al. 2025): a sigmoid gate instead of the hard clip: gradient A at rho = 1, fading
-    smoothly off-policy, faster for A <= 0 (--sapo-temperature-neg > -pos).
-27. --delta (INTELLECT-2, 2025): two-sided clipping, the unclipped ratio capped at delta: with A < 0, a token
-    whose probability rose far since sampling gets a bounded push down.
-28. --top-entropy-quantile q (Wang et al. 2025, "Beyond the 80/20 rule"): only tokens whose entropy is in the
-    top q carry the policy gradient (the normaliser counts all); q of the whole batch, from the rollout policy
-    (an extra no-grad forward at mu = 1), not of each micro-batch from the current one as in TRL.
-29. --off-policy-mask-threshold t (DeepSeek-V3.2, 2025): completions with A < 0 whose mean k1 KL(old || policy)
-    exceeds t leave the policy-gradient term. At mu = 1 the rollout policy is the current one: a no-op.
+18. The family's logit post-processing (Gemma's final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling)
+    runs in each head chunk, before the temperature; a model whose logits this does not reproduce is refused.
+19. Dtypes: trained weights are fp32 whatever the checkpoint's (bf16 AdamW updates of lr 1e-5 mostly round away),
+    compute is bf16 autocast on CUDA; the reference, an fp32 copy scored by the same function in the same shapes, starts
+    at KL exactly 0. The frozen reward model and a LoRA base keep their checkpoint dtype (a 7B base in fp32: 28 GB).
+20. Sampling is softmax(logits / temperature), nothing else: the checkpoint's generation_config (repetition_penalty,
+    top_k, min_p, ...), which transformers would apply silently, is replaced; --top-k / --top-p are refused: the ratio
+    and the KL need the log-probs of the distribution sampled (and truncated, the reference's could be -inf).
+21. Prompts are what the model was trained on (TRL's rule: the data decides): a conversation goes through the chat
+    template with the assistant header (--chat-template / --system-prompt for plain strings); no second BOS; a long
+    prompt loses its start, never the header; the end-of-turn token ends a response (detail 16).
+22. --resume RUN_DIR goes on from RUN_DIR/checkpoint.pt, the whole state of the run (weights, AdamW, RNG states, prompts
+    drawn, wandb id): 2 updates and a resume to 4 log what 4 do. It is written to a temporary file and renamed, so a
+    crash while saving leaves the previous one whole. Flags given win over the saved ones.
+23. LoRA (--lora-r, through peft, as TRL): only adapters train, W x + (alpha / r) B A x on the trunk's linear layers. B
+    starts at 0, so the base with its adapters off is the initial policy exactly: the reference, at no memory cost, with
+    a first KL of 0. Adapter dropout is refused (detail 6).
+24. Under torchrun (DDP) each rank rolls out its share of the prompts, groups whole; the update is the one-process
+    update on the union batch: every batch statistic is over all ranks, so they skip together; an empty micro-batch
+    runs with weight 0 (skipping a backward would hang the others). Gradients are averaged once per step; rank 0 logs.
+25. --loss-type cispo (MiniMax-M1, 2025): REINFORCE weighted by the capped, detached ratio: no token's gradient is
+    clipped away. The cap is 1 + --epsilon-high (TRL reads its epsilon_high as the cap: TRL's 5 = our 4).
+26. --loss-type sapo (Gao et al. 2025): a sigmoid gate instead of the hard clip: gradient A at rho = 1, fading smoothly
+    off-policy, faster for A <= 0 (--sapo-temperature-neg > -pos).
+27. --delta (INTELLECT-2, 2025): two-sided clipping, the unclipped ratio capped at delta: with A < 0, a token whose
+    probability rose far since sampling gets a bounded push down.
+28. --top-entropy-quantile q (Wang et al. 2025, "Beyond the 80/20 rule"): only tokens whose entropy is in the top q
+    carry the policy gradient (the normaliser counts all); q of the whole batch from the rollout policy (an extra
+    no-grad forward at mu = 1), not of each micro-batch from the current one as in TRL.
+29. --off-policy-mask-threshold t (DeepSeek-V3.2, 2025): completions with A < 0 whose mean k1 KL(old || policy) exceeds
+    t leave the policy-gradient term. At mu = 1 the rollout policy is the current one: a no-op.
 30. --use-bias-correction-kl (DeepSeek-V3.2; on, as TRL): the KL term is rho k3. Tokens come from pi_old, so
     E_old[rho k3] = E_pi[k3] = KL(pi || ref), with gradient E_pi[(k3 + 1 - ref/pi) grad log pi] = grad KL(pi || ref)
     even at mu = 1 (rho = 1, grad rho != 0): the KL the objective names and `kl` reports. k3 alone: gradient
@@ -95,18 +77,18 @@ Implementation details (cited as "detail N" in the comments):
 31. --ent-coef c: entropy bonus -c H (detail 9's entropy, with gradient), a token mean over the batch's loss tokens.
 
 The variants, as differences from GRPO (loss-type grpo, scale-rewards group, epsilon-high = epsilon):
-- Dr. GRPO (Liu et al. 2025): --loss-type dr_grpo --scale-rewards none. Dividing by each completion's
-  length favours long wrong answers and short right ones, dividing by the group std favours too easy and
-  too hard prompts; both biases go: the sum is divided by a constant (completions x --max-new-tokens).
-- DAPO (Yu et al. 2025): --loss-type dapo --epsilon-high 0.28 --dynamic-sampling --overlong-buffer N.
-  Token-level loss (every token weighs the same, however long its completion); clip-higher; groups with
-  equal rewards leave the loss (dynamic sampling, here without resampling); soft overlong punishment:
-  -penalty * (L - (max_new_tokens - N)) / N for the last N lengths. --mask-truncated-completions drops
-  completions that never emitted EOS from the loss (DAPO's overlong filtering).
-- GSPO (Zheng et al. 2025): --importance-sampling-level sequence (with clip ranges like 3e-4 / 4e-4). One
-  ratio per completion, exp(mean over its tokens of logp - old_logp), clipped as a whole and broadcast.
-- RLOO (Ahmadian et al. 2024): --leave-one-out --scale-rewards none. Baseline = the mean of the other
-  G - 1 rewards of the group, so a completion's own reward does not bias its baseline.
+- Dr. GRPO (Liu et al. 2025): --loss-type dr_grpo --scale-rewards none. Dividing by each completion's length favours
+  long wrong answers and short right ones, dividing by the group std favours too easy and too hard prompts; both
+  biases go: the sum is divided by a constant (completions x --max-new-tokens).
+- DAPO (Yu et al. 2025): --loss-type dapo --epsilon-high 0.28 --dynamic-sampling --overlong-buffer N. Token-level
+  loss (every token weighs the same, however long its completion); clip-higher; groups with equal rewards leave the
+  loss (dynamic sampling, here without resampling); soft overlong punishment: -penalty * (L - (max_new_tokens - N)) / N
+  for the last N lengths. --mask-truncated-completions drops completions that never emitted EOS from the loss (DAPO's
+  overlong filtering).
+- GSPO (Zheng et al. 2025): --importance-sampling-level sequence (with clip ranges like 3e-4 / 4e-4). One ratio per
+  completion, exp(mean over its tokens of logp - old_logp), clipped as a whole and broadcast.
+- RLOO (Ahmadian et al. 2024): --leave-one-out --scale-rewards none. Baseline = the mean of the other G - 1 rewards of
+  the group, so a completion's own reward does not bias its baseline.
 """
 
 import contextlib
@@ -308,8 +290,6 @@ class Args:
 
 def masked_mean(values, mask, axis=None):
     """sum(values * mask) / sum(mask), over `axis` or over everything."""
-    if axis is None:
-        return (values * mask).sum() / mask.sum()
     return (values * mask).sum(axis) / mask.sum(axis)
 
 
@@ -326,10 +306,8 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
 
 def group_advantages(rewards, group_size, scale, leave_one_out=False):
     """Advantage of each completion relative to its group (detail 3): rewards (B,) -> (B,), G contiguous each.
-
-    A_i = r_i - mean(group), or r_i - mean of the other G - 1 (leave_one_out, RLOO); then divided by
-    std(group) + 1e-4 (scale "group"), std(batch) + 1e-4 ("batch", every rank's, detail 24) or nothing ("none"),
-    std Bessel-corrected.
+    A_i = r_i - mean(group), or r_i - mean of the other G - 1 (leave_one_out, RLOO); then divided by std(group) + 1e-4
+    (scale "group"), std(batch) + 1e-4 ("batch", every rank's, detail 24) or nothing ("none"), std Bessel-corrected.
     A group of equal rewards gets exactly 0 (detail 8)."""
     grouped = rewards.view(-1, group_size)  # (P, G)
     if leave_one_out:
@@ -480,10 +458,9 @@ REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward, "format": 
 
 @functools.cache
 def load_reward_fn(spec):
-    """--reward-fn as f(completions, rows) -> a float per completion. A built-in name of REWARD_FNS gets
-    (completions, answers); a user's `path/to/file.py:function` or `module:function` is called as TRL calls one, by
-    keyword: fn(completions=[str], prompts=[the dataset's prompts, strings or message lists], **every other column
-    of the dataset by its name, a list each; the answer column as text)."""
+    """--reward-fn as f(completions, rows) -> a float per completion. A name in REWARD_FNS gets (completions, answers);
+    `path/to/file.py:function` or `module:function` is called by keyword, as TRL calls one: fn(completions=[str],
+    prompts=[strings or message lists], **every other column of the dataset by name, a list each; answers as text)."""
     if spec in REWARD_FNS:
         return lambda completions, rows: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
     source, _, name = spec.rpartition(":")
@@ -512,10 +489,9 @@ def load_reward_fn(spec):
 
 
 def render_prompt(tokenizer, prompt, chat_template, system_prompt, where):
-    """Detail 21: (the text the policy sees, the conversation it was rendered from or None). The data decides: a
-    conversation (a list of {"role", "content"} messages) goes through the tokenizer's chat template with the
-    assistant's header appended; a plain string stays as it is, unless --chat-template or --system-prompt wraps it
-    as one user message. --system-prompt goes first in a conversation that has no system message."""
+    """Detail 21: (the text the policy sees, the conversation it was rendered from or None). A list of {"role",
+    "content"} messages goes through the chat template; a plain string too when --chat-template or --system-prompt
+    wraps it as one user message. --system-prompt goes first in a conversation that has no system message."""
     if isinstance(prompt, str) and not chat_template and system_prompt is None:
         return prompt, None
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -631,9 +607,8 @@ def resolve(path):
 
 @functools.cache
 def check_hub():
-    """Ask the hub once, for 5 s at most; when it does not answer, switch huggingface_hub to offline mode (what
-    HF_HUB_OFFLINE=1 does), so that a hub id loads from the local cache or fails at once, not after ~50 s of
-    retries."""
+    """Ask the hub once, for 5 s at most; when it does not answer, go offline (as HF_HUB_OFFLINE=1 does), so that a
+    hub id loads from the local cache or fails at once, not after ~50 s of retries."""
     if hub_constants.HF_HUB_OFFLINE:
         return
     try:
@@ -653,32 +628,28 @@ def from_pretrained(cls, name, flag, **kwargs):
         return cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         where = "could not be loaded" if os.path.isdir(name) else "is not a local directory, nor reachable on the hub"
-        raise SystemExit(
-            f"error: {flag} {name} {where} ({type(e).__name__}). A local directory (save_pretrained) works offline, "
-            "HF_HUB_OFFLINE=1 skips the network; the embedded default: omit --model (assets/arith-sft), "
-            "--reward-model assets/arith-rm"
-        ) from None
+        raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}). A local directory (save_pretrained) "
+                         "works offline, HF_HUB_OFFLINE=1 skips the network; the embedded default: omit --model "
+                         "(assets/arith-sft), --reward-model assets/arith-rm") from None  # fmt: skip
 
 
 def load_model(cls, name, flag, dtype=torch.float32):
-    """A model with every dropout probability zeroed before it is built (detail 6), in fp32 by default (detail 19).
-
-    Llama-style attention copies config.attention_dropout at construction and applies it in train mode, so
-    zeroing nn.Dropout modules afterwards is not enough; those are zeroed too, for models that hard-code one."""
+    """A model with every dropout probability zeroed in its config and its nn.Dropout modules (detail 6), in fp32 by
+    default (detail 19)."""
     config = from_pretrained(AutoConfig, name, flag)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)
     model = from_pretrained(cls, name, flag, config=config, dtype=dtype)
-    for module in model.modules():
+    for module in model.modules():  # for models that hard-code one
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     return model
 
 
 def add_lora(model, args):
-    """Detail 21: peft's LoRA on a frozen base, W x + (alpha / r) B A x with B = 0 at start (the base exactly);
-    the adapters are fp32 (peft's default), the base keeps its dtype (detail 19)."""
+    """Detail 23: peft's LoRA on a frozen base, W x + (alpha / r) B A x, B = 0 at start; fp32 adapters (peft's
+    default) on a base in its own dtype (detail 19)."""
     try:
         import peft  # optional: only LoRA runs need it
     except ImportError:
@@ -692,29 +663,13 @@ def add_lora(model, args):
 
 
 def reference_model(policy):
-    """The frozen reference (detail 19): an fp32 copy of the policy, or with LoRA the policy itself, which
-    adapters_off() turns into its base at each use: no copy is made (detail 23)."""
+    """The frozen reference: an fp32 copy of the policy (detail 19), or with LoRA the policy itself (detail 23)."""
     return policy if hasattr(policy, "disable_adapter") else copy.deepcopy(policy).requires_grad_(False)
 
 
 def adapters_off(model):
-    """A context in which a LoRA model is its frozen base (peft's disable_adapter); nothing for other models."""
+    """A context in which a LoRA model is its frozen base, the reference (peft's disable_adapter); else nothing."""
     return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
-
-
-def save_merged(policy, tokenizer, path):
-    """--save-merged: the base with W + (alpha / r) B A merged in, a plain transformers model; merged in a copy
-    (memory: one more base, for the moment of saving), so the training model keeps its adapters."""
-    copy.deepcopy(policy).merge_and_unload().save_pretrained(path)
-    tokenizer.save_pretrained(path)
-
-
-def check_lora_args(args):
-    """The LoRA flags (detail 23), each bad one a one-line error."""
-    if args.lora_dropout:
-        raise SystemExit(f"error: --lora-dropout must be 0, or the first ratio is not 1 (got {args.lora_dropout})")
-    if args.save_merged and not args.lora_r:
-        raise SystemExit("error: --save-merged needs --lora-r: without LoRA the saved policy is already a full model")
 
 
 def add_pad_token(tokenizer):
@@ -725,8 +680,7 @@ def add_pad_token(tokenizer):
 
 
 def fit_embeddings(model, tokenizer):
-    """Grow the embeddings to the tokenizer, never shrink them (detail 17): checkpoints carry spare rows
-    (Qwen2: 151,936 for ~151.6k tokens) that the model can still sample, and a shrunk table cannot embed them."""
+    """Grow the embeddings to the tokenizer, never shrink them (detail 17; Qwen2: 151,936 rows for ~151.6k tokens)."""
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -753,18 +707,16 @@ def end_of_turn_id(tokenizer):
 
 
 def eos_token_ids(tokenizer, generation_config):
-    """Every id that ends a response (detail 16): the tokenizer's EOS, the checkpoint's generation_config's (chat
-    models declare several: Qwen2.5-Instruct ends a turn with <|im_end|>, a document with <|endoftext|>), and the
-    end-of-turn token of the chat template (a base checkpoint's generation_config knows only its EOS)."""
+    """Every id that ends a response (detail 16): the tokenizer's EOS, the generation_config's (Qwen2.5-Instruct ends
+    a turn with <|im_end|>, a document with <|endoftext|>), the chat template's end of turn (detail 21)."""
     ids = generation_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     return sorted({tokenizer.eos_token_id, *ids} | ({end_of_turn_id(tokenizer)} - {None}))
 
 
 def sampling_config(max_new_tokens, temperature, pad_token_id, eos_ids):
-    """What generate() samples with (detail 20): softmax(logits / temperature), nothing else. It replaces the
-    checkpoint's generation_config, whose other fields (repetition_penalty, top_k, min_p, ...) would otherwise
-    fill every field left unset here and change the distribution that the log-probs never see."""
+    """What generate() samples with, and the saved policy carries (detail 20): softmax(logits / temperature). It
+    replaces the checkpoint's generation_config, whose fields would fill any left unset here."""
     return GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
         pad_token_id=pad_token_id, eos_token_id=eos_ids,
@@ -773,8 +725,7 @@ def sampling_config(max_new_tokens, temperature, pad_token_id, eos_ids):
 
 @torch.no_grad()
 def generate(policy, queries, query_mask):
-    """Sample responses (B, R) for left-padded prompts (B, Q) with policy.generation_config (sampling_config);
-    generate() derives position ids from the mask."""
+    """Responses (B, R) to left-padded prompts (B, Q), sampled with sampling_config (position ids from the mask)."""
     output = policy.generate(input_ids=queries, attention_mask=query_mask)
     return output[:, queries.shape[1] :]
 
@@ -787,10 +738,9 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
 
 
 def hidden_states(model, query_responses, attention_mask, prompt_width):
-    """The trunk's last hidden states (B, R, H) at the positions that predict the response tokens.
-
-    The state at position t predicts token t + 1, so the response query_responses[:, prompt_width:] is predicted
-    by positions prompt_width - 1 ... -2: this slice is the off-by-one shift between logits and tokens."""
+    """The trunk's last hidden states (B, R, H) at the positions that predict the response tokens. The state at t
+    predicts token t + 1, so the response query_responses[:, prompt_width:] is predicted by positions
+    prompt_width - 1 ... -2: this slice is the off-by-one shift between logits and tokens."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # detail 7
     # a peft model's .base_model is its LoRA wrapper, whose forward ends in the LM head: take the trunk under it
     trunk = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model
@@ -799,9 +749,8 @@ def hidden_states(model, query_responses, attention_mask, prompt_width):
 
 
 def logit_postprocessing(config):
-    """What the family's forward does to the output embedding's logits (detail 18), as (scale, softcap):
-    logits * scale (Cohere's logit_scale, Granite's 1 / logits_scaling), then softcap * tanh(logits / softcap)
-    (Gemma 2 and 3's final_logit_softcapping)."""
+    """(scale, softcap) of the family's logits (detail 18): logits * scale (Cohere's logit_scale, Granite's
+    1 / logits_scaling), then softcap * tanh(logits / softcap) (Gemma 2 and 3's final_logit_softcapping)."""
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     return scale, getattr(config, "final_logit_softcapping", None)
 
@@ -856,8 +805,7 @@ def response_logprobs(model, hidden, responses, args, with_entropy=False):
 
 @torch.no_grad()
 def check_logits(model, flag, name):
-    """Refuse a model whose forward does something to its logits that lm_head_logprobs does not reproduce
-    (detail 18): its own log-softmax and ours, on a few tokens, must agree."""
+    """Detail 18: the model's own log-softmax and lm_head_logprobs' must agree on a few tokens."""
     ids = torch.arange(1, 9, device=model.device)[None] % model.get_output_embeddings().weight.shape[0]
     mask = torch.ones_like(ids)
     expected = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), dim=-1)
@@ -868,24 +816,22 @@ def check_logits(model, flag, name):
                               scale, softcap, fp32=False)  # fmt: skip
     error = (got - expected).abs().max().item()
     if error > 1e-3:
-        raise SystemExit(
-            f"error: {flag} {name}: its forward changes the logits in a way this script does not reproduce (log-probs "
-            f"{error:.3g} apart); supported: logit_scale, logits_scaling, final_logit_softcapping"
-        )
+        raise SystemExit(f"error: {flag} {name}: its forward changes the logits in a way this script does not "
+                         f"reproduce (log-probs {error:.3g} apart); supported: logit_scale, logits_scaling, "
+                         "final_logit_softcapping")  # fmt: skip
 
 
 def tokenize_texts(tokenizer, texts, max_length):
-    """Padded ids of texts, cut to max_length tokens on the tokenizer's truncation side (left, detail 21: a prompt
-    keeps its end, the assistant header). A text that already starts with the BOS, as a chat template writes it,
-    gets no special tokens, or Llama-3 would see two."""
+    """Padded ids of texts, cut to max_length on the tokenizer's truncation side (left: a prompt keeps its header,
+    detail 21); no special tokens for texts that start with the BOS, as chat templates write them (Llama-3: two)."""
     special = not (tokenizer.bos_token and all(t.startswith(tokenizer.bos_token) for t in texts))
     return tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length,
                      add_special_tokens=special, return_tensors="pt")  # fmt: skip
 
 
 def rm_text(rm_tokenizer, row, completion):
-    """What a reward model with its own tokenizer reads: the conversation and the completion through its own chat
-    template when it has one (it scores what it was trained on), else the prompt as the policy saw it + completion."""
+    """What a reward model with its own tokenizer reads: the conversation and completion through its own chat template
+    when it has one (detail 21: it scores what it was trained on), else the prompt as the policy saw it + completion."""
     if rm_tokenizer.chat_template is None:
         return row["prompt"] + completion
     messages = row["messages"] or [{"role": "user", "content": row["prompt"]}]
@@ -894,10 +840,8 @@ def rm_text(rm_tokenizer, row, completion):
 
 @torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_mask, rows, completions, label, chunk):
-    """Score of each sequence (B,), read by the reward model at its last real token (pad follows it).
-
-    rm_tokenizer None: same vocabulary, the ids are scored as they are. Otherwise the reward model reads rm_text,
-    and a text longer than its context loses the start of its prompt, never the response (left truncation)."""
+    """Score of each sequence (B,), read at its last real token. rm_tokenizer None: the ids are scored as they are;
+    otherwise the reward model reads rm_text, cut on the left to its context (the prompt's start goes first)."""
     if rm_tokenizer is None:
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids)
@@ -910,21 +854,10 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
     return torch.cat(logits)[:, label].float()
 
 
-def peak_memory_mb(device):
-    """Peak memory of this process: CUDA allocations on a GPU, the resident set (ru_maxrss, KiB) on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-
-
 def load_models(args, device):
-    """--model's tokenizer and policy and --reward-model's model, each failure a one-line error.
-
-    Returns (tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids). The policy is fp32
-    (detail 19; with --lora-r a peft model whose base keeps the checkpoint's dtype, detail 23), checked against
-    its own logits (detail 18), samples with sampling_config (detail 20) and stays on the CPU; rm_tokenizer is
-    None when the reward model reads the policy's own tokens (the ids are then scored as they are); the reward
-    model keeps its checkpoint dtype, frozen, on `device`."""
+    """(tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids), each failure a one-line error:
+    the policy on the CPU (details 18, 19, 20, 23), the frozen reward model on `device` in its checkpoint dtype,
+    rm_tokenizer None when the reward model reads the policy's own tokens (the ids are then scored as they are)."""
     args.model = resolve(args.model)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
@@ -933,26 +866,20 @@ def load_models(args, device):
     check_logits(policy, "--model", args.model)
     context = context_window_of(policy.config)
     if context is not None and args.max_new_tokens >= context:
-        raise SystemExit(
-            f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
-            f"context of {context} tokens"
-        )
+        raise SystemExit(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
+                         f"context of {context} tokens")  # fmt: skip
     max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
     if context is not None and max_prompt_length + args.max_new_tokens > context:
-        raise SystemExit(
-            f"error: --max-prompt-length {max_prompt_length} + --max-new-tokens {args.max_new_tokens} "
-            f"exceeds the model's context of {context} tokens"
-        )
+        raise SystemExit(f"error: --max-prompt-length {max_prompt_length} + --max-new-tokens {args.max_new_tokens} "
+                         f"exceeds the model's context of {context} tokens")  # fmt: skip
     reward_model = rm_tokenizer = None
     if args.reward_model is not None:
         args.reward_model = resolve(args.reward_model)
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
         num_labels = reward_model.config.num_labels
         if num_labels != 1 and args.reward_label is None:
-            raise SystemExit(
-                f"error: --reward-model {args.reward_model} has num_labels={num_labels}; "
-                "a reward model gives one score: pass --reward-label to choose the logit"
-            )
+            raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={num_labels}; "
+                             "a reward model gives one score: pass --reward-label to choose the logit")  # fmt: skip
         if args.reward_label is not None and not 0 <= args.reward_label < num_labels:
             raise SystemExit(f"error: --reward-label {args.reward_label} is not a logit of --reward-model "
                              f"{args.reward_model} (num_labels={num_labels}: 0 to {num_labels - 1})")  # fmt: skip
@@ -1001,9 +928,8 @@ def small_model_defaults(args, policy, device):
 
 
 class RunLogger:
-    """The run directory runs/<exp-name>__<seed>__<ms>/ (or --resume's): args.json (with the device and precision
-    used), metrics.jsonl (a line per update) and TensorBoard's events, samples.jsonl, the saved policy, checkpoint.pt;
-    wandb with --track."""
+    """runs/<exp-name>__<seed>__<ms>/ (or --resume's): args.json (and the device and precision), metrics.jsonl (a line
+    per update) and TensorBoard's events, samples.jsonl, the saved policy, checkpoint.pt; wandb with --track."""
 
     def __init__(self, args, device, precision, wandb_id=None):
         name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
@@ -1050,11 +976,8 @@ class RunLogger:
 
 @torch.no_grad()
 def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast):
-    """Step 1: the prompts left-padded (detail 7) and cut on the left (tokenize_texts), one sampled response each,
-    cut after its first EOS (detail 2).
-
-    Returns {query_responses (B, Q + R), attention_mask (B, Q + R), responses (B, R), mask (B, R) float,
-    prompt_width Q}."""
+    """Step 1: the prompts left-padded (detail 7) and cut on the left, a sampled response each, cut after its first EOS
+    (detail 2). Returns {query_responses, attention_mask (B, Q + R), responses, mask (B, R) float, prompt_width Q}."""
     enc = tokenize_texts(tokenizer, prompts, max_prompt_length).to(policy.device)
     policy.eval()
     with autocast:
@@ -1114,13 +1037,10 @@ def eta(start_time, first, done, total):
 
 
 def check_finite(grad_norm, update, save):
-    """Detail 15: a non-finite gradient stops the run before the optimizer step, so the weights that save()
-    writes are still the last good ones."""
+    """Detail 15: stop before the optimizer step, so that save() writes the last good weights."""
     if not torch.isfinite(grad_norm):
-        raise SystemExit(
-            f"error: the loss became non-finite at update {update}; the last good weights are in {save()} "
-            "(try a lower --learning-rate)"
-        )
+        raise SystemExit(f"error: the loss became non-finite at update {update}; the last good weights are in {save()} "
+                         "(try a lower --learning-rate)")  # fmt: skip
 
 
 def wall_clock(device):
@@ -1132,7 +1052,7 @@ def wall_clock(device):
 
 def parse_args(argv=None):
     """tyro.cli(Args). With --resume RUN_DIR the run's args.json gives the defaults, so that only the flags on the
-    command line change (detail 22: a larger --total-steps, say)."""
+    command line change (detail 22: a larger --total-steps, say, which the --anneal-lr schedule then follows)."""
     args = tyro.cli(Args, args=argv)
     if args.resume is None:
         return args
@@ -1145,9 +1065,8 @@ def parse_args(argv=None):
 
 
 def save_checkpoint(logger, models, optimizer, state):
-    """Detail 21: what --resume restores, in the run's checkpoint.pt: `state`, the weights of `models` (None skipped),
-    the optimizer, the RNG states, the wandb run id. Written to a temporary file, then renamed over the previous
-    checkpoint: os.replace is atomic, so a crash while saving leaves the previous one whole."""
+    """Detail 22: the run's checkpoint.pt: `state`, the weights of `models` (None skipped), the optimizer, the RNG
+    states, the wandb run id."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
     weights = {name: model.state_dict() for name, model in models.items() if model is not None}
@@ -1159,7 +1078,7 @@ def save_checkpoint(logger, models, optimizer, state):
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename
-    os.replace(path + ".tmp", path)
+    os.replace(path + ".tmp", path)  # atomic
 
 
 def load_checkpoint(run_dir):
@@ -1169,8 +1088,8 @@ def load_checkpoint(run_dir):
 
 
 def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
-    """Load a checkpoint's weights, optimizer and RNG states back, last before the loop, so that sampling goes on
-    where the saved run stopped. The learning rate is --learning-rate's: a flag given on resuming wins."""
+    """A checkpoint's weights, optimizer and RNG states back, last before the loop, so that sampling goes on where the
+    saved run stopped. The learning rate is --learning-rate's: a flag given on resuming wins."""
     for name, weights in checkpoint.get("weights", {}).items():
         if models.get(name) is not None:
             models[name].load_state_dict(weights)
@@ -1187,9 +1106,8 @@ def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
 
 
 def build_optimizer(args, device, trained, frozen, world):
-    """The models onto the device and activation checkpointing for the trained transformers (HF checkpoints in train
-    mode only, which step 5 switches to); returns (the trainable parameters: with LoRA the adapters, AdamW over them,
-    DDP over the trained models under torchrun or None)."""
+    """The models onto the device, activation checkpointing (HF's acts in train mode only, step 5's); returns (the
+    trainable parameters, with LoRA the adapters; AdamW over them; DDP over the trained models, or None)."""
     for model in trained + frozen:
         if model is not None:
             model.to(device)
@@ -1218,10 +1136,12 @@ def start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, wo
 
 
 def timing_metrics(t, start_time, n_tokens, device):
-    """time/* and perf/* of one update, from its wall-clock marks t = (t0, t1, t2, t3)."""
+    """time/* and perf/* of one update, from its wall-clock marks t = (t0, t1, t2, t3); the peak memory is CUDA's
+    allocations on a GPU, the process's resident set (ru_maxrss, KiB) on a CPU."""
     return {"time/generation": t[1] - t[0], "time/scoring": t[2] - t[1], "time/update": t[3] - t[2],
             "time/elapsed": time.time() - start_time, "perf/tokens_per_sec": n_tokens / (t[3] - t[0]),
-            "perf/peak_memory_mb": peak_memory_mb(device)}  # fmt: skip
+            "perf/peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}  # fmt: skip
 
 
 # DISTRIBUTED: torchrun's data parallelism (detail 24), identical in grpo_llm.py; without torchrun each is a no-op
@@ -1256,8 +1176,8 @@ def global_mean(values):
 
 
 def global_mean_var(values, mask):
-    """Mean and Bessel-corrected variance of the entries where mask is 1, over every rank's: n = sum(m),
-    mean = sum(x * m) / n, var = sum((x - mean)^2 * m) / (n - 1), each sum over the ranks."""
+    """Mean and variance of the entries where mask is 1, over every rank's: n = sum(m), mean = sum(x * m) / n,
+    var = sum((x - mean)^2 * m) / (n - 1) (Bessel), each sum over the ranks."""
     n = all_reduce(mask.sum())
     mean = all_reduce((values * mask).sum()) / n
     return mean, all_reduce(((values - mean) ** 2 * mask).sum()) / (n - 1)
@@ -1282,9 +1202,8 @@ class TrainedModels(nn.ModuleList):
 
 
 def ddp_forward(ddp, sync, fn, *inputs):
-    """fn(*inputs), under torchrun through DDP(TrainedModels) so that backward averages the gradients over the ranks,
-    but only where sync (the last micro-batch): the others accumulate locally (no_sync). generate() and the no-grad
-    passes run the bare models."""
+    """fn(*inputs); under torchrun through DDP(TrainedModels), whose backward averages the gradients over the ranks
+    only where sync (the last micro-batch; the others accumulate locally). No-grad passes run the bare models."""
     if ddp is None:
         return fn(*inputs)
     if sync:
@@ -1305,7 +1224,10 @@ class Silent:
 
 def check_args(args):
     """Every bad combination of flags, as one line each, before anything is loaded."""
-    check_lora_args(args)
+    if args.lora_dropout:  # detail 23
+        raise SystemExit(f"error: --lora-dropout must be 0, or the first ratio is not 1 (got {args.lora_dropout})")
+    if args.save_merged and not args.lora_r:
+        raise SystemExit("error: --save-merged needs --lora-r: without LoRA the saved policy is already a full model")
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's processes, each with its share (detail 24)
     if args.prompts_per_update % world:
         raise SystemExit(f"error: {world} processes must divide --prompts-per-update (got {args.prompts_per_update})")
@@ -1316,10 +1238,9 @@ def check_args(args):
     if G < 2:
         raise SystemExit(f"error: --num-generations must be at least 2: the group is the baseline (got {G})")
     if B % args.micro_batch_size:
-        raise SystemExit(
-            f"error: --micro-batch-size must divide the completions per update, --prompts-per-update x "
-            f"--num-generations (got {args.micro_batch_size} and {B}{' per process' if world > 1 else ''})"
-        )
+        raise SystemExit(f"error: --micro-batch-size must divide the completions per update, --prompts-per-update "
+                         f"x --num-generations (got {args.micro_batch_size} and {B}"
+                         f"{' per process' if world > 1 else ''})")  # fmt: skip
     if args.num_iterations < 1:
         raise SystemExit(f"error: --num-iterations must be at least 1 (got {args.num_iterations})")
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -1330,10 +1251,9 @@ def check_args(args):
     if args.temperature <= 0:
         raise SystemExit(f"error: --temperature must be > 0: log-probs divide by it (got {args.temperature})")
     if args.top_k or args.top_p < 1.0:
-        raise SystemExit(
-            f"error: --top-k {args.top_k} / --top-p {args.top_p} would sample from a truncated distribution whose "
-            "log-probs the update never sees (detail 20); train with --temperature alone"
-        )
+        raise SystemExit(f"error: --top-k {args.top_k} / --top-p {args.top_p} would sample from a truncated "
+                         "distribution whose log-probs the update never sees (detail 20); train with --temperature "
+                         "alone")  # fmt: skip
     if not args.reward_fn:
         raise SystemExit(f"error: --reward-fn needs at least one of {sorted(REWARD_FNS)} or file.py:function")
     for name in args.reward_fn:
@@ -1363,10 +1283,8 @@ def training_forward(policy, r, mc, args):
 
 def accumulate_gradients(policy, r, args, autocast, ddp=None):
     """Forward and backward the whole batch, micro-batch by micro-batch, each loss weighted so that the accumulated
-    gradient is the batch's (detail 12); returns (the weighted loss, each micro-batch's stats).
-
-    Under torchrun the batch is the union of the ranks' (detail 24): the dapo normaliser n_tokens is its loss tokens
-    per rank, as DDP averages the ranks' gradients, and no rank skips a micro-batch."""
+    gradient is the batch's (detail 12); returns (the weighted loss, each micro-batch's stats). Under torchrun (detail
+    24) n_tokens is the union batch's loss tokens per rank, as DDP averages the ranks' gradients; no rank skips."""
     loss_mask, B = r["loss_mask"], r["loss_mask"].shape[0]
     stats, loss_sum, n_tokens = {}, torch.zeros((), device=loss_mask.device), global_mean([loss_mask.sum()])
     micro_batches = torch.arange(B, device=loss_mask.device).split(args.micro_batch_size)
@@ -1398,12 +1316,13 @@ def accumulate_gradients(policy, r, args, autocast, ddp=None):
 
 
 def save(path, policy, tokenizer, merged=False):
-    """save_pretrained of the policy and its tokenizer: transformers loads them back (with LoRA the adapter, which
-    peft loads on the base; with merged=True also the merged model in merged/)."""
+    """save_pretrained of the policy and its tokenizer (with LoRA the adapter, which peft loads on the base; with
+    merged=True also the merged model in path/merged)."""
     policy.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    if merged:
-        save_merged(policy, tokenizer, os.path.join(path, "merged"))
+    if merged:  # W + (alpha / r) B A, in a copy (one more base in memory, while saving): training keeps its adapters
+        copy.deepcopy(policy).merge_and_unload().save_pretrained(os.path.join(path, "merged"))
+        tokenizer.save_pretrained(os.path.join(path, "merged"))
     return path
 
 

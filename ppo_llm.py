@@ -1,11 +1,10 @@
 """PPO for language models (RLHF), in one file.
 
-Stage 3 of RLHF (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences"; Ouyang et al. 2022,
-InstructGPT): a policy generates responses to prompts, a reward model or a reward function scores them,
-and PPO (Schulman et al. 2017) raises the score while a per-token KL penalty keeps the policy close to
-the frozen reference (the SFT model it started from). `main()` reads in the order of the algorithm:
-rollout -> log-probs of policy and reference, values, scores -> per-token rewards -> GAE -> epochs of
-clipped minibatch updates -> log -> save.
+Stage 3 of RLHF (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences"; Ouyang et al. 2022, InstructGPT):
+a policy generates responses to prompts, a reward model or a reward function scores them, and PPO (Schulman et al.
+2017) raises the score while a per-token KL penalty keeps the policy close to the frozen reference (the SFT model it
+started from). `main()` reads in the order of the algorithm: rollout -> log-probs of policy and reference, values,
+scores -> per-token rewards -> GAE -> epochs of clipped minibatch updates -> log -> save.
 
     python ppo_llm.py                                  # embedded arithmetic SFT model, offline, CPU
     python ppo_llm.py --reward-model assets/arith-rm   # the same, scored by the learned reward model
@@ -13,74 +12,54 @@ clipped minibatch updates -> log -> save.
 
 Implementation details (cited as "detail N" in the comments):
 1. Tokens are actions and a response is an episode; the state is the prompt plus the tokens so far.
-2. Responses are cut after the first EOS; later tokens become pad and are masked out of every loss and
-   statistic, so the policy is not trained on text it would never show.
-3. The sequence score is added to the reward of the last real response token, and every token gets
-   -beta*KL to the reference: the KL penalty is dense where the score is sparse (Ziegler et al.).
+2. Responses are cut after the first EOS; later tokens become pad, masked out of every loss and statistic, so the policy
+   is not trained on text it would never show.
+3. The score is added to the reward of the last real response token and every token gets -beta * KL to the reference:
+   the KL penalty is dense where the score is sparse (Ziegler et al.).
 4. Log-probs divide the logits by the sampling temperature, or the ratio and KL start away from 1 and 0.
-5. Old log-probs and values are recomputed after generation with the same function, dtype and
-   micro-batch shape as the training forward, so the first ratio of every update is exactly 1.
-6. Dropout is off in every model, set to 0 in the config before the model is built (Llama-style attention
-   reads config.attention_dropout in train mode) and in every nn.Dropout: the ratio and the KL then measure
-   policy change and nothing else.
-7. Prompts are left-padded for batched generation; position ids come from the attention mask, so a
-   padded prompt sees the positions an unpadded one would.
-8. The value function is a zero-initialised scalar head on a separate critic initialised from the reward
-   model (same tokenizer) or the policy (default: fewer samples to 90% on the embedded task than the
-   head on the policy's own trunk, --critic head, which is cheaper per update; benchmarks/). The head runs
-   in fp32 outside autocast: bf16 would round the values by ~0.4%.
-9. The LM head runs on response positions only, in chunks of tokens (lm_head_logprobs): at most 2^24 logits
-   exist at once, and under autograd each chunk is recomputed in backward instead of kept, so memory does
-   not grow with response length x vocabulary. Log-probs and entropy come from one fp32 log-sum-exp.
-10. GAE (gamma=1, lam=0.95) over response tokens; returns = advantages + values; the advantages are
-    whitened over the batch's real tokens, the rewards optionally (masked, Bessel-corrected).
+5. Old log-probs and values are recomputed after generation with the training forward's function, dtype and micro-batch
+   shapes, so the first ratio of every update is exactly 1.
+6. Dropout is 0 in the config before the model is built (Llama-style attention reads attention_dropout in train mode)
+   and in every nn.Dropout: the ratio and the KL measure policy change and nothing else.
+7. Prompts are left-padded; position ids come from the attention mask, so a padded prompt sees an unpadded one's.
+8. Values: a zero-initialised scalar head in fp32 (bf16 would round them by ~0.4%) on a separate critic initialised from
+   the reward model (same tokenizer) or the policy: fewer samples to 90% on the embedded task than --critic head, on the
+   policy's trunk, which is cheaper per update (benchmarks/).
+9. The LM head runs on response positions only, in chunks of at most 2^24 logits recomputed in backward, not kept:
+   memory does not grow with length x vocabulary. One fp32 log-sum-exp gives log-probs and entropy.
+10. GAE (gamma=1, lam=0.95) over response tokens, returns = advantages + values; the advantages are whitened over the
+    batch's real tokens, the rewards optionally (masked, Bessel-corrected).
 11. Clipped surrogate and clipped value loss, each a mean over real tokens; optional entropy bonus.
-12. Several epochs of shuffled minibatches with gradient accumulation over micro-batches, global
-    grad-norm clipping, AdamW, optional linear learning-rate decay and early stop on approx-KL. Each
-    micro-batch's token mean is weighted by its share of the minibatch's real tokens (not of its
-    sequences: EOS makes their lengths differ), so the gradient does not depend on --micro-batch-size.
+12. Epochs of shuffled minibatches, accumulated over micro-batches, with global grad-norm clipping, AdamW, optional
+    linear lr decay and approx-KL early stop. A micro-batch's token mean is weighted by its share of the minibatch's
+    real tokens (lengths differ), so the gradient does not depend on --micro-batch-size.
 13. beta fixed, or adapted towards a target KL (Ziegler et al.'s proportional controller).
-14. Optional penalty for responses without EOS and score clipping; scores whitened per batch by default
-    with a reward model, whose scale is arbitrary (unnormalised, beta*KL was too weak to stop reward hacking).
-15. A non-finite gradient stops the run before the optimizer step and saves the last good weights;
-    Ctrl-C saves before exiting.
-16. A response ends at any EOS id: the tokenizer's and the checkpoint's generation_config's (chat models
-    declare several), in generation, truncation, the missing-EOS penalty, evaluation and the logs.
+14. Optional missing-EOS penalty and score clipping; scores whitened per batch by default with a reward model, whose
+    scale is arbitrary (unnormalised, beta * KL was too weak to stop reward hacking).
+15. A non-finite gradient stops the run before the optimizer step and saves the last good weights; Ctrl-C saves too.
+16. A response ends at any EOS id, the tokenizer's and the generation_config's (chat models declare several), in
+    generation, truncation, the missing-EOS penalty, evaluation and the logs.
 17. Embeddings are resized to the tokenizer only to grow: checkpoints carry spare rows the model can sample.
-18. The family's logit post-processing (Gemma's final_logit_softcapping, Cohere's logit_scale, Granite's
-    logits_scaling) is applied inside each head chunk, before the temperature; at start the script checks
-    its log-probs against the model's own forward and refuses a model whose logits it does not reproduce.
-19. Dtypes: the policy, critic and value head train in fp32 (master weights, whatever the checkpoint
-    dtype: bf16 AdamW updates of lr 1e-5 mostly round away); compute runs under bf16 autocast on CUDA
-    (--mixed-precision). The reference is an fp32 copy of the policy, scored by the same function in the
-    same shapes, so the first KL is exactly 0; the frozen reward model keeps its checkpoint dtype. With LoRA
-    (detail 23) the adapters are the fp32 master weights and the frozen base keeps its checkpoint dtype: an
-    fp32 copy of a 7B base would cost 28 GB.
-20. Sampling is softmax(logits / temperature) and nothing else: the checkpoint's generation_config
-    (repetition_penalty, top_k, min_p, ...) is replaced, since transformers would apply it silently, and
-    --top-k / --top-p are refused: the ratio and the KL need the log-probs of the distribution sampled,
-    and a truncated one would also give the reference -inf log-probs for tokens outside its own support.
-    The saved policy carries this generation config.
-21. Prompts are what the model was trained on (TRL's rule: the data decides): a conversation, a list of
-    {role, content} messages, goes through the tokenizer's chat template with the assistant header appended
-    (--chat-template / --system-prompt for plain strings); text that starts with the BOS gets no second one;
-    a prompt too long loses its start (left truncation, as TRL), never the header; the template's end-of-turn
-    token ends a response (detail 16). A reward model with its own tokenizer re-renders with its own template.
-22. --resume RUN_DIR continues a run from RUN_DIR/checkpoint.pt, written with the policy (--save-every, the end,
-    Ctrl-C) to a temporary file and renamed, so that a crash while saving leaves the previous one whole. It holds
-    the weights (the reference with --ref-update-every; otherwise it is re-derived from --model), AdamW's state,
-    beta, the update counter, the python, numpy and torch RNG states, the number of prompts drawn (the stream is
-    re-created from --seed and fast-forwarded) and the wandb run id: 2 updates and a resume to 4 log what 4 do.
-    Saved flags are the defaults, flags given win; the --anneal-lr schedule follows the new --total-steps.
-23. LoRA (--lora-r, through peft, as TRL): only adapters train, W x + (alpha / r) B A x on every linear layer
-    of the trunk (not the LM head). B starts at 0, so the base with its adapters switched off (peft's
-    disable_adapter) is the initial policy exactly: it is the reference, at no memory cost, and the first KL
-    is 0. Adapter dropout is refused (detail 6). The saved policy is the adapter (--save-merged: also the
-    merged model). A separate critic gets adapters of its own; the value head trains in full.
-24. Under torchrun (DDP) each rank rolls out its share of the prompts (rank-strided) and shuffles it into its
-    minibatches; the update is the one-process update on the union batch whose minibatch k is the union of the
-    ranks' minibatch k: every batch statistic (whitening, score norm, token counts, KL, metrics) is over all ranks,
-    so they all stop and skip together. Gradients are averaged once per minibatch; only rank 0 logs and saves.
+18. The family's logit post-processing (Gemma's final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling)
+    runs in each head chunk, before the temperature; a model whose logits this does not reproduce is refused.
+19. Dtypes: trained weights are fp32 whatever the checkpoint's (bf16 AdamW updates of lr 1e-5 mostly round away),
+    compute is bf16 autocast on CUDA; the reference, an fp32 copy scored by the same function in the same shapes, starts
+    at KL exactly 0. The frozen reward model and a LoRA base keep their checkpoint dtype (a 7B base in fp32: 28 GB).
+20. Sampling is softmax(logits / temperature), nothing else: the checkpoint's generation_config (repetition_penalty,
+    top_k, min_p, ...), which transformers would apply silently, is replaced; --top-k / --top-p are refused: the ratio
+    and the KL need the log-probs of the distribution sampled (and truncated, the reference's could be -inf).
+21. Prompts are what the model was trained on (TRL's rule: the data decides): a conversation goes through the chat
+    template with the assistant header (--chat-template / --system-prompt for plain strings); no second BOS; a long
+    prompt loses its start, never the header; the end-of-turn token ends a response (detail 16).
+22. --resume RUN_DIR goes on from RUN_DIR/checkpoint.pt, the whole state of the run (weights, AdamW, beta, RNG states,
+    prompts drawn, wandb id): 2 updates and a resume to 4 log what 4 do. It is written to a temporary file and renamed,
+    so a crash while saving leaves the previous one whole. Flags given win over the saved ones.
+23. LoRA (--lora-r, through peft, as TRL): only adapters train, W x + (alpha / r) B A x on the trunk's linear layers. B
+    starts at 0, so the base with its adapters off is the initial policy exactly: the reference, at no memory cost, with
+    a first KL of 0. Adapter dropout is refused (detail 6).
+24. Under torchrun (DDP) each rank rolls out its share of the prompts; the update is the one-process update on the union
+    batch (minibatch k: the union of the ranks' k-th): every batch statistic is over all ranks, so they stop and skip
+    together. Gradients are averaged once per minibatch; only rank 0 logs and saves.
 """
 
 import contextlib
@@ -279,15 +258,12 @@ class Args:
 
 def masked_mean(values, mask, axis=None):
     """sum(values * mask) / sum(mask), over `axis` or over everything."""
-    if axis is None:
-        return (values * mask).sum() / mask.sum()
     return (values * mask).sum(axis) / mask.sum(axis)
 
 
 def masked_whiten(values, mask, shift_mean=True):
-    """(x - mean) / sqrt(var + 1e-8) over the masked entries, var = sum (x - mean)^2 / (n - 1) (Bessel).
-
-    With shift_mean=False the mean is added back: only the scale changes (TRL's convention)."""
+    """(x - mean) / sqrt(var + 1e-8) over the masked entries, var Bessel-corrected (global_mean_var); with
+    shift_mean=False the mean is added back: only the scale changes (TRL's convention)."""
     mean, var = global_mean_var(values, mask)  # over every rank's entries under torchrun (detail 24)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
@@ -305,11 +281,10 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
-    """Generalised advantage estimation over the response tokens, (B, T) -> (advantages, returns).
-
+    """GAE over the response tokens, (B, T) -> (advantages, returns) (detail 10):
     delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1},  returns = A + V.
-    Rewards and values count as 0 where mask is 0 and past the last position (the episode ends at the
-    last real token); advantages and returns are 0 where mask is 0."""
+    Rewards and values count as 0 where mask is 0 and past the last position (the episode ends at the last real
+    token); advantages and returns are 0 where mask is 0."""
     rewards, values = rewards * mask, values * mask
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
     deltas = rewards + gamma * next_values - values
@@ -431,10 +406,9 @@ REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward, "format": 
 
 @functools.cache
 def load_reward_fn(spec):
-    """--reward-fn as f(completions, rows) -> a float per completion. A built-in name of REWARD_FNS gets
-    (completions, answers); a user's `path/to/file.py:function` or `module:function` is called as TRL calls one, by
-    keyword: fn(completions=[str], prompts=[the dataset's prompts, strings or message lists], **every other column
-    of the dataset by its name, a list each; the answer column as text)."""
+    """--reward-fn as f(completions, rows) -> a float per completion. A name in REWARD_FNS gets (completions, answers);
+    `path/to/file.py:function` or `module:function` is called by keyword, as TRL calls one: fn(completions=[str],
+    prompts=[strings or message lists], **every other column of the dataset by name, a list each; answers as text)."""
     if spec in REWARD_FNS:
         return lambda completions, rows: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
     source, _, name = spec.rpartition(":")
@@ -463,10 +437,9 @@ def load_reward_fn(spec):
 
 
 def render_prompt(tokenizer, prompt, chat_template, system_prompt, where):
-    """Detail 21: (the text the policy sees, the conversation it was rendered from or None). The data decides: a
-    conversation (a list of {"role", "content"} messages) goes through the tokenizer's chat template with the
-    assistant's header appended; a plain string stays as it is, unless --chat-template or --system-prompt wraps it
-    as one user message. --system-prompt goes first in a conversation that has no system message."""
+    """Detail 21: (the text the policy sees, the conversation it was rendered from or None). A list of {"role",
+    "content"} messages goes through the chat template; a plain string too when --chat-template or --system-prompt
+    wraps it as one user message. --system-prompt goes first in a conversation that has no system message."""
     if isinstance(prompt, str) and not chat_template and system_prompt is None:
         return prompt, None
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -582,9 +555,8 @@ def resolve(path):
 
 @functools.cache
 def check_hub():
-    """Ask the hub once, for 5 s at most; when it does not answer, switch huggingface_hub to offline mode (what
-    HF_HUB_OFFLINE=1 does), so that a hub id loads from the local cache or fails at once, not after ~50 s of
-    retries."""
+    """Ask the hub once, for 5 s at most; when it does not answer, go offline (as HF_HUB_OFFLINE=1 does), so that a
+    hub id loads from the local cache or fails at once, not after ~50 s of retries."""
     if hub_constants.HF_HUB_OFFLINE:
         return
     try:
@@ -604,32 +576,28 @@ def from_pretrained(cls, name, flag, **kwargs):
         return cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         where = "could not be loaded" if os.path.isdir(name) else "is not a local directory, nor reachable on the hub"
-        raise SystemExit(
-            f"error: {flag} {name} {where} ({type(e).__name__}). A local directory (save_pretrained) works offline, "
-            "HF_HUB_OFFLINE=1 skips the network; the embedded default: omit --model (assets/arith-sft), "
-            "--reward-model assets/arith-rm"
-        ) from None
+        raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}). A local directory (save_pretrained) "
+                         "works offline, HF_HUB_OFFLINE=1 skips the network; the embedded default: omit --model "
+                         "(assets/arith-sft), --reward-model assets/arith-rm") from None  # fmt: skip
 
 
 def load_model(cls, name, flag, dtype=torch.float32):
-    """A model with every dropout probability zeroed before it is built (detail 6), in fp32 by default (detail 19).
-
-    Llama-style attention copies config.attention_dropout at construction and applies it in train mode, so
-    zeroing nn.Dropout modules afterwards is not enough; those are zeroed too, for models that hard-code one."""
+    """A model with every dropout probability zeroed in its config and its nn.Dropout modules (detail 6), in fp32 by
+    default (detail 19)."""
     config = from_pretrained(AutoConfig, name, flag)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)
     model = from_pretrained(cls, name, flag, config=config, dtype=dtype)
-    for module in model.modules():
+    for module in model.modules():  # for models that hard-code one
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     return model
 
 
 def add_lora(model, args):
-    """Detail 21: peft's LoRA on a frozen base, W x + (alpha / r) B A x with B = 0 at start (the base exactly);
-    the adapters are fp32 (peft's default), the base keeps its dtype (detail 19)."""
+    """Detail 23: peft's LoRA on a frozen base, W x + (alpha / r) B A x, B = 0 at start; fp32 adapters (peft's
+    default) on a base in its own dtype (detail 19)."""
     try:
         import peft  # optional: only LoRA runs need it
     except ImportError:
@@ -643,29 +611,13 @@ def add_lora(model, args):
 
 
 def reference_model(policy):
-    """The frozen reference (detail 19): an fp32 copy of the policy, or with LoRA the policy itself, which
-    adapters_off() turns into its base at each use: no copy is made (detail 23)."""
+    """The frozen reference: an fp32 copy of the policy (detail 19), or with LoRA the policy itself (detail 23)."""
     return policy if hasattr(policy, "disable_adapter") else copy.deepcopy(policy).requires_grad_(False)
 
 
 def adapters_off(model):
-    """A context in which a LoRA model is its frozen base (peft's disable_adapter); nothing for other models."""
+    """A context in which a LoRA model is its frozen base, the reference (peft's disable_adapter); else nothing."""
     return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
-
-
-def save_merged(policy, tokenizer, path):
-    """--save-merged: the base with W + (alpha / r) B A merged in, a plain transformers model; merged in a copy
-    (memory: one more base, for the moment of saving), so the training model keeps its adapters."""
-    copy.deepcopy(policy).merge_and_unload().save_pretrained(path)
-    tokenizer.save_pretrained(path)
-
-
-def check_lora_args(args):
-    """The LoRA flags (detail 23), each bad one a one-line error."""
-    if args.lora_dropout:
-        raise SystemExit(f"error: --lora-dropout must be 0, or the first ratio is not 1 (got {args.lora_dropout})")
-    if args.save_merged and not args.lora_r:
-        raise SystemExit("error: --save-merged needs --lora-r: without LoRA the saved policy is already a full model")
 
 
 def add_pad_token(tokenizer):
@@ -676,8 +628,7 @@ def add_pad_token(tokenizer):
 
 
 def fit_embeddings(model, tokenizer):
-    """Grow the embeddings to the tokenizer, never shrink them (detail 17): checkpoints carry spare rows
-    (Qwen2: 151,936 for ~151.6k tokens) that the model can still sample, and a shrunk table cannot embed them."""
+    """Grow the embeddings to the tokenizer, never shrink them (detail 17; Qwen2: 151,936 rows for ~151.6k tokens)."""
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -704,18 +655,16 @@ def end_of_turn_id(tokenizer):
 
 
 def eos_token_ids(tokenizer, generation_config):
-    """Every id that ends a response (detail 16): the tokenizer's EOS, the checkpoint's generation_config's (chat
-    models declare several: Qwen2.5-Instruct ends a turn with <|im_end|>, a document with <|endoftext|>), and the
-    end-of-turn token of the chat template (a base checkpoint's generation_config knows only its EOS)."""
+    """Every id that ends a response (detail 16): the tokenizer's EOS, the generation_config's (Qwen2.5-Instruct ends
+    a turn with <|im_end|>, a document with <|endoftext|>), the chat template's end of turn (detail 21)."""
     ids = generation_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     return sorted({tokenizer.eos_token_id, *ids} | ({end_of_turn_id(tokenizer)} - {None}))
 
 
 def sampling_config(max_new_tokens, temperature, pad_token_id, eos_ids):
-    """What generate() samples with (detail 20): softmax(logits / temperature), nothing else. It replaces the
-    checkpoint's generation_config, whose other fields (repetition_penalty, top_k, min_p, ...) would otherwise
-    fill every field left unset here and change the distribution that the log-probs never see."""
+    """What generate() samples with, and the saved policy carries (detail 20): softmax(logits / temperature). It
+    replaces the checkpoint's generation_config, whose fields would fill any left unset here."""
     return GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
         pad_token_id=pad_token_id, eos_token_id=eos_ids,
@@ -724,8 +673,7 @@ def sampling_config(max_new_tokens, temperature, pad_token_id, eos_ids):
 
 @torch.no_grad()
 def generate(policy, queries, query_mask):
-    """Sample responses (B, R) for left-padded prompts (B, Q) with policy.generation_config (sampling_config);
-    generate() derives position ids from the mask."""
+    """Responses (B, R) to left-padded prompts (B, Q), sampled with sampling_config (position ids from the mask)."""
     output = policy.generate(input_ids=queries, attention_mask=query_mask)
     return output[:, queries.shape[1] :]
 
@@ -738,10 +686,9 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
 
 
 def hidden_states(model, query_responses, attention_mask, prompt_width):
-    """The trunk's last hidden states (B, R, H) at the positions that predict the response tokens.
-
-    The state at position t predicts token t + 1, so the response query_responses[:, prompt_width:] is predicted
-    by positions prompt_width - 1 ... -2: this slice is the off-by-one shift between logits and tokens."""
+    """The trunk's last hidden states (B, R, H) at the positions that predict the response tokens. The state at t
+    predicts token t + 1, so the response query_responses[:, prompt_width:] is predicted by positions
+    prompt_width - 1 ... -2: this slice is the off-by-one shift between logits and tokens."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # detail 7
     # a peft model's .base_model is its LoRA wrapper, whose forward ends in the LM head: take the trunk under it
     trunk = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model
@@ -750,9 +697,8 @@ def hidden_states(model, query_responses, attention_mask, prompt_width):
 
 
 def logit_postprocessing(config):
-    """What the family's forward does to the output embedding's logits (detail 18), as (scale, softcap):
-    logits * scale (Cohere's logit_scale, Granite's 1 / logits_scaling), then softcap * tanh(logits / softcap)
-    (Gemma 2 and 3's final_logit_softcapping)."""
+    """(scale, softcap) of the family's logits (detail 18): logits * scale (Cohere's logit_scale, Granite's
+    1 / logits_scaling), then softcap * tanh(logits / softcap) (Gemma 2 and 3's final_logit_softcapping)."""
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     return scale, getattr(config, "final_logit_softcapping", None)
 
@@ -807,8 +753,7 @@ def response_logprobs(model, hidden, responses, args, with_entropy=False):
 
 @torch.no_grad()
 def check_logits(model, flag, name):
-    """Refuse a model whose forward does something to its logits that lm_head_logprobs does not reproduce
-    (detail 18): its own log-softmax and ours, on a few tokens, must agree."""
+    """Detail 18: the model's own log-softmax and lm_head_logprobs' must agree on a few tokens."""
     ids = torch.arange(1, 9, device=model.device)[None] % model.get_output_embeddings().weight.shape[0]
     mask = torch.ones_like(ids)
     expected = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), dim=-1)
@@ -819,24 +764,22 @@ def check_logits(model, flag, name):
                               scale, softcap, fp32=False)  # fmt: skip
     error = (got - expected).abs().max().item()
     if error > 1e-3:
-        raise SystemExit(
-            f"error: {flag} {name}: its forward changes the logits in a way this script does not reproduce (log-probs "
-            f"{error:.3g} apart); supported: logit_scale, logits_scaling, final_logit_softcapping"
-        )
+        raise SystemExit(f"error: {flag} {name}: its forward changes the logits in a way this script does not "
+                         f"reproduce (log-probs {error:.3g} apart); supported: logit_scale, logits_scaling, "
+                         "final_logit_softcapping")  # fmt: skip
 
 
 def tokenize_texts(tokenizer, texts, max_length):
-    """Padded ids of texts, cut to max_length tokens on the tokenizer's truncation side (left, detail 21: a prompt
-    keeps its end, the assistant header). A text that already starts with the BOS, as a chat template writes it,
-    gets no special tokens, or Llama-3 would see two."""
+    """Padded ids of texts, cut to max_length on the tokenizer's truncation side (left: a prompt keeps its header,
+    detail 21); no special tokens for texts that start with the BOS, as chat templates write them (Llama-3: two)."""
     special = not (tokenizer.bos_token and all(t.startswith(tokenizer.bos_token) for t in texts))
     return tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length,
                      add_special_tokens=special, return_tensors="pt")  # fmt: skip
 
 
 def rm_text(rm_tokenizer, row, completion):
-    """What a reward model with its own tokenizer reads: the conversation and the completion through its own chat
-    template when it has one (it scores what it was trained on), else the prompt as the policy saw it + completion."""
+    """What a reward model with its own tokenizer reads: the conversation and completion through its own chat template
+    when it has one (detail 21: it scores what it was trained on), else the prompt as the policy saw it + completion."""
     if rm_tokenizer.chat_template is None:
         return row["prompt"] + completion
     messages = row["messages"] or [{"role": "user", "content": row["prompt"]}]
@@ -845,10 +788,8 @@ def rm_text(rm_tokenizer, row, completion):
 
 @torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_mask, rows, completions, label, chunk):
-    """Score of each sequence (B,), read by the reward model at its last real token (pad follows it).
-
-    rm_tokenizer None: same vocabulary, the ids are scored as they are. Otherwise the reward model reads rm_text,
-    and a text longer than its context loses the start of its prompt, never the response (left truncation)."""
+    """Score of each sequence (B,), read at its last real token. rm_tokenizer None: the ids are scored as they are;
+    otherwise the reward model reads rm_text, cut on the left to its context (the prompt's start goes first)."""
     if rm_tokenizer is None:
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids)
@@ -861,21 +802,10 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
     return torch.cat(logits)[:, label].float()
 
 
-def peak_memory_mb(device):
-    """Peak memory of this process: CUDA allocations on a GPU, the resident set (ru_maxrss, KiB) on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-
-
 def load_models(args, device):
-    """--model's tokenizer and policy and --reward-model's model, each failure a one-line error.
-
-    Returns (tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids). The policy is fp32
-    (detail 19; with --lora-r a peft model whose base keeps the checkpoint's dtype, detail 23), checked against
-    its own logits (detail 18), samples with sampling_config (detail 20) and stays on the CPU; rm_tokenizer is
-    None when the reward model reads the policy's own tokens (the ids are then scored as they are); the reward
-    model keeps its checkpoint dtype, frozen, on `device`."""
+    """(tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids), each failure a one-line error:
+    the policy on the CPU (details 18, 19, 20, 23), the frozen reward model on `device` in its checkpoint dtype,
+    rm_tokenizer None when the reward model reads the policy's own tokens (the ids are then scored as they are)."""
     args.model = resolve(args.model)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
@@ -884,26 +814,20 @@ def load_models(args, device):
     check_logits(policy, "--model", args.model)
     context = context_window_of(policy.config)
     if context is not None and args.max_new_tokens >= context:
-        raise SystemExit(
-            f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
-            f"context of {context} tokens"
-        )
+        raise SystemExit(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
+                         f"context of {context} tokens")  # fmt: skip
     max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
     if context is not None and max_prompt_length + args.max_new_tokens > context:
-        raise SystemExit(
-            f"error: --max-prompt-length {max_prompt_length} + --max-new-tokens {args.max_new_tokens} "
-            f"exceeds the model's context of {context} tokens"
-        )
+        raise SystemExit(f"error: --max-prompt-length {max_prompt_length} + --max-new-tokens {args.max_new_tokens} "
+                         f"exceeds the model's context of {context} tokens")  # fmt: skip
     reward_model = rm_tokenizer = None
     if args.reward_model is not None:
         args.reward_model = resolve(args.reward_model)
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
         num_labels = reward_model.config.num_labels
         if num_labels != 1 and args.reward_label is None:
-            raise SystemExit(
-                f"error: --reward-model {args.reward_model} has num_labels={num_labels}; "
-                "a reward model gives one score: pass --reward-label to choose the logit"
-            )
+            raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={num_labels}; "
+                             "a reward model gives one score: pass --reward-label to choose the logit")  # fmt: skip
         if args.reward_label is not None and not 0 <= args.reward_label < num_labels:
             raise SystemExit(f"error: --reward-label {args.reward_label} is not a logit of --reward-model "
                              f"{args.reward_model} (num_labels={num_labels}: 0 to {num_labels - 1})")  # fmt: skip
@@ -952,9 +876,8 @@ def small_model_defaults(args, policy, device):
 
 
 class RunLogger:
-    """The run directory runs/<exp-name>__<seed>__<ms>/ (or --resume's): args.json (with the device and precision
-    used), metrics.jsonl (a line per update) and TensorBoard's events, samples.jsonl, the saved policy, checkpoint.pt;
-    wandb with --track."""
+    """runs/<exp-name>__<seed>__<ms>/ (or --resume's): args.json (and the device and precision), metrics.jsonl (a line
+    per update) and TensorBoard's events, samples.jsonl, the saved policy, checkpoint.pt; wandb with --track."""
 
     def __init__(self, args, device, precision, wandb_id=None):
         name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
@@ -1001,11 +924,8 @@ class RunLogger:
 
 @torch.no_grad()
 def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast):
-    """Step 1: the prompts left-padded (detail 7) and cut on the left (tokenize_texts), one sampled response each,
-    cut after its first EOS (detail 2).
-
-    Returns {query_responses (B, Q + R), attention_mask (B, Q + R), responses (B, R), mask (B, R) float,
-    prompt_width Q}."""
+    """Step 1: the prompts left-padded (detail 7) and cut on the left, a sampled response each, cut after its first EOS
+    (detail 2). Returns {query_responses, attention_mask (B, Q + R), responses, mask (B, R) float, prompt_width Q}."""
     enc = tokenize_texts(tokenizer, prompts, max_prompt_length).to(policy.device)
     policy.eval()
     with autocast:
@@ -1065,13 +985,10 @@ def eta(start_time, first, done, total):
 
 
 def check_finite(grad_norm, update, save):
-    """Detail 15: a non-finite gradient stops the run before the optimizer step, so the weights that save()
-    writes are still the last good ones."""
+    """Detail 15: stop before the optimizer step, so that save() writes the last good weights."""
     if not torch.isfinite(grad_norm):
-        raise SystemExit(
-            f"error: the loss became non-finite at update {update}; the last good weights are in {save()} "
-            "(try a lower --learning-rate)"
-        )
+        raise SystemExit(f"error: the loss became non-finite at update {update}; the last good weights are in {save()} "
+                         "(try a lower --learning-rate)")  # fmt: skip
 
 
 def wall_clock(device):
@@ -1083,7 +1000,7 @@ def wall_clock(device):
 
 def parse_args(argv=None):
     """tyro.cli(Args). With --resume RUN_DIR the run's args.json gives the defaults, so that only the flags on the
-    command line change (detail 22: a larger --total-steps, say)."""
+    command line change (detail 22: a larger --total-steps, say, which the --anneal-lr schedule then follows)."""
     args = tyro.cli(Args, args=argv)
     if args.resume is None:
         return args
@@ -1096,9 +1013,8 @@ def parse_args(argv=None):
 
 
 def save_checkpoint(logger, models, optimizer, state):
-    """Detail 21: what --resume restores, in the run's checkpoint.pt: `state`, the weights of `models` (None skipped),
-    the optimizer, the RNG states, the wandb run id. Written to a temporary file, then renamed over the previous
-    checkpoint: os.replace is atomic, so a crash while saving leaves the previous one whole."""
+    """Detail 22: the run's checkpoint.pt: `state`, the weights of `models` (None skipped), the optimizer, the RNG
+    states, the wandb run id."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
     weights = {name: model.state_dict() for name, model in models.items() if model is not None}
@@ -1110,7 +1026,7 @@ def save_checkpoint(logger, models, optimizer, state):
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename
-    os.replace(path + ".tmp", path)
+    os.replace(path + ".tmp", path)  # atomic
 
 
 def load_checkpoint(run_dir):
@@ -1120,8 +1036,8 @@ def load_checkpoint(run_dir):
 
 
 def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
-    """Load a checkpoint's weights, optimizer and RNG states back, last before the loop, so that sampling goes on
-    where the saved run stopped. The learning rate is --learning-rate's: a flag given on resuming wins."""
+    """A checkpoint's weights, optimizer and RNG states back, last before the loop, so that sampling goes on where the
+    saved run stopped. The learning rate is --learning-rate's: a flag given on resuming wins."""
     for name, weights in checkpoint.get("weights", {}).items():
         if models.get(name) is not None:
             models[name].load_state_dict(weights)
@@ -1138,9 +1054,8 @@ def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
 
 
 def build_optimizer(args, device, trained, frozen, world):
-    """The models onto the device and activation checkpointing for the trained transformers (HF checkpoints in train
-    mode only, which step 5 switches to); returns (the trainable parameters: with LoRA the adapters, AdamW over them,
-    DDP over the trained models under torchrun or None)."""
+    """The models onto the device, activation checkpointing (HF's acts in train mode only, step 5's); returns (the
+    trainable parameters, with LoRA the adapters; AdamW over them; DDP over the trained models, or None)."""
     for model in trained + frozen:
         if model is not None:
             model.to(device)
@@ -1169,10 +1084,12 @@ def start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, wo
 
 
 def timing_metrics(t, start_time, n_tokens, device):
-    """time/* and perf/* of one update, from its wall-clock marks t = (t0, t1, t2, t3)."""
+    """time/* and perf/* of one update, from its wall-clock marks t = (t0, t1, t2, t3); the peak memory is CUDA's
+    allocations on a GPU, the process's resident set (ru_maxrss, KiB) on a CPU."""
     return {"time/generation": t[1] - t[0], "time/scoring": t[2] - t[1], "time/update": t[3] - t[2],
             "time/elapsed": time.time() - start_time, "perf/tokens_per_sec": n_tokens / (t[3] - t[0]),
-            "perf/peak_memory_mb": peak_memory_mb(device)}  # fmt: skip
+            "perf/peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}  # fmt: skip
 
 
 # DISTRIBUTED: torchrun's data parallelism (detail 24), identical in grpo_llm.py; without torchrun each is a no-op
@@ -1207,8 +1124,8 @@ def global_mean(values):
 
 
 def global_mean_var(values, mask):
-    """Mean and Bessel-corrected variance of the entries where mask is 1, over every rank's: n = sum(m),
-    mean = sum(x * m) / n, var = sum((x - mean)^2 * m) / (n - 1), each sum over the ranks."""
+    """Mean and variance of the entries where mask is 1, over every rank's: n = sum(m), mean = sum(x * m) / n,
+    var = sum((x - mean)^2 * m) / (n - 1) (Bessel), each sum over the ranks."""
     n = all_reduce(mask.sum())
     mean = all_reduce((values * mask).sum()) / n
     return mean, all_reduce(((values - mean) ** 2 * mask).sum()) / (n - 1)
@@ -1233,9 +1150,8 @@ class TrainedModels(nn.ModuleList):
 
 
 def ddp_forward(ddp, sync, fn, *inputs):
-    """fn(*inputs), under torchrun through DDP(TrainedModels) so that backward averages the gradients over the ranks,
-    but only where sync (the last micro-batch): the others accumulate locally (no_sync). generate() and the no-grad
-    passes run the bare models."""
+    """fn(*inputs); under torchrun through DDP(TrainedModels), whose backward averages the gradients over the ranks
+    only where sync (the last micro-batch; the others accumulate locally). No-grad passes run the bare models."""
     if ddp is None:
         return fn(*inputs)
     if sync:
@@ -1256,7 +1172,10 @@ class Silent:
 
 def check_args(args):
     """Every bad combination of flags, as one line each, before anything is loaded."""
-    check_lora_args(args)
+    if args.lora_dropout:  # detail 23
+        raise SystemExit(f"error: --lora-dropout must be 0, or the first ratio is not 1 (got {args.lora_dropout})")
+    if args.save_merged and not args.lora_r:
+        raise SystemExit("error: --save-merged needs --lora-r: without LoRA the saved policy is already a full model")
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's processes, each with its share (detail 24)
     if args.prompts_per_update % world:
         raise SystemExit(f"error: {world} processes must divide --prompts-per-update (got {args.prompts_per_update})")
@@ -1265,17 +1184,15 @@ def check_args(args):
         args.micro_batch_size = B // args.num_mini_batches
         print(f"--micro-batch-size {args.micro_batch_size}: each of the {world} processes' minibatch")
     if B % args.num_mini_batches or B // args.num_mini_batches % args.micro_batch_size:
-        raise SystemExit(
-            f"error: --num-mini-batches must divide --prompts-per-update, and --micro-batch-size the minibatch "
-            f"(got {B}{' per process' if world > 1 else ''}, {args.num_mini_batches} and {args.micro_batch_size})"
-        )
+        raise SystemExit(f"error: --num-mini-batches must divide --prompts-per-update, and --micro-batch-size the "
+                         f"minibatch (got {B}{' per process' if world > 1 else ''}, {args.num_mini_batches} and "
+                         f"{args.micro_batch_size})")  # fmt: skip
     if args.temperature <= 0:
         raise SystemExit(f"error: --temperature must be > 0: log-probs divide by it (got {args.temperature})")
     if args.top_k or args.top_p < 1.0:
-        raise SystemExit(
-            f"error: --top-k {args.top_k} / --top-p {args.top_p} would sample from a truncated distribution whose "
-            "log-probs the update never sees (detail 20); train with --temperature alone"
-        )
+        raise SystemExit(f"error: --top-k {args.top_k} / --top-p {args.top_p} would sample from a truncated "
+                         "distribution whose log-probs the update never sees (detail 20); train with --temperature "
+                         "alone")  # fmt: skip
     load_reward_fn(args.reward_fn)  # a bad name or file fails here, before anything is loaded
     if args.lora_r and args.ref_update_every:
         raise SystemExit("error: --ref-update-every cannot refresh a LoRA run's reference: the adapter-free base")
@@ -1286,14 +1203,14 @@ def check_args(args):
 
 
 def build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer):
-    """Detail 8: (critic, value_head). The critic is None with --critic head (the head sits on the policy's trunk);
-    otherwise a trunk initialised from the reward model when it reads the policy's tokens, else from the policy."""
+    """Detail 8: (critic, value_head). The critic is None with --critic head (the head sits on the policy's trunk),
+    else a trunk initialised from the reward model when it reads the policy's tokens, else from the policy."""
     critic = None
     if args.critic == "separate":
         source = args.reward_model if reward_model is not None and rm_tokenizer is None else args.model
         critic = load_model(AutoModel, source, "--critic source", "auto" if args.lora_r else torch.float32)
         fit_embeddings(critic, tokenizer)
-        critic = add_lora(critic, args) if args.lora_r else critic  # adapters of its own (detail 23)
+        critic = add_lora(critic, args) if args.lora_r else critic  # adapters of its own; the head trains in full
         print(f"critic: a separate network initialised from {source}")
     value_head = nn.Linear((critic or policy).config.hidden_size, 1)
     nn.init.zeros_(value_head.weight)
@@ -1302,7 +1219,7 @@ def build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer):
 
 
 def values_of(value_head, hidden):
-    """Values (B, R) of the value head, in fp32 outside autocast (detail 8: bf16 would round them by ~0.4%)."""
+    """Values (B, R) of the value head, in fp32 outside autocast (detail 8)."""
     with torch.autocast(hidden.device.type, enabled=False):
         return value_head(hidden.float()).squeeze(-1)
 
@@ -1327,12 +1244,9 @@ def training_forward(policy, critic, value_head, r, mc, args):
 
 
 def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast, ddp=None):
-    """Forward and backward one minibatch, micro-batch by micro-batch; returns each micro-batch's stats.
-
-    Every loss term is a mean over the minibatch's real tokens, so a micro-batch's own token mean is weighted by
-    its share of those tokens: the accumulated gradient is the minibatch's whatever --micro-batch-size (detail 12).
-    Under torchrun the minibatch is the union of the ranks' (detail 24): n_tokens is its real tokens per rank, as
-    DDP averages the ranks' gradients."""
+    """Forward and backward one minibatch, micro-batch by micro-batch, each token mean weighted by its share of the
+    minibatch's real tokens (detail 12); returns each micro-batch's stats. Under torchrun (detail 24) n_tokens is the
+    union minibatch's real tokens per rank, as DDP averages the ranks' gradients."""
     stats, n_tokens = [], global_mean([r["mask"][mb_inds].sum()])
     micro_batches = mb_inds.split(args.micro_batch_size)
     for mc in micro_batches:
@@ -1355,18 +1269,18 @@ def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast,
 
 
 def save(path, policy, tokenizer, value_head, critic, merged=False):
-    """save_pretrained for the policy and its tokenizer (transformers loads them back). The value model is one
-    directory too: path/critic (trunk, tokenizer, value_head.pt), or path itself with --critic head. It reloads as
+    """save_pretrained of the policy and its tokenizer; the value model is one directory too: path/critic (trunk,
+    tokenizer, value_head.pt), or path itself with --critic head. With LoRA they hold adapters (peft loads them on
+    the base); merged=True also writes the merged policy to path/merged. The value model reloads as
         critic = AutoModel.from_pretrained(critic_dir)  # --critic head: AutoModel.from_pretrained(path)
         value_head = torch.nn.Linear(critic.config.hidden_size, 1)  # with its bias: HF's score layers have none
         value_head.load_state_dict(torch.load(os.path.join(critic_dir, "value_head.pt")))
-        values = value_head(critic(input_ids).last_hidden_state).squeeze(-1)  # (B, T): V of each prefix
-    With LoRA the directories hold adapters (PeftModel.from_pretrained(base, dir)); merged=True also writes
-    the policy with its adapters merged in to path/merged."""
+        values = value_head(critic(input_ids).last_hidden_state).squeeze(-1)  # (B, T): V of each prefix"""
     policy.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    if merged:
-        save_merged(policy, tokenizer, os.path.join(path, "merged"))
+    if merged:  # W + (alpha / r) B A, in a copy (one more base in memory, while saving): training keeps its adapters
+        copy.deepcopy(policy).merge_and_unload().save_pretrained(os.path.join(path, "merged"))
+        tokenizer.save_pretrained(os.path.join(path, "merged"))
     value_dir = path if critic is None else os.path.join(path, "critic")
     if critic is not None:
         critic.save_pretrained(value_dir)
