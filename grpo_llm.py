@@ -179,8 +179,7 @@ class Args:
     dataset_split: str = "train"
     """hub dataset split"""
     prompt_column: str = "prompt"
-    """column that holds the prompt: a string, or a conversation (a list of {"role", "content"} messages), which
-    goes through the tokenizer's chat template (gsm8k: question, imdb: text)"""
+    """column of the prompts: strings, or lists of {"role", "content"} messages (gsm8k: question, imdb: text)"""
     answer_column: str = "answer"
     """column that holds the reference answer the reward functions check (compared as text)"""
     chat_template: bool = False
@@ -1348,6 +1347,9 @@ def main(args: Args | None = None):
     eval_problems = eval_rows(args, tokenizer) if args.eval_every and rank == 0 else None
     logger = RunLogger(args, device, precision, checkpoint.get("wandb_id")) if rank == 0 else Silent()
     models = dict(policy=policy)  # what --resume restores (detail 22); the reference is re-derived from --model
+    evaluate_policy = eval_problems and functools.partial(
+        evaluate, policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn[0]), eos_ids, B, autocast
+    )
 
     def save_all():
         if rank:  # only rank 0 writes (detail 24)
@@ -1355,12 +1357,7 @@ def main(args: Args | None = None):
         save_checkpoint(logger, models, optimizer, dict(update=update, prompt_cursor=prompts.cursor))
         return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer, args.save_merged)
 
-    def evaluate_policy():
-        return evaluate(policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn[0]), eos_ids, B, autocast)
-
-    first_update = update = start(
-        args, checkpoint, models, optimizer, logger, eval_problems and evaluate_policy, rank, world
-    )
+    first_update = update = start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, world)
     start_time = time.time()
     try:
         for update in range(update + 1, args.total_steps + 1):
@@ -1393,6 +1390,7 @@ def main(args: Args | None = None):
                 loss_mask *= 1 - zero_std.repeat_interleave(G)[:, None]
             if args.mask_truncated_completions:
                 loss_mask *= (~truncated).float()[:, None]
+            r |= dict(loss_mask=loss_mask, advantages=advantages)
 
             # 4. old log-probs (mu > 1) and reference log-probs, in the training's micro-batch shapes (detail 5)
             old_logprobs, ref_logprobs, entropies, by_entropy = [], [], [], args.top_entropy_quantile < 1
@@ -1408,22 +1406,15 @@ def main(args: Args | None = None):
                         with adapters_off(ref_policy):  # LoRA: the base is the reference (detail 23)
                             hidden = hidden_states(ref_policy, qr, am, prompt_width)
                         ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
-            old_logprobs = torch.cat(old_logprobs) if args.num_iterations > 1 else None
+            r["old_logprobs"] = torch.cat(old_logprobs) if args.num_iterations > 1 else None
+            r["ref_logprobs"] = torch.cat(ref_logprobs) if ref_logprobs else None
             if by_entropy:
-                entropy_mask = high_entropy_mask(torch.cat(entropies), loss_mask, args.top_entropy_quantile)
-            ref_logprobs = torch.cat(ref_logprobs) if ref_logprobs else None
+                r["entropy_mask"] = high_entropy_mask(torch.cat(entropies), loss_mask, args.top_entropy_quantile)
             t2 = wall_clock(device)
 
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 12)
             policy.train()
             stats, losses, grad_norms = {}, [], []
-            r |= dict(
-                loss_mask=loss_mask,
-                advantages=advantages,
-                old_logprobs=old_logprobs,
-                ref_logprobs=ref_logprobs,
-                entropy_mask=entropy_mask if by_entropy else None,
-            )
             n_tokens = all_reduce(loss_mask.sum())  # every rank's (detail 24)
             num_iterations = args.num_iterations if n_tokens > 0 else 0  # no token in the loss: no update (logged)
             for _ in range(num_iterations):
@@ -1440,23 +1431,16 @@ def main(args: Args | None = None):
 
             # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
             n_completion_tokens = mask.sum().item()
-            metrics = {
-                "update": update,
-                "episode": update * B * world,
-                "reward": rewards.mean().item(),
-                "reward_std": grouped.std(1).mean().item(),
-                "frac_reward_zero_std": zero_std.mean().item(),
-                "completions/mean_length": lengths.mean().item(),
-                "completions/min_length": lengths.min().item(),
-                "completions/max_length": lengths.max().item(),
-                "completions/clipped_ratio": truncated.float().mean().item(),
-                "learning_rate": optimizer.param_groups[0]["lr"],
-            } | timing_metrics((t0, t1, t2, t3), start_time, n_completion_tokens, device)
-            for j, name in enumerate(reward_names):
-                metrics[f"rewards/{name}/mean"] = scores[:, j].mean().item()
-                metrics[f"rewards/{name}/std"] = (
-                    global_mean_var(scores[:, j], torch.ones_like(rewards))[1].sqrt().item()
-                )
+            metrics = {"update": update, "episode": update * B * world, "reward": rewards.mean().item(),
+                       "reward_std": grouped.std(1).mean().item(), "frac_reward_zero_std": zero_std.mean().item(),
+                       "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+                       "completions/max_length": lengths.max().item(),
+                       "completions/clipped_ratio": truncated.float().mean().item(),
+                       "learning_rate": optimizer.param_groups[0]["lr"]}  # fmt: skip
+            metrics |= timing_metrics((t0, t1, t2, t3), start_time, n_completion_tokens, device)
+            for name, s in zip(reward_names, scores.T):
+                metrics[f"rewards/{name}/mean"] = s.mean().item()
+                metrics[f"rewards/{name}/std"] = global_mean_var(s, torch.ones_like(s))[1].sqrt().item()
             if losses:
                 metrics["loss"] = global_mean(losses)
                 metrics["grad_norm"] = torch.stack(grad_norms).mean().item()

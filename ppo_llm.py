@@ -149,8 +149,7 @@ class Args:
     dataset_split: str = "train"
     """hub dataset split"""
     prompt_column: str = "prompt"
-    """column that holds the prompt: a string, or a conversation (a list of {"role", "content"} messages), which
-    goes through the tokenizer's chat template (gsm8k: question, imdb: text)"""
+    """column of the prompts: strings, or lists of {"role", "content"} messages (gsm8k: question, imdb: text)"""
     answer_column: str = "answer"
     """column that holds the reference answer the reward function checks (compared as text)"""
     chat_template: bool = False
@@ -1311,6 +1310,11 @@ def main(args: Args | None = None):
     # what --resume restores (detail 22); the reference is re-derived from --model unless --ref-update-every moves it
     models = dict(policy=policy, critic=critic, value_head=value_head,
                   ref_policy=ref_policy if args.ref_update_every else None)  # fmt: skip
+    B = args.prompts_per_update // world  # this rank's share (detail 24)
+    mini_batch_size = B // args.num_mini_batches
+    evaluate_policy = eval_problems and functools.partial(
+        evaluate, policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn), eos_ids, B, autocast
+    )
 
     def save_all():
         if rank:  # only rank 0 writes (detail 24)
@@ -1318,15 +1322,7 @@ def main(args: Args | None = None):
         save_checkpoint(logger, models, optimizer, dict(update=update, kl_coef=kl_coef, prompt_cursor=prompts.cursor))
         return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head, critic, args.save_merged)
 
-    B = args.prompts_per_update // world  # this rank's share (detail 24)
-    mini_batch_size = B // args.num_mini_batches
-
-    def evaluate_policy():
-        return evaluate(policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn), eos_ids, B, autocast)
-
-    first_update = update = start(
-        args, checkpoint, models, optimizer, logger, eval_problems and evaluate_policy, rank, world
-    )
+    first_update = update = start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, world)
     start_time = time.time()
     try:
         for update in range(update + 1, args.total_steps + 1):
@@ -1408,26 +1404,17 @@ def main(args: Args | None = None):
 
             # TRY NOT TO MODIFY: log (TRL's metric names), evaluate, show samples, save
             n_tokens = mask.sum().item()
-            metrics = (
-                {
-                    "update": update,
-                    "episode": update * args.prompts_per_update,
-                    "objective/kl": mean_kl,
-                    "objective/kl_coef": kl_coef,
-                    "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
-                    "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
-                    "objective/scores": raw_scores.mean().item(),
-                    "val/num_eos_tokens": int(contains_eos.sum().item()),
-                    "val/mean_length": n_tokens / B,
-                    "lr": optimizer.param_groups[0]["lr"],
-                }
-                | timing_metrics((t0, t1, t2, t3), start_time, n_tokens, device)
-                | {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
-            )
+            metrics = {"update": update, "episode": update * args.prompts_per_update, "objective/kl": mean_kl,
+                       "objective/kl_coef": kl_coef, "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
+                       "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
+                       "objective/scores": raw_scores.mean().item(),
+                       "val/num_eos_tokens": int(contains_eos.sum().item()), "val/mean_length": n_tokens / B,
+                       "lr": optimizer.param_groups[0]["lr"]}  # fmt: skip
+            metrics |= timing_metrics((t0, t1, t2, t3), start_time, n_tokens, device)
+            metrics |= {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
             metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
             if rows[0]["answer"] is not None:  # the reward function's verdict, beside a reward model too
-                correct = load_reward_fn(args.reward_fn)(completions, rows)
-                metrics["objective/accuracy"] = sum(correct) / B
+                metrics["objective/accuracy"] = sum(load_reward_fn(args.reward_fn)(completions, rows)) / B
             metrics = global_metrics(metrics, {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum",
                                                "perf/peak_memory_mb": "max"})  # fmt: skip
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
