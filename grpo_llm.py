@@ -46,7 +46,7 @@ Implementation details (cited as "detail N" in the comments):
     at KL exactly 0. The frozen reward model and a LoRA base keep their checkpoint dtype (a 7B base in fp32: 28 GB).
 20. Sampling is softmax(logits / temperature), nothing else: the checkpoint's generation_config (repetition_penalty,
     top_k, min_p, ...), which transformers would apply silently, is replaced; --top-k / --top-p are refused: the ratio
-    and the KL need the log-probs of the distribution sampled (and truncated, the reference's could be -inf).
+    and KL need the log-probs of the distribution sampled (a truncated reference gives -inf outside its support).
 21. Prompts are what the model was trained on (TRL's rule: the data decides): a conversation goes through the chat
     template with the assistant header (--chat-template / --system-prompt for plain strings); no second BOS; a long
     prompt loses its start, never the header; the end-of-turn token ends a response (detail 16).
@@ -57,8 +57,8 @@ Implementation details (cited as "detail N" in the comments):
     starts at 0, so the base with its adapters off is the initial policy exactly: the reference, at no memory cost, with
     a first KL of 0. Adapter dropout is refused (detail 6).
 24. Under torchrun (DDP) each rank rolls out its share of the prompts, groups whole; the update is the one-process
-    update on the union batch: every batch statistic is over all ranks, so they skip together; an empty micro-batch
-    runs with weight 0 (skipping a backward would hang the others). Gradients are averaged once per step; rank 0 logs.
+    update on the union batch: statistics are over all ranks, so they skip together; an empty micro-batch runs with
+    weight 0 (a skipped backward would hang the rest). Gradients are averaged once per step; only rank 0 logs and saves.
 25. --loss-type cispo (MiniMax-M1, 2025): REINFORCE weighted by the capped, detached ratio: no token's gradient is
     clipped away. The cap is 1 + --epsilon-high (TRL reads its epsilon_high as the cap: TRL's 5 = our 4).
 26. --loss-type sapo (Gao et al. 2025): a sigmoid gate instead of the hard clip: gradient A at rho = 1, fading smoothly
@@ -78,14 +78,13 @@ Implementation details (cited as "detail N" in the comments):
 
 The variants, as differences from GRPO (loss-type grpo, scale-rewards group, epsilon-high = epsilon):
 - Dr. GRPO (Liu et al. 2025): --loss-type dr_grpo --scale-rewards none. Dividing by each completion's length favours
-  long wrong answers and short right ones, dividing by the group std favours too easy and too hard prompts; both
-  biases go: the sum is divided by a constant (completions x --max-new-tokens).
-- DAPO (Yu et al. 2025): --loss-type dapo --epsilon-high 0.28 --dynamic-sampling --overlong-buffer N. Token-level
-  loss (every token weighs the same, however long its completion); clip-higher; groups with equal rewards leave the
-  loss (dynamic sampling, here without resampling); soft overlong punishment: -penalty * (L - (max_new_tokens - N)) / N
-  for the last N lengths. --mask-truncated-completions drops completions that never emitted EOS from the loss (DAPO's
-  overlong filtering).
-- GSPO (Zheng et al. 2025): --importance-sampling-level sequence (with clip ranges like 3e-4 / 4e-4). One ratio per
+  long wrong answers and short right ones, by the group std too easy and too hard prompts; both biases go: the sum is
+  divided by a constant (completions x --max-new-tokens).
+- DAPO (Yu et al. 2025): --loss-type dapo --epsilon-high 0.28 --dynamic-sampling --overlong-buffer N. Token-level loss
+  (every token weighs the same, however long its completion); clip-higher; groups with equal rewards leave the loss
+  (dynamic sampling, here without resampling); soft overlong punishment -penalty * (L - (max_new_tokens - N)) / N over
+  the last N lengths; --mask-truncated-completions drops completions without EOS (overlong filtering).
+- GSPO (Zheng et al. 2025): --importance-sampling-level sequence (clip ranges like 3e-4 / 4e-4). One ratio per
   completion, exp(mean over its tokens of logp - old_logp), clipped as a whole and broadcast.
 - RLOO (Ahmadian et al. 2024): --leave-one-out --scale-rewards none. Baseline = the mean of the other G - 1 rewards of
   the group, so a completion's own reward does not bias its baseline.
@@ -633,8 +632,7 @@ def from_pretrained(cls, name, flag, **kwargs):
 
 
 def load_model(cls, name, flag, dtype=torch.float32):
-    """A model with every dropout probability zeroed in its config and its nn.Dropout modules (detail 6), in fp32 by
-    default (detail 19)."""
+    """Every dropout zeroed, in the config and in nn.Dropout modules (detail 6); fp32 unless dtype says (detail 19)."""
     config = from_pretrained(AutoConfig, name, flag)
     for key, value in config.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
@@ -647,8 +645,7 @@ def load_model(cls, name, flag, dtype=torch.float32):
 
 
 def add_lora(model, args):
-    """Detail 23: peft's LoRA on a frozen base, W x + (alpha / r) B A x, B = 0 at start; fp32 adapters (peft's
-    default) on a base in its own dtype (detail 19)."""
+    """Detail 23: peft's LoRA on a frozen base, B = 0 at start; fp32 adapters (peft's default) on a base kept as is."""
     try:
         import peft  # optional: only LoRA runs need it
     except ImportError:
@@ -707,7 +704,8 @@ def end_of_turn_id(tokenizer):
 
 def eos_token_ids(tokenizer, generation_config):
     """Every id that ends a response (detail 16): the tokenizer's EOS, the generation_config's (Qwen2.5-Instruct ends
-    a turn with <|im_end|>, a document with <|endoftext|>), the chat template's end of turn (detail 21)."""
+    a turn with <|im_end|>, a document with <|endoftext|>), the chat template's end of turn (detail 21; a base
+    checkpoint's generation_config knows only its EOS)."""
     ids = generation_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     return sorted({tokenizer.eos_token_id, *ids} | ({end_of_turn_id(tokenizer)} - {None}))
@@ -822,7 +820,8 @@ def check_logits(model, flag, name):
 
 def tokenize_texts(tokenizer, texts, max_length):
     """Padded ids of texts, cut to max_length on the tokenizer's truncation side (left: a prompt keeps its header,
-    detail 21); no special tokens for texts that start with the BOS, as chat templates write them (Llama-3: two)."""
+    detail 21); no special tokens for texts that start with the BOS, as chat templates write them, or Llama-3 would
+    see two."""
     special = not (tokenizer.bos_token and all(t.startswith(tokenizer.bos_token) for t in texts))
     return tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length,
                      add_special_tokens=special, return_tensors="pt")  # fmt: skip
@@ -915,17 +914,6 @@ def setup(args):
     return device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), precision
 
 
-def small_model_defaults(args, policy, device):
-    """One torch thread for models under 50M parameters on CPU (measured faster on 2 shared cores), and the
-    default learning rate: 1e-4 below 50M parameters, 1e-5 above."""
-    n_params = sum(p.numel() for p in policy.parameters())
-    if device.type == "cpu" and n_params < 50e6:
-        torch.set_num_threads(1)
-    if args.learning_rate is None:
-        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
-        print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
-
-
 class RunLogger:
     """runs/<exp-name>__<seed>__<ms>/ (or --resume's): args.json (and the device and precision), metrics.jsonl (a line
     per update) and TensorBoard's events, samples.jsonl, the saved policy, checkpoint.pt; wandb with --track."""
@@ -966,9 +954,8 @@ class RunLogger:
         self.samples.flush()
 
     def close(self):
-        self.metrics.close()
-        self.samples.close()
-        self.tensorboard.close()
+        for f in [self.metrics, self.samples, self.tensorboard]:
+            f.close()
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -1064,8 +1051,7 @@ def parse_args(argv=None):
 
 
 def save_checkpoint(logger, models, optimizer, state):
-    """Detail 22: the run's checkpoint.pt: `state`, the weights of `models` (None skipped), the optimizer, the RNG
-    states, the wandb run id."""
+    """Detail 22: checkpoint.pt gets `state`, the weights of `models` (None skipped), AdamW, RNG states, wandb id."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
     weights = {name: model.state_dict() for name, model in models.items() if model is not None}
@@ -1105,8 +1091,8 @@ def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
 
 
 def build_optimizer(args, device, trained, frozen, world):
-    """The models onto the device, activation checkpointing (HF's acts in train mode only, step 5's); returns (the
-    trainable parameters, with LoRA the adapters; AdamW over them; DDP over the trained models, or None)."""
+    """The models onto the device, activation checkpointing (HF's works in train mode only: step 5), defaults for the
+    policy's size. Returns (trainable parameters, with LoRA the adapters; AdamW; DDP of the trained models or None)."""
     for model in trained + frozen:
         if model is not None:
             model.to(device)
@@ -1114,7 +1100,12 @@ def build_optimizer(args, device, trained, frozen, world):
     for model in trained if args.gradient_checkpointing else []:
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable()
-    small_model_defaults(args, trained[0], device)
+    n_params = sum(p.numel() for p in trained[0].parameters())
+    if device.type == "cpu" and n_params < 50e6:
+        torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
+    if args.learning_rate is None:
+        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
+        print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
     params = [p for m in trained for p in m.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay)
     return params, optimizer, nn.parallel.DistributedDataParallel(TrainedModels(trained)) if world > 1 else None
@@ -1260,9 +1251,8 @@ def check_args(args):
     n_rewards = 1 if args.reward_model else len(args.reward_fn)
     if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
         names = os.path.basename(args.reward_model) if args.reward_model else ", ".join(args.reward_fn)
-        raise SystemExit(
-            f"error: --reward-weights needs one weight per reward ({names}), got {len(args.reward_weights)}"
-        )
+        raise SystemExit(f"error: --reward-weights needs one weight per reward ({names}), "
+                         f"got {len(args.reward_weights)}")  # fmt: skip
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ SHARED = ARITHMETIC + ["masked_mean", "kl_penalty", "gsm8k_reward", "load_prompt
                        "load_model", "add_pad_token", "fit_embeddings", "context_window_of", "eos_token_ids",
                        "sampling_config", "generate", "truncate_after_eos", "hidden_states", "logit_postprocessing",
                        "head_chunk", "lm_head_logprobs", "response_logprobs", "check_logits", "reward_model_scores",
-                       "evaluate", "load_models", "setup", "small_model_defaults", "RunLogger",
+                       "evaluate", "load_models", "setup", "RunLogger",
                        "build_optimizer", "start", "timing_metrics", "rollout", "check_finite", "wall_clock",
                        "eval_line", "eval_rows", "eval_only", "eta", "final_answer", "format_reward", "load_reward_fn",
                        "render_prompt", "read_dataset", "prompt_row", "check_hub", "end_of_turn_id", "tokenize_texts",
