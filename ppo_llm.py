@@ -88,7 +88,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 import tyro
-from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 from transformers import (
     AutoConfig,
@@ -701,21 +700,75 @@ def logit_postprocessing(config):
     return scale, getattr(config, "final_logit_softcapping", None)
 
 
-def head_chunk(hidden, weight, bias, labels, temperature, scale, softcap, with_entropy, fp32):
-    """lm_head_logprobs on one chunk of tokens: hidden (N, H), labels (N,) -> log-probs (N,), entropy (N,) or None."""
-    if fp32:  # the matmul in fp32 even under autocast (--cast-lm-head-to-fp32)
-        with torch.autocast(hidden.device.type, enabled=False):
-            logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
-    else:
-        logits = F.linear(hidden, weight, bias)
-    logits = logits.float() * scale  # the log-sum-exp arithmetic is always fp32
+def head_chunk(hidden, weight, bias, temperature, scale, softcap):
+    """One chunk's post-processed logits z = softcap(scale * a) / temperature, a = h W^T + b: (N, H) -> (N, V),
+    fp32, the matmul in the dtype that its inputs were cast to."""
+    logits = F.linear(hidden, weight, bias).float() * scale  # the log-sum-exp arithmetic is always fp32
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
-    logsumexp = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, labels[:, None])[:, 0] - logsumexp
-    entropy = logsumexp - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
-    return logprobs, entropy
+    return logits / temperature
+
+
+class ChunkedHead(torch.autograd.Function):
+    """lm_head_logprobs' autograd. Forward keeps no logits, only each token's logsumexp (and entropy); backward
+    recomputes the logits chunk by chunk and adds each chunk's gradient in place to one weight (and bias)
+    gradient buffer, where autograd through the chunks would make and sum a (V, H) weight gradient per chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, scale, softcap, with_entropy, dtype):
+        w, b, n = weight.to(dtype), None if bias is None else bias.to(dtype), max(1, LM_HEAD_CHUNK // len(weight))
+        logsumexp = hidden.new_empty(len(hidden), dtype=torch.float32)
+        logprobs, entropy = torch.empty_like(logsumexp), torch.empty_like(logsumexp) if with_entropy else None
+        with torch.autocast(hidden.device.type, enabled=False):  # the matmul runs in `dtype`
+            for i in range(0, len(hidden), n):
+                s = slice(i, i + n)
+                z = head_chunk(hidden[s].to(dtype), w, b, temperature, scale, softcap)
+                logsumexp[s] = torch.logsumexp(z, dim=-1)
+                logprobs[s] = z.gather(-1, labels[s, None])[:, 0] - logsumexp[s]
+                if with_entropy:
+                    entropy[s] = logsumexp[s] - (torch.softmax(z, dim=-1) * z).sum(-1)
+                del z  # before the next chunk's logits exist
+        ctx.save_for_backward(hidden, weight, bias, labels, logsumexp, entropy)
+        ctx.settings = temperature, scale, softcap, dtype, n
+        ctx.set_materialize_grads(False)  # an output that the loss does not use gets None: its terms are skipped
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, labels, logsumexp, entropy = ctx.saved_tensors
+        temperature, scale, softcap, dtype, n = ctx.settings
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        # one buffer each, None for a frozen head (LoRA); the weight's and bias's sum in fp32 whatever their dtype
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if ctx.needs_input_grad[2] else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for i in range(0, len(hidden), n):
+                s = slice(i, i + n)
+                h = hidden[s].to(dtype)
+                z = head_chunk(h, w, b, temperature, scale, softcap)
+                p, grad = (z - logsumexp[s, None]).exp_(), torch.zeros_like(z)  # softmax(z); d loss / d z
+                if grad_logprobs is not None:  # log p_y = z_y - logsumexp(z), so d log p_y / d z = onehot(y) - p
+                    grad.addcmul_(p, grad_logprobs[s, None], value=-1)
+                    grad[torch.arange(len(h)), labels[s]] += grad_logprobs[s]
+                if grad_entropy is not None:  # H = logsumexp(z) - sum_k p_k z_k, d p_k / d z_j = p_k (δ_kj - p_j):
+                    # d H / d z_j = p_j - (p_j + p_j z_j - p_j sum_k p_k z_k) = -p_j (z_j - mean), mean = E_p[z]
+                    mean = logsumexp[s] - entropy[s]
+                    grad.addcmul_(p, (z - mean[:, None]).mul_(grad_entropy[s, None]), value=-1)
+                del p
+                if softcap:  # d softcap tanh(x / softcap) / d x = 1 - tanh^2 = 1 - (temperature z / softcap)^2
+                    grad *= 1 - (z * (temperature / softcap)) ** 2
+                grad *= scale / temperature  # d loss / d a
+                if grad_hidden is not None:  # d a / d h = W
+                    grad_hidden[s] = grad.to(dtype) @ w
+                if grad_weight is not None:  # d a / d W = h, summed over the tokens in place
+                    grad_weight.addmm_(grad.T, h.float())
+                if grad_bias is not None:
+                    grad_bias += grad.sum(0)
+                del z, grad
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def lm_head_logprobs(hidden, head, labels, temperature, scale=1.0, softcap=None, with_entropy=False, fp32=True):
@@ -724,20 +777,18 @@ def lm_head_logprobs(hidden, head, labels, temperature, scale=1.0, softcap=None,
 
     logits = softcap(scale * head(h)) / temperature;  log p(y) = logits[y] - logsumexp(logits);
     H = logsumexp(logits) - sum_v softmax(logits)_v * logits_v.
-    At most LM_HEAD_CHUNK logits exist at once: under autograd each chunk is recomputed in backward
-    (torch.utils.checkpoint) instead of kept, so memory does not grow with tokens x vocabulary."""
-    (B, T), V = labels.shape, head.weight.shape[0]
-    hidden, labels, n = hidden.reshape(B * T, -1), labels.reshape(B * T), max(1, LM_HEAD_CHUNK // V)
-    logprobs, entropy = [], []
-    for i in range(0, B * T, n):
-        inputs = (hidden[i : i + n], head.weight, head.bias, labels[i : i + n], temperature, scale, softcap)
-        if torch.is_grad_enabled():
-            lp, h = checkpoint(head_chunk, *inputs, with_entropy, fp32, use_reentrant=False, preserve_rng_state=False)
-        else:
-            lp, h = head_chunk(*inputs, with_entropy, fp32)
-        logprobs.append(lp)
-        entropy.append(h)
-    return torch.cat(logprobs).view(B, T), torch.cat(entropy).view(B, T) if with_entropy else None
+    At most LM_HEAD_CHUNK logits exist at once: backward recomputes each chunk instead of keeping it (ChunkedHead),
+    so memory does not grow with tokens x vocabulary, and the head weight's gradient is one buffer."""
+    (B, T), device = labels.shape, hidden.device.type
+    if fp32:  # the matmul in fp32 even under autocast (--cast-lm-head-to-fp32)
+        dtype = torch.float32
+    else:  # where F.linear would run it: in autocast's dtype, or else the weight's
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    logprobs, entropy = ChunkedHead.apply(
+        hidden.reshape(B * T, -1), head.weight, head.bias, labels.reshape(B * T), temperature, scale, softcap,
+        with_entropy, dtype,
+    )  # fmt: skip
+    return logprobs.view(B, T), entropy.view(B, T) if with_entropy else None
 
 
 def response_logprobs(model, hidden, responses, args, with_entropy=False):

@@ -27,7 +27,7 @@ SHARED = ARITHMETIC + ["masked_mean", "kl_penalty", "gsm8k_reward", "load_prompt
                        "rm_text", "PromptStream", "parse_args", "save_checkpoint", "load_checkpoint",
                        "restore_checkpoint", "add_lora", "reference_model", "adapters_off",
                        "setup_distributed", "all_reduce", "global_mean", "global_mean_var",
-                       "global_metrics", "TrainedModels", "ddp_forward", "Silent"]  # fmt: skip
+                       "global_metrics", "TrainedModels", "ddp_forward", "Silent", "ChunkedHead"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SHARED)

@@ -1,0 +1,122 @@
+"""lm_head_logprobs' hand-written backward (ChunkedHead) against autograd through the full (B, T, V) logits in
+float64: values, and gradients into the hidden states, the head weight and its bias, for a loss of both outputs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ppo_llm
+
+B, T, H, V = 3, 5, 8, 11  # 15 tokens
+
+
+def reference(hidden, weight, bias, labels, temperature, scale, softcap):
+    """The full logits, the obvious way: log-probs of the labels and entropies, under autograd."""
+    logits = F.linear(hidden, weight, bias) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logp = torch.log_softmax(logits / temperature, -1)
+    return logp.gather(-1, labels[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
+
+
+def inputs(bias=True, weight_grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g).requires_grad_()
+    head = torch.nn.Linear(H, V, bias=bias)
+    with torch.no_grad():  # logits of a few units: the softcap of 3 bends them
+        head.weight.copy_(torch.randn(V, H, generator=g))
+        if bias:
+            head.bias.copy_(torch.randn(V, generator=g))
+    head.requires_grad_(weight_grad)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    coefs = torch.randn(2, B, T, generator=g)  # the loss: sum(a * logprobs + c * entropy)
+    return hidden, head, labels, coefs
+
+
+def values_and_grads(fn, hidden, head, coefs, use=(0, 1)):
+    hidden.grad = head.weight.grad = None
+    if head.bias is not None:
+        head.bias.grad = None
+    outs = fn()
+    sum(coefs[i] * outs[i] for i in use).sum().backward()
+    grads = [hidden.grad, head.weight.grad, None if head.bias is None else head.bias.grad]
+    return [x.detach().clone() for x in outs], [None if x is None else x.clone() for x in grads]
+
+
+def expected(hidden, head, labels, coefs, temperature, scale, softcap, use=(0, 1)):
+    """The reference in float64, its values and gradients cast back to the inputs' dtypes."""
+    h64 = hidden.detach().double().requires_grad_()
+    head64 = torch.nn.Linear(H, V, bias=head.bias is not None).double()
+    with torch.no_grad():
+        head64.weight.copy_(head.weight)
+        if head.bias is not None:
+            head64.bias.copy_(head.bias)
+    head64.requires_grad_(head.weight.requires_grad)
+
+    def fn():
+        return reference(h64, head64.weight, head64.bias, labels, temperature, scale, softcap)
+
+    outs, grads = values_and_grads(fn, h64, head64, coefs.double(), use)
+    dtypes = [hidden.dtype, head.weight.dtype, None if head.bias is None else head.bias.dtype]
+    return [x.float() for x in outs], [None if x is None else x.to(d) for x, d in zip(grads, dtypes)]
+
+
+def check(hidden, head, labels, coefs, temperature, scale, softcap, fp32=True, use=(0, 1), tol=1e-5):
+    def fn():
+        return ppo_llm.lm_head_logprobs(hidden, head, labels, temperature, scale, softcap, True, fp32)
+
+    got, got_grads = values_and_grads(fn, hidden, head, coefs, use)
+    want, want_grads = expected(hidden, head, labels, coefs, temperature, scale, softcap, use)
+    for a, b in zip(got + got_grads, want + want_grads):
+        if b is None:
+            assert a is None  # a frozen weight gets no gradient
+        else:
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("chunk_logits", [2 * V, 2**24])  # 2 tokens per chunk (the last one alone), or one chunk
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("weight_grad", [True, False])  # False: a frozen head, as under LoRA
+def test_matches_full_logits(monkeypatch, chunk_logits, softcap, bias, weight_grad):
+    monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", chunk_logits)
+    hidden, head, labels, coefs = inputs(bias, weight_grad)
+    check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=softcap)
+
+
+@pytest.mark.parametrize("use", [(0,), (1,)])  # the loss uses one output: the other's gradient is None
+def test_one_output_in_the_loss(monkeypatch, use):
+    monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", 4 * V)
+    hidden, head, labels, coefs = inputs()
+    check(hidden, head, labels, coefs, temperature=1.0, scale=0.8, softcap=2.0, use=use)
+
+
+def test_bf16_weight(monkeypatch):
+    # the matmul in fp32 (fp32=True) or in bf16 (fp32=False, bf16 hidden states); gradients in the inputs' dtypes
+    monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", 2 * V)
+    hidden, head, labels, coefs = inputs()
+    head.to(torch.bfloat16)
+    check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=True, tol=1e-4)
+    bf16_hidden = hidden.detach().bfloat16().requires_grad_()
+    check(bf16_hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=False, tol=0.1)
+
+
+def test_autocast(monkeypatch):
+    # fp32=True: the same numbers as without autocast; fp32=False: a bf16 matmul, the fp32 weight's gradient fp32
+    monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", 2 * V)
+    hidden, head, labels, coefs = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=True)
+        check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=False, tol=0.1)
+
+
+def test_no_grad_is_the_same_forward(monkeypatch):
+    monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", 2 * V)
+    hidden, head, labels, _ = inputs()
+    with_grad = ppo_llm.lm_head_logprobs(hidden, head, labels, 0.7, 1.3, 3.0, with_entropy=True)
+    with torch.no_grad():
+        logprobs, entropy = ppo_llm.lm_head_logprobs(hidden, head, labels, 0.7, 1.3, 3.0, with_entropy=True)
+        alone, none = ppo_llm.lm_head_logprobs(hidden, head, labels, 0.7, 1.3, 3.0)
+    assert logprobs.grad_fn is None and none is None
+    assert torch.equal(logprobs, with_grad[0]) and torch.equal(entropy, with_grad[1]) and torch.equal(alone, logprobs)
