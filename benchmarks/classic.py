@@ -3,10 +3,13 @@
 Usage (from the repository root; the curves take about 20 CPU-minutes, run 2 at a time under `nice`):
     python benchmarks/classic.py --skip-speed                     # curves only (5 seeds x 3 envs x 2 scripts)
     python benchmarks/classic.py --cleanrl /tmp/cleanrl/ppo.py    # also time a local copy of CleanRL's ppo.py
+    python benchmarks/classic.py --skip-speed --merge --envs CartPole-v1 --algos ppo_classic --steps 500000
+                                       # one more configuration; the other rows of the results files stay
 
 1. Learning curves: ppo_classic.py and reinforce.py, each with its defaults and only --env-id, --seed and
-   --total-timesteps given (STEPS per env), one run per seed (at most --jobs at once, under `nice`).
-   Episodes are read from metrics.jsonl.
+   --total-timesteps given (STEPS per env, or --steps), one run per seed (at most --jobs at once, under `nice`).
+   Episodes are read from metrics.jsonl. A configuration is (script, env, total timesteps); with --merge the
+   rows of the existing classic.csv and classic_curves.csv are kept for the configurations with no run now.
 2. Speed: ppo_classic.py with its defaults, run with 1 and with 2 torch threads (and CleanRL's ppo.py
    the same way when --cleanrl is given), each run stopped after --speed-seconds, the runs interleaved
    --speed-repeats times so that every configuration sees the same machine load; the figure is the
@@ -26,6 +29,7 @@ import resource
 import subprocess
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import matplotlib
@@ -55,22 +59,56 @@ THREADS = (
 )
 
 
-def command(name, env_id):
-    return [ALGOS[name][0], f"--env-id={env_id}", f"--total-timesteps={ENVS[env_id][0]}"]
+def command(name, env_id, steps):
+    return [ALGOS[name][0], f"--env-id={env_id}", f"--total-timesteps={steps}"]
 
 
-def train(name, env_id, seed):
+def exp_name(name, env_id, steps):
+    """bench-<script>, and -<steps> when steps is not the env's default budget."""
+    return f"bench-{name}" + ("" if steps == ENVS[env_id][0] else f"-{steps}")
+
+
+def train(name, env_id, steps, seed):
     """Runs one training run and returns its run directory."""
-    cmd = ["nice", "-n", "10", sys.executable, *command(name, env_id), f"--seed={seed}", f"--exp-name=bench-{name}"]
+    cmd = ["nice", "-n", "10", sys.executable, *command(name, env_id, steps), f"--seed={seed}"]
+    cmd.append(f"--exp-name={exp_name(name, env_id, steps)}")
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
     run_dir = re.search(r"^run directory: (\S+)$", out.stdout, re.M).group(1)
-    print(f"{name} {env_id} seed {seed}: {out.stdout.strip().splitlines()[-1]}", flush=True)
+    print(f"{name} {env_id} {steps} seed {seed}: {out.stdout.strip().splitlines()[-1]}", flush=True)
     return os.path.join(REPO, run_dir)
 
 
-def latest_run(name, env_id, seed):
-    runs = sorted(glob.glob(os.path.join(REPO, "runs", f"bench-{name}__{env_id}__{seed}__*")))
+def latest_run(name, env_id, steps, seed):
+    pattern = f"{exp_name(name, env_id, steps)}__{env_id}__{seed}__*"
+    runs = sorted(glob.glob(os.path.join(REPO, "runs", pattern)))
     return runs[-1] if runs else None
+
+
+def old_results(configs):
+    """The per-seed rows and curves of classic.csv and classic_curves.csv of the configurations not in `configs`.
+
+    Files written before the total_timesteps column existed hold the env's default budget.
+    """
+    per_seed, curves = [], {}
+    path = os.path.join(RESULTS, "classic.csv")
+    if not os.path.exists(path):
+        return per_seed, curves
+    for r in csv.DictReader(open(path)):
+        r["total_timesteps"] = int(r.get("total_timesteps") or ENVS[r["env_id"]][0])
+        if (r["algorithm"], r["env_id"], r["total_timesteps"]) in configs:
+            continue
+        r["seed"], r["episodes"] = int(r["seed"]), int(r["episodes"])
+        r["last100_mean_return"] = float(r["last100_mean_return"])
+        first = r["first_step_last100_ge_threshold"]
+        r["first_step_last100_ge_threshold"] = int(first) if first else ""
+        per_seed.append(r)
+    points = {}
+    for r in csv.DictReader(open(os.path.join(RESULTS, "classic_curves.csv"))):
+        key = (r["algorithm"], r["env_id"], int(r.get("total_timesteps") or ENVS[r["env_id"]][0]), int(r["seed"]))
+        if key[:3] not in configs:
+            points.setdefault(key, []).append(float(r["last100_mean_return"]))  # in grid order
+    curves = {key: np.array(v) for key, v in points.items()}
+    return per_seed, curves
 
 
 def episodes(run_dir):
@@ -113,6 +151,8 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--envs", nargs="+", default=list(ENVS), choices=list(ENVS))
     p.add_argument("--algos", nargs="+", default=list(ALGOS), choices=list(ALGOS))
+    p.add_argument("--steps", type=int, default=None, help="total timesteps of every run (default: each env's)")
+    p.add_argument("--merge", action="store_true", help="keep the results files' rows of the other configurations")
     p.add_argument("--jobs", type=int, default=2, help="training runs at once")
     p.add_argument("--reuse", action="store_true", help="reuse the latest runs/bench-* run of each seed")
     p.add_argument("--only-existing", action="store_true", help="train nothing: tabulate the runs that exist")
@@ -121,19 +161,20 @@ def main():
     p.add_argument("--speed-repeats", type=int, default=3)
     p.add_argument("--skip-speed", action="store_true")
     args = p.parse_args()
-    envs, algos = {e: ENVS[e] for e in args.envs}, {a: ALGOS[a] for a in args.algos}
+    algos = {a: ALGOS[a] for a in args.algos}
+    configs = [(name, env_id, args.steps or ENVS[env_id][0]) for env_id in reversed(args.envs) for name in algos]
     os.makedirs(RESULTS, exist_ok=True)
 
     # 1. learning curves
-    jobs = [(name, env_id, seed) for env_id in reversed(envs) for name in algos for seed in args.seeds]  # longest first
+    jobs = [(*config, seed) for config in configs for seed in args.seeds]  # longest first
     with ThreadPoolExecutor(args.jobs) as pool:
         todo = [job for job in jobs if not ((args.reuse or args.only_existing) and latest_run(*job))]
         futures = {job: pool.submit(train, *job) for job in ([] if args.only_existing else todo)}
     runs = {job: futures[job].result() if job in futures else latest_run(*job) for job in jobs}
     runs = {job: run_dir for job, run_dir in runs.items() if run_dir is not None}
 
-    per_seed, curves = [], {}
-    for (name, env_id, seed), run_dir in runs.items():
+    per_seed, curves = old_results({job[:3] for job in runs}) if args.merge else ([], {})
+    for (name, env_id, steps, seed), run_dir in runs.items():
         ep = episodes(run_dir)
         smooth = trailing_mean(ep[:, 1])
         solved = np.nonzero(smooth >= ENVS[env_id][1])[0]
@@ -141,6 +182,7 @@ def main():
             {
                 "algorithm": name,
                 "env_id": env_id,
+                "total_timesteps": steps,
                 "seed": seed,
                 "episodes": len(ep),
                 "last100_mean_return": round(float(smooth[-1]), 2),
@@ -149,40 +191,53 @@ def main():
             }
         )
         # the trailing-100 mean as of each grid step (nan before the first episode)
-        grid = np.linspace(0, ENVS[env_id][0], 101)[1:]  # (100,) global steps
+        grid = np.linspace(0, steps, 101)[1:]  # (100,) global steps
         idx = np.searchsorted(ep[:, 0], grid, side="right") - 1
-        curves[(name, env_id, seed)] = np.where(idx >= 0, smooth[np.maximum(idx, 0)], np.nan)
+        curves[(name, env_id, steps, seed)] = np.where(idx >= 0, smooth[np.maximum(idx, 0)], np.nan)
+    # rows and panels in ENVS' order, then by steps, script, seed
+    order = {e: i for i, e in enumerate(ENVS)}
+    per_seed.sort(key=lambda r: (order[r["env_id"]], r["total_timesteps"], r["algorithm"], r["seed"]))
+    curves = dict(sorted(curves.items(), key=lambda kv: (order[kv[0][1]], kv[0][2], kv[0][0], kv[0][3])))
+    panels = sorted({(e, s) for (_, e, s, _) in curves}, key=lambda es: (order[es[0]], es[1]))
+    seeds = sorted({r["seed"] for r in per_seed})
 
     with open(os.path.join(RESULTS, "classic.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(per_seed[0]))
+        fields = ["algorithm", "env_id", "total_timesteps", "seed", "episodes", "last100_mean_return"]
+        w = csv.DictWriter(f, fieldnames=[*fields, "first_step_last100_ge_threshold", "run_dir"])
         w.writeheader()
         w.writerows(per_seed)
     with open(os.path.join(RESULTS, "classic_curves.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["algorithm", "env_id", "seed", "global_step", "last100_mean_return"])
-        for (name, env_id, seed), curve in curves.items():
-            grid = np.linspace(0, ENVS[env_id][0], 101)[1:]
-            w.writerows([name, env_id, seed, int(g), round(float(v), 2)] for g, v in zip(grid, curve))
+        w.writerow(["algorithm", "env_id", "total_timesteps", "seed", "global_step", "last100_mean_return"])
+        for (name, env_id, steps, seed), curve in curves.items():
+            grid = np.linspace(0, steps, 101)[1:]
+            w.writerows([name, env_id, steps, seed, int(g), round(float(v), 2)] for g, v in zip(grid, curve))
 
-    fig, axes = plt.subplots(1, len(envs), figsize=(5 * len(envs), 4.2), squeeze=False)
-    for ax, (env_id, (steps, threshold, ylim)) in zip(axes[0], envs.items()):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    for ax, (env_id, steps) in zip(axes[0], panels):
+        _, threshold, ylim = ENVS[env_id]
         grid = np.linspace(0, steps, 101)[1:]
-        for name, color in zip(algos, ["C0", "C1"]):
-            stack = np.array([c for (n, e, _), c in curves.items() if (n, e) == (name, env_id)])  # (seeds, 100)
-            if not len(stack):
+        num_seeds = set()
+        for name, color in zip(ALGOS, ["C0", "C1"]):
+            stack = np.array([c for (n, e, s, _), c in curves.items() if (n, e, s) == (name, env_id, steps)])
+            if not len(stack):  # stack: (seeds, 100)
                 continue
-            ax.plot(grid, np.nanmean(stack, 0), color=color, label=ALGOS[name][1])
-            ax.fill_between(grid, np.nanmin(stack, 0), np.nanmax(stack, 0), color=color, alpha=0.2)
+            num_seeds.add(len(stack))
+            with warnings.catch_warnings():  # all-nan grid points before the first episode ends
+                warnings.simplefilter("ignore", RuntimeWarning)
+                ax.plot(grid, np.nanmean(stack, 0), color=color, label=ALGOS[name][1])
+                ax.fill_between(grid, np.nanmin(stack, 0), np.nanmax(stack, 0), color=color, alpha=0.2)
         ax.axhline(threshold, color="grey", lw=0.8, ls="--")
-        ax.set(xlabel="environment steps", ylim=ylim, title=env_id)
+        seeds_text = "/".join(map(str, sorted(num_seeds)))
+        ax.set(xlabel="environment steps", ylim=ylim, title=f"{env_id}, {steps:,} steps, {seeds_text} seeds")
         ax.legend(loc="lower right", fontsize=8)
     axes[0, 0].set_ylabel("mean return of the last 100 episodes")
-    fig.suptitle(f"mean (line) and min-max (band) over {len(args.seeds)} seeds; dashed: threshold", fontsize=10)
+    fig.suptitle("mean (line) and min-max (band) over seeds; dashed: threshold", fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "classic_return.png"), dpi=100)
 
     lines = [
-        f"## Learning: seeds {' '.join(map(str, args.seeds))}, each script with its defaults",
+        f"## Learning: seeds {' '.join(map(str, seeds))}, each script with its defaults",
         "",
         "Mean return of the last 100 training episodes (sampled actions) at the end of the run, per seed and",
         "over seeds; steps = first step at which that mean reached the threshold (median over the seeds that did).",
@@ -190,9 +245,10 @@ def main():
         "| command | per seed (seed) | mean ± std over seeds | worst seed | seeds ≥ threshold | steps to threshold |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for env_id, (steps, threshold, _) in envs.items():
-        for name in algos:
-            rows = [r for r in per_seed if r["algorithm"] == name and r["env_id"] == env_id]
+    for env_id, steps in panels:
+        threshold = ENVS[env_id][1]
+        for name in ALGOS:
+            rows = [r for r in per_seed if (r["algorithm"], r["env_id"], r["total_timesteps"]) == (name, env_id, steps)]
             if not rows:
                 continue
             last = np.array([r["last100_mean_return"] for r in rows])
@@ -200,7 +256,7 @@ def main():
             median_steps = f"{int(np.median(reached)):,}" if reached else "-"
             per_seed_text = ", ".join("{:.1f} (s{})".format(v, r["seed"]) for v, r in zip(last, rows))
             lines.append(
-                f"| `python {' '.join(command(name, env_id))}` "
+                f"| `python {' '.join(command(name, env_id, steps))}` "
                 f"| {per_seed_text} "
                 f"| {last.mean():.1f} ± {last.std():.1f} | {last.min():.1f} "
                 f"| {int((last >= threshold).sum())}/{len(last)} (≥ {threshold:g}) | {median_steps} |"
