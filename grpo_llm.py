@@ -322,7 +322,12 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
 
 def high_entropy_mask(entropy, mask, quantile):
     """1 on the real tokens whose entropy is in the top `quantile` of all real tokens' (detail 28), else 0."""
-    threshold = torch.quantile(entropy[mask.bool()].float(), 1 - quantile)
+    values = entropy[mask.bool()].float()
+    if dist.is_initialized():  # of every rank's tokens (detail 24); ranks hold different numbers of them
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, values.cpu())
+        values = torch.cat(gathered).to(entropy.device)
+    threshold = torch.quantile(values, 1 - quantile)
     return (entropy >= threshold).float() * mask
 
 

@@ -89,6 +89,7 @@ def worker(rank, world, init_file):
     rewards = full["values"][:, 0]
     whitened, group_advantages = ppo_llm.masked_whiten(full["advantages"], full["mask"]), grpo_llm.group_advantages(
         rewards, 2, "batch")  # fmt: skip
+    entropy_mask = grpo_llm.high_entropy_mask(full["advantages"], full["loss_mask"], 0.2)  # random "entropies"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     mine = slice(rank * B // world, (rank + 1) * B // world)
     r = {k: v[mine] if torch.is_tensor(v) else v for k, v in full.items()}
@@ -100,9 +101,10 @@ def worker(rank, world, init_file):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} weights: {m}")
         for key, want in expected[case][2].items():
             assert abs(stats[key] - want) < 1e-5 * (1 + abs(want)), (case, key, stats[key], want)
-    # the batch statistics: whitening, score normalisation, GRPO's batch std, the metrics
+    # the batch statistics: whitening, score normalisation, GRPO's batch std, the top-entropy quantile, the metrics
     torch.testing.assert_close(ppo_llm.masked_whiten(r["advantages"], r["mask"]), whitened[mine])
     torch.testing.assert_close(grpo_llm.group_advantages(rewards[mine], 2, "batch"), group_advantages[mine])
+    torch.testing.assert_close(grpo_llm.high_entropy_mask(r["advantages"], r["loss_mask"], 0.2), entropy_mask[mine])
     metrics = {"update": 3, "mean": float(rank), "n": rank + 1, "lo": rank + 5.0}
     metrics = ppo_llm.global_metrics(metrics, {"n": "sum", "lo": "min"})
     assert metrics == {"update": 3, "mean": 0.5, "n": 3, "lo": 5.0}, metrics
