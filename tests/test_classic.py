@@ -2,6 +2,7 @@
 values, the functions they share, short end-to-end runs, bad input. A test that does the same for both scripts is
 parametrized over `script`."""
 
+import functools
 import glob
 import importlib.util
 import inspect
@@ -423,7 +424,10 @@ def test_track_wandb_offline(tmp_path, script):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_ctrl_c_saves_model_and_metrics(tmp_path, script):
     cmd = [sys.executable, os.path.join(REPO, f"{script}.py"), "--save-model", "--total-timesteps=9999999"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    # SIGINT back to its default in the child: a shell runs background jobs with it ignored, and Python then
+    # installs no KeyboardInterrupt handler (CI launched with `&` would hang here)
+    reset = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, text=True, preexec_fn=reset)
     for line in proc.stdout:  # wait for the first finished update
         if line.startswith("iter="):
             break
