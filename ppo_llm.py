@@ -77,7 +77,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, make_dataclass
 from typing import Literal
 
 import huggingface_hub.constants as hub_constants
@@ -100,16 +100,9 @@ from transformers import (
 
 
 @dataclass
-class Args:
-    """PPO for language models (RLHF): a policy samples responses, a reward model or function scores them, PPO
-    raises the score under a per-token KL penalty to the reference.
+class Experiment:
+    """seeds, device, tracking, saving and resuming"""
 
-    python ppo_llm.py                                         # the embedded arithmetic task: CPU, a few minutes
-
-    python ppo_llm.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward-fn my_rewards.py:score
-    """
-
-    # Experiment
     exp_name: str = "ppo_llm"
     """name of the experiment: the run directory and the wandb run start with it"""
     seed: int = 1
@@ -131,7 +124,11 @@ class Args:
     resume: str | None = None
     """continue the run in this run directory from its checkpoint.pt (detail 22); flags given override the saved ones"""
 
-    # Model and data
+
+@dataclass
+class Models:
+    """policy, reward model or function, prompts, LoRA"""
+
     model: str = "assets/arith-sft"
     """policy and reference: a local directory or a hub id; assets/arith-sft is the embedded arithmetic SFT model"""
     reward_model: str | None = None
@@ -170,7 +167,11 @@ class Args:
     save_merged: bool = False
     """with --lora-r, also save the base with the adapters merged in, to policy/merged (transformers loads it)"""
 
-    # Generation
+
+@dataclass
+class Generation:
+    """sampling the responses"""
+
     max_new_tokens: int = 8
     """longest response (8 fits the arithmetic task; text tasks want 48 or more)"""
     max_prompt_length: int | None = None
@@ -184,7 +185,11 @@ class Args:
     cast_lm_head_to_fp32: bool = True
     """the LM head's matmul in fp32 under autocast (TRL's name); the log-sum-exp is fp32 either way"""
 
-    # Algorithm
+
+@dataclass
+class Algorithm:
+    """the PPO update, rewards and KL"""
+
     total_steps: int = 300
     """number of PPO updates (one rollout batch and its epochs each)"""
     prompts_per_update: int = 128
@@ -236,7 +241,11 @@ class Args:
     score_clip: float | None = None
     """clip the scores to [-c, c] (after --score-norm)"""
 
-    # Logging
+
+@dataclass
+class Logging:
+    """evaluation and samples"""
+
     eval_every: int = 10
     """held-out accuracy on the arithmetic task (or --eval-split) every N updates (0: off)"""
     eval_split: str | None = None
@@ -249,6 +258,17 @@ class Args:
     """print and store a few decoded samples every N updates (0: off)"""
     num_samples: int = 3
     """samples shown each time"""
+
+
+@dataclass
+class Args(Logging, Algorithm, Generation, Models, Experiment):
+    """PPO for language models (RLHF): a policy samples responses, a reward model or function scores them, PPO
+    raises the score under a per-token KL penalty to the reference.
+
+    python ppo_llm.py                                         # the embedded arithmetic task: CPU, a few minutes
+
+    python ppo_llm.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward-fn my_rewards.py:score
+    """
 
 
 # ALGO LOGIC: the numerics, small pure functions on tensors (checked by tests/ against hand-computed values)
@@ -1037,9 +1057,19 @@ def wall_clock(device):
 
 
 def parse_args(argv=None):
-    """tyro.cli(Args). With --resume RUN_DIR the run's args.json gives the defaults, so that only the flags on the
+    """The flags of Args, one --help section per group (tyro shows a dataclass field as a section; the prefix of its
+    flags is omitted). With --resume RUN_DIR the run's args.json gives the defaults, so that only the flags on the
     command line change (detail 22: a larger --total-steps, say, which the --anneal-lr schedule then follows)."""
-    args = tyro.cli(Args, args=argv)
+    groups = Args.__mro__[-2:0:-1]  # Experiment, Models, ..., in the order of the source
+    named_groups = [(group.__name__.lower(), group) for group in groups]
+    Sections = make_dataclass("Sections", named_groups, namespace={"__doc__": Args.__doc__})
+
+    def cli(default):
+        default = Sections(*[group(**{f.name: getattr(default, f.name) for f in fields(group)}) for group in groups])
+        sections = tyro.cli(Sections, args=argv, default=default, config=(tyro.conf.OmitArgPrefixes,))
+        return Args(**{k: v for section in asdict(sections).values() for k, v in section.items()})
+
+    args = cli(Args())
     if args.resume is None:
         return args
     path = os.path.join(args.resume, "args.json")
@@ -1047,7 +1077,7 @@ def parse_args(argv=None):
         raise SystemExit(f"error: --resume {args.resume}: no args.json and checkpoint.pt there (a run writes them)")
     with open(path) as f:
         saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items() if hasattr(Args, k)}
-    return tyro.cli(Args, args=argv, default=Args(**saved | {"resume": args.resume}))
+    return cli(Args(**saved | {"resume": args.resume}))
 
 
 def save_checkpoint(logger, models, optimizer, state):

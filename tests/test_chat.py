@@ -6,10 +6,10 @@ import math
 import os
 import re
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
-import tyro
 from conftest import tiny_config
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, GPT2LMHeadModel, PreTrainedTokenizerFast
@@ -296,11 +296,20 @@ def test_unreachable_hub_fails_fast(tmp_path, monkeypatch):
 def test_help_and_flags(capsys):
     for script in SCRIPTS:
         with pytest.raises(SystemExit):
-            tyro.cli(script.Args, args=["--help"])
+            script.parse_args(["--help"])
         text = capsys.readouterr().out
         assert "(default:" in text and not re.search(r"\(default:[^)]*\)[\s│]*\(default:", text)
-    assert tyro.cli(ppo_llm.Args, args=["--score-norm", "off"]).score_norm == "off"
-    assert tyro.cli(ppo_llm.Args, args=[]).score_norm == "auto" and ppo_llm.Args().weight_decay == 0.0
+        # one section per group of Args, in the order of the source, each flag in its own group's section
+        headings = ["experiment options", "models options", "generation options", "algorithm options", "logging"]
+        at = [text.index(heading) for heading in headings] + [len(text)]
+        for i, flag in enumerate(["--seed", "--dataset", "--temperature", "--learning-rate", "--eval-every"]):
+            assert at[i] < re.search(rf"\n\W*{flag} ", text).start() < at[i + 1]
+        assert at == sorted(at) and "--experiment." not in text
+        args = script.parse_args(["--seed", "3", "--lora-target-modules", "q", "v", "--eval-every", "0"])
+        assert (args.seed, args.lora_target_modules, args.eval_every) == (3, ("q", "v"), 0)
+        assert asdict(args) == asdict(script.Args(seed=3, lora_target_modules=("q", "v"), eval_every=0))
+    assert ppo_llm.parse_args(["--score-norm", "off"]).score_norm == "off"
+    assert ppo_llm.parse_args([]).score_norm == "auto" and ppo_llm.Args().weight_decay == 0.0
     args = ppo_llm.Args(reward_model="x")
     ppo_llm.check_args(args)
     assert args.score_norm == "on"
