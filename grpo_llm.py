@@ -451,9 +451,8 @@ NUMBER = r"[-+]?\$?\s?[-+]?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5
 
 
 def final_answer(text, strict=False):
-    """The number a text gives as its final answer: the last one stated after '####' (GSM8K's own format), in
-    \\boxed{}, or after 'answer is' / 'answer:'; otherwise (unless strict) its last number. Commas and '$' are
-    ignored, and 42.0 is 42. None when there is none."""
+    """The last number stated after '####' (GSM8K's format), in \\boxed{} or after 'answer is' / 'answer:'; else,
+    unless strict, the text's last number; None if none. Commas and '$' are ignored, and 42.0 is 42."""
     for marker in [r"####([^\n]*)", r"\\boxed\{([^{}]*)\}", r"answer(?:\s+is|:)([^\n]*)"]:
         stated = [m for m in re.findall(marker, text, flags=re.IGNORECASE) if re.search(NUMBER, m)]
         if stated:
@@ -511,9 +510,8 @@ def load_reward_fn(spec):
 
 
 def render_prompt(tokenizer, prompt, chat_template, system_prompt, where):
-    """Detail 21: (the text the policy sees, the conversation it was rendered from or None). A list of {"role",
-    "content"} messages goes through the chat template; a plain string too when --chat-template or --system-prompt
-    wraps it as one user message. --system-prompt goes first in a conversation that has no system message."""
+    """Detail 21: (the text the policy sees, its conversation or None). A list of {"role", "content"} messages goes
+    through the chat template; a plain string too, as one user message, under --chat-template or --system-prompt."""
     if isinstance(prompt, str) and not chat_template and system_prompt is None:
         return prompt, None
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -529,8 +527,7 @@ def render_prompt(tokenizer, prompt, chat_template, system_prompt, where):
 
 
 def read_dataset(args):
-    """--dataset's rows (dicts) through datasets.load_dataset: a local .jsonl, .json, .csv or .parquet file, or a hub
-    dataset. Each failure is one line that names the file, and the line for JSON Lines."""
+    """--dataset's rows (dicts), by datasets.load_dataset: a local .jsonl, .json, .csv or .parquet file, or a hub id."""
     import datasets  # only this path needs it, and it is slow to import
 
     datasets.disable_progress_bars()
@@ -607,9 +604,7 @@ class PromptStream:
     """load_prompts' rows, counted (detail 22): a resumed run re-creates the seeded stream and skips `cursor` rows."""
 
     def __init__(self, rows, cursor=0):
-        self.rows, self.cursor = rows, 0
-        for _ in range(cursor):
-            next(self)
+        self.rows, self.cursor = itertools.islice(rows, cursor, None), cursor
 
     def __next__(self):
         self.cursor += 1
@@ -727,9 +722,8 @@ def end_of_turn_id(tokenizer):
 
 
 def eos_token_ids(tokenizer, generation_config):
-    """Every id that ends a response (detail 16): the tokenizer's EOS, the generation_config's (Qwen2.5-Instruct ends
-    a turn with <|im_end|>, a document with <|endoftext|>), the chat template's end of turn (detail 21; a base
-    checkpoint's generation_config knows only its EOS)."""
+    """Every id that ends a response (detail 16): the tokenizer's EOS, the generation_config's (Qwen2.5-Instruct: its
+    <|im_end|> and <|endoftext|>), the chat template's end of turn (detail 21: a base model's config has only EOS)."""
     ids = generation_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     return sorted({tokenizer.eos_token_id, *ids} | ({end_of_turn_id(tokenizer)} - {None}))
@@ -747,8 +741,7 @@ def sampling_config(max_new_tokens, temperature, pad_token_id, eos_ids):
 @torch.no_grad()
 def generate(policy, queries, query_mask):
     """Responses (B, R) to left-padded prompts (B, Q), sampled with sampling_config (position ids from the mask)."""
-    output = policy.generate(input_ids=queries, attention_mask=query_mask)
-    return output[:, queries.shape[1] :]
+    return policy.generate(input_ids=queries, attention_mask=query_mask)[:, queries.shape[1] :]
 
 
 def truncate_after_eos(responses, eos_ids, pad_token_id):
@@ -759,9 +752,8 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
 
 
 def hidden_states(model, query_responses, attention_mask, prompt_width):
-    """The trunk's last hidden states (B, R, H) at the positions that predict the response tokens. The state at t
-    predicts token t + 1, so the response query_responses[:, prompt_width:] is predicted by positions
-    prompt_width - 1 ... -2: this slice is the off-by-one shift between logits and tokens."""
+    """The trunk's last hidden states (B, R, H) at the positions that predict the response: the state at t predicts
+    token t + 1, so query_responses[:, prompt_width:] comes from prompt_width - 1 ... -2 (the off-by-one shift)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # detail 7
     # a peft model's .base_model is its LoRA wrapper, whose forward ends in the LM head: take the trunk under it
     trunk = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model
@@ -852,9 +844,7 @@ def lm_head_logprobs(hidden, head, labels, temperature, scale=1.0, softcap=None,
     hidden states (B, T, H) and the output embedding `head`, in chunks of tokens (details 4, 9, 18).
 
     logits = softcap(scale * head(h)) / temperature;  log p(y) = logits[y] - logsumexp(logits);
-    H = logsumexp(logits) - sum_v softmax(logits)_v * logits_v.
-    At most LM_HEAD_CHUNK logits exist at once: backward recomputes each chunk instead of keeping it (ChunkedHead),
-    so memory does not grow with tokens x vocabulary, and the head weight's gradient is one buffer."""
+    H = logsumexp(logits) - sum_v softmax(logits)_v * logits_v.  At most LM_HEAD_CHUNK logits exist at once."""
     (B, T), device = labels.shape, hidden.device.type
     if fp32:  # the matmul in fp32 even under autocast (--cast-lm-head-to-fp32)
         dtype = torch.float32
@@ -895,9 +885,8 @@ def check_logits(model, flag, name):
 
 
 def tokenize_texts(tokenizer, texts, max_length):
-    """Padded ids of texts, cut to max_length on the tokenizer's truncation side (left: a prompt keeps its header,
-    detail 21); no special tokens for texts that start with the BOS, as chat templates write them, or Llama-3 would
-    see two."""
+    """Padded ids of texts, cut to max_length on the tokenizer's truncation side (left keeps a prompt's header, detail
+    21); no special tokens for texts that start with the BOS, as chat templates write them (Llama-3 would see two)."""
     special = not (tokenizer.bos_token and all(t.startswith(tokenizer.bos_token) for t in texts))
     return tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length,
                      add_special_tokens=special, return_tensors="pt")  # fmt: skip
