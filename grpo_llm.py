@@ -302,10 +302,10 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
 
 
 def group_advantages(rewards, group_size, scale, leave_one_out=False):
-    """Advantage of each completion relative to its group (detail 3): rewards (B,) -> (B,), G contiguous each.
+    """Advantage of each completion relative to its group (detail 3), G contiguous completions a group:
     A_i = r_i - mean(group), or r_i - mean of the other G - 1 (leave_one_out, RLOO); then divided by std(group) + 1e-4
     (scale "group"), std(batch) + 1e-4 ("batch", every rank's, detail 24) or nothing ("none"), std Bessel-corrected.
-    A group of equal rewards gets exactly 0 (detail 8)."""
+    rewards (B,) -> advantages (B,), zero_std (P,): the groups of equal rewards, whose advantages are 0 (detail 8)."""
     grouped = rewards.view(-1, group_size)  # (P, G)
     if leave_one_out:
         baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
@@ -316,8 +316,8 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
         advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
     elif scale == "batch":
         advantages = advantages / (global_mean_var(rewards, torch.ones_like(rewards))[1].sqrt() + 1e-4)
-    equal = grouped.max(1, keepdim=True).values == grouped.min(1, keepdim=True).values
-    return advantages.masked_fill(equal, 0.0).view(-1)
+    zero_std = grouped.max(1).values == grouped.min(1).values  # (P,)
+    return advantages.masked_fill(zero_std[:, None], 0.0).view(-1), zero_std
 
 
 def high_entropy_mask(entropy, mask, quantile):
@@ -1312,7 +1312,7 @@ def check_args(args):
 
 
 @torch.no_grad()
-def score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args):
+def score(r, completions, rows, reward_model, rm_tokenizer, args):
     """Step 2's scores (B, number of rewards): the reward model's, or each reward function's (detail 14)."""
     if reward_model is not None:
         return reward_model_scores(reward_model, rm_tokenizer, r["query_responses"], r["attention_mask"], rows,
@@ -1419,7 +1419,7 @@ def main(args: Args | None = None):
 
             # 2. rewards: weighted reward functions or the reward model (detail 14), overlong punishment
             completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            scores = score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args).to(device)
+            scores = score(r, completions, rows, reward_model, rm_tokenizer, args).to(device)
             rewards = scores @ reward_weights  # (B,)
             lengths = mask.sum(1)
             if args.overlong_buffer:  # DAPO: linear from 0 to -penalty over the last --overlong-buffer lengths
@@ -1427,15 +1427,13 @@ def main(args: Args | None = None):
                 rewards = rewards - args.overlong_penalty * over
 
             # 3. advantages relative to the group (details 3, 8); which completions the loss sees
-            advantages = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)  # (B,)
-            grouped = rewards.view(-1, G)  # (prompts, G)
-            zero_std = (grouped.max(1).values == grouped.min(1).values).float()
+            advantages, zero_std = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)
             truncated = ~torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
             loss_mask = mask.clone()
             if args.dynamic_sampling:
-                loss_mask *= 1 - zero_std.repeat_interleave(G)[:, None]
+                loss_mask *= ~zero_std.repeat_interleave(G)[:, None]
             if args.mask_truncated_completions:
-                loss_mask *= (~truncated).float()[:, None]
+                loss_mask *= ~truncated[:, None]
             r |= dict(loss_mask=loss_mask, advantages=advantages)
 
             # 4. old log-probs (mu > 1) and reference log-probs, in the training's micro-batch shapes (detail 5)
@@ -1461,24 +1459,26 @@ def main(args: Args | None = None):
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 12)
             policy.train()
             stats, losses, grad_norms = {}, [], []
-            n_tokens = all_reduce(loss_mask.sum())  # every rank's (detail 24)
-            num_iterations = args.num_iterations if n_tokens > 0 else 0  # no token in the loss: no update (logged)
-            for _ in range(num_iterations):
-                loss_sum, mc_stats = accumulate_gradients(policy, r, args, autocast, ddp)
-                for key, values in mc_stats.items():
-                    stats.setdefault(key, []).extend(values)
-                grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                check_finite(grad_norm, update, save_all)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(loss_sum)
-                grad_norms.append(grad_norm)
+            # no token in the loss on any rank (e.g. every group's rewards equal under --dynamic-sampling): no update,
+            # and the log has no loss metrics
+            if all_reduce(loss_mask.sum()) > 0:
+                for _ in range(args.num_iterations):
+                    loss_sum, mc_stats = accumulate_gradients(policy, r, args, autocast, ddp)
+                    for key, values in mc_stats.items():
+                        stats.setdefault(key, []).extend(values)
+                    grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                    check_finite(grad_norm, update, save_all)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    losses.append(loss_sum)
+                    grad_norms.append(grad_norm)
             t3 = wall_clock(device)
 
             # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
             n_completion_tokens = mask.sum().item()
             metrics = {"update": update, "episode": update * B * world, "reward": rewards.mean().item(),
-                       "reward_std": grouped.std(1).mean().item(), "frac_reward_zero_std": zero_std.mean().item(),
+                       "reward_std": rewards.view(-1, G).std(1).mean().item(),
+                       "frac_reward_zero_std": zero_std.float().mean().item(),
                        "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
                        "completions/max_length": lengths.max().item(),
                        "completions/clipped_ratio": truncated.float().mean().item(),
@@ -1487,7 +1487,7 @@ def main(args: Args | None = None):
             for name, s in zip(reward_names, scores.T):
                 metrics[f"rewards/{name}/mean"] = s.mean().item()
                 metrics[f"rewards/{name}/std"] = global_mean_var(s, torch.ones_like(s))[1].sqrt().item()
-            if losses:
+            if losses:  # with the stats of grpo_loss (clip_ratio/*, importance_ratio/mean, kl) and entropy
                 metrics["loss"] = global_mean(losses)
                 metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
                 metrics |= {k: global_mean(v) for k, v in stats.items()}

@@ -1267,7 +1267,7 @@ def values_of(value_head, hidden):
 
 
 @torch.no_grad()
-def score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args):
+def score(r, completions, rows, reward_model, rm_tokenizer, args):
     """Step 2's scores (B,), one per response: the reward model's, or the reward function's against the answers."""
     if reward_model is None:
         return torch.tensor(load_reward_fn(args.reward_fn)(completions, rows))
@@ -1293,10 +1293,9 @@ def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast,
     micro_batches = mb_inds.split(args.micro_batch_size)
     for mc in micro_batches:
         mask = r["mask"][mc]
-        with autocast:
-            last = mc is micro_batches[-1]
+        with autocast:  # under DDP the last micro-batch's backward averages the gradients over the ranks
             logprobs, entropy, values = ddp_forward(
-                ddp, last, training_forward, policy, critic, value_head, r, mc, args
+                ddp, mc is micro_batches[-1], training_forward, policy, critic, value_head, r, mc, args
             )
         pg_loss, pg_stats = policy_loss(logprobs, r["old_logprobs"][mc], r["advantages"][mc], mask, args.cliprange)
         vf_loss, vf_stats = value_loss(values, r["values"][mc], r["returns"][mc], mask, args.cliprange_value)
@@ -1304,7 +1303,7 @@ def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast,
         loss = pg_loss + args.vf_coef * vf_loss
         if args.ent_coef:  # only then does backward go through the entropy
             loss = loss - args.ent_coef * entropy
-        (loss * mask.sum() / n_tokens).backward()
+        (loss * mask.sum() / n_tokens).backward()  # weighted by its share of the minibatch's real tokens (detail 12)
         stats.append(pg_stats | vf_stats | {"loss/policy_avg": pg_loss.detach(), "loss/value_avg": vf_loss.detach(),
                                             "policy/entropy_avg": entropy.detach()})  # fmt: skip
     return stats
@@ -1354,7 +1353,6 @@ def main(args: Args | None = None):
     models = dict(policy=policy, critic=critic, value_head=value_head,
                   ref_policy=ref_policy if args.ref_update_every else None)  # fmt: skip
     B = args.prompts_per_update // world  # this rank's share (detail 24)
-    mini_batch_size = B // args.num_mini_batches
     evaluate_policy = eval_problems and functools.partial(
         evaluate, policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn), eos_ids, B, autocast
     )
@@ -1394,7 +1392,7 @@ def main(args: Args | None = None):
             old_logprobs, values = torch.cat(old_logprobs), torch.cat(values)
             ref_logprobs = torch.cat(ref_logprobs) if ref_policy is not None else old_logprobs
             completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            scores = score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args).to(device)
+            scores = score(r, completions, rows, reward_model, rm_tokenizer, args).to(device)
             contains_eos = torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contains_eos).float()
@@ -1426,7 +1424,7 @@ def main(args: Args | None = None):
             stats = []
             for _ in range(args.num_ppo_epochs):
                 epoch_stats = []
-                for mb_inds in torch.randperm(B, device=device).split(mini_batch_size):
+                for mb_inds in torch.randperm(B, device=device).split(B // args.num_mini_batches):
                     epoch_stats += accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast, ddp)
                     check_finite(nn.utils.clip_grad_norm_(params, args.max_grad_norm), update, save_all)
                     optimizer.step()
@@ -1454,6 +1452,7 @@ def main(args: Args | None = None):
                        "val/num_eos_tokens": int(contains_eos.sum().item()), "val/mean_length": n_tokens / B,
                        "lr": optimizer.param_groups[0]["lr"]}  # fmt: skip
             metrics |= timing_metrics((t0, t1, t2, t3), start_time, n_tokens, device)
+            # the stats of policy_loss (policy/*, val/ratio), value_loss (val/clipfrac_avg), the losses and entropy
             metrics |= {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
             metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
             if rows[0]["answer"] is not None:  # the reward function's verdict, beside a reward model too
