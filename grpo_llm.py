@@ -352,12 +352,14 @@ def grpo_loss(
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
     ratio = torch.exp(log_ratio)
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    clipped_ratio, capped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high), ratio.clamp(max=delta or torch.inf)
-    tau = torch.where(advantages > 0, *sapo_temperatures)
-    per_token_loss = {
-        "cispo": lambda: -ratio.clamp(max=1 + epsilon_high).detach() * advantages * logprobs,
-        "sapo": lambda: -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages,
-    }.get(loss_type, lambda: -torch.min(capped_ratio * advantages, clipped_ratio * advantages))()
+    if loss_type == "cispo":
+        per_token_loss = -ratio.clamp(max=1 + epsilon_high).detach() * advantages * logprobs
+    elif loss_type == "sapo":
+        tau = torch.where(advantages > 0, *sapo_temperatures)
+        per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+    else:
+        clipped_ratio, capped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high), ratio.clamp(max=delta or torch.inf)
+        per_token_loss = -torch.min(capped_ratio * advantages, clipped_ratio * advantages)
     per_token_loss = per_token_loss * entropy_mask
     if off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
         off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
@@ -1289,9 +1291,8 @@ def check_args(args):
                          f"{' per process' if world > 1 else ''})")  # fmt: skip
     if args.num_iterations < 1:
         raise SystemExit(f"error: --num-iterations must be at least 1 (got {args.num_iterations})")
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if epsilon_high < args.epsilon:
-        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {epsilon_high} and {args.epsilon})")
+    if args.epsilon_high is not None and args.epsilon_high < args.epsilon:
+        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high} and {args.epsilon})")
     if not 0 < args.top_entropy_quantile <= 1 or min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
         raise SystemExit("error: --top-entropy-quantile must be in (0, 1] and the --sapo-temperature-* > 0")
     if args.temperature <= 0:
@@ -1413,7 +1414,6 @@ def main(args: Args | None = None):
             t0 = wall_clock(device)
             rows = [row for row in (next(prompts) for _ in range(B // G)) for _ in range(G)]
             r = rollout(policy, tokenizer, [row["prompt"] for row in rows], max_prompt_length, eos_ids, autocast)
-            query_responses, attention_mask, prompt_width = r["query_responses"], r["attention_mask"], r["prompt_width"]
             responses, mask = r["responses"], r["mask"]  # (B, T)
             t1 = wall_clock(device)
 
@@ -1440,15 +1440,15 @@ def main(args: Args | None = None):
             old_logprobs, ref_logprobs, entropies, by_entropy = [], [], [], args.top_entropy_quantile < 1
             with torch.no_grad(), autocast:
                 for mc in torch.arange(B, device=device).split(args.micro_batch_size):
-                    qr, am = query_responses[mc], attention_mask[mc]
+                    qr, am, W = r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"]
                     if args.num_iterations > 1 or by_entropy:  # detail 28: the whole batch's entropy first
-                        hidden = hidden_states(policy, qr, am, prompt_width)
+                        hidden = hidden_states(policy, qr, am, W)
                         logprobs, mc_entropy = response_logprobs(policy, hidden, responses[mc], args, by_entropy)
                         old_logprobs.append(logprobs)
                         entropies.append(mc_entropy)
                     if ref_policy is not None:
                         with adapters_off(ref_policy):  # LoRA: the base is the reference (detail 23)
-                            hidden = hidden_states(ref_policy, qr, am, prompt_width)
+                            hidden = hidden_states(ref_policy, qr, am, W)
                         ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
             r["old_logprobs"] = torch.cat(old_logprobs) if args.num_iterations > 1 else None
             r["ref_logprobs"] = torch.cat(ref_logprobs) if ref_logprobs else None

@@ -321,15 +321,11 @@ def value_loss(values, old_values, returns, mask, clip_range):
     return loss, stats
 
 
-class AdaptiveKLController:
-    """Ziegler et al.'s beta controller: beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon)."""
-
-    def __init__(self, init_kl_coef, target, horizon):
-        self.value, self.target, self.horizon = init_kl_coef, target, horizon
-
-    def update(self, current_kl, n_steps):
-        proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
-        self.value *= 1 + proportional_error * n_steps / self.horizon
+def adaptive_kl_coef(kl_coef, kl, target, horizon, n_steps):
+    """Ziegler et al.'s proportional controller (detail 13), the beta after n_steps more sequences of mean KL kl:
+    beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon)."""
+    proportional_error = min(max(kl / target - 1, -0.2), 0.2)
+    return kl_coef * (1 + proportional_error * n_steps / horizon)
 
 
 # TASKS: prompts and reward functions (the arithmetic block is identical in grpo_llm.py and assets/)
@@ -1286,9 +1282,8 @@ def training_forward(policy, critic, value_head, r, mc, args):
 
 
 def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast, ddp=None):
-    """Forward and backward one minibatch, micro-batch by micro-batch, each token mean weighted by its share of the
-    minibatch's real tokens (detail 12); returns each micro-batch's stats. Under torchrun (detail 24) n_tokens is the
-    union minibatch's real tokens per rank, as DDP averages the ranks' gradients."""
+    """Forward and backward one minibatch, micro-batch by micro-batch (detail 12); returns each micro-batch's stats.
+    Under torchrun n_tokens is the union minibatch's real tokens per rank, as DDP averages the ranks' gradients."""
     stats, n_tokens = [], global_mean([r["mask"][mb_inds].sum()])
     micro_batches = mb_inds.split(args.micro_batch_size)
     for mc in micro_batches:
@@ -1310,9 +1305,9 @@ def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast,
 
 
 def save(path, policy, tokenizer, value_head, critic, merged=False):
-    """save_pretrained of the policy and its tokenizer; the value model is one directory too: path/critic (trunk,
-    tokenizer, value_head.pt), or path itself with --critic head. With LoRA they hold adapters (peft loads them on
-    the base); merged=True also writes the merged policy to path/merged. The value model reloads as
+    """save_pretrained of the policy and its tokenizer (with LoRA the adapter, which peft loads on the base; with
+    merged=True also the merged model in path/merged), and of the value model: path/critic (trunk, its LoRA adapter,
+    tokenizer, value_head.pt), or path itself with --critic head. The value model reloads as
         critic = AutoModel.from_pretrained(critic_dir)  # --critic head: AutoModel.from_pretrained(path)
         value_head = torch.nn.Linear(critic.config.hidden_size, 1)  # with its bias: HF's score layers have none
         value_head.load_state_dict(torch.load(os.path.join(critic_dir, "value_head.pt")))
@@ -1344,7 +1339,6 @@ def main(args: Args | None = None):
     params, optimizer, ddp = build_optimizer(args, device, [policy, critic, value_head], [ref_policy], world)
     checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
     kl_coef = checkpoint.get("kl_coef", args.kl_coef) if args.kl_target else args.kl_coef
-    kl_ctl = AdaptiveKLController(kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
     prompts = PromptStream(itertools.islice(load_prompts(args, tokenizer), rank, None, world),  # rank-strided
                            checkpoint.get("prompt_cursor", 0))  # fmt: skip
     eval_problems = eval_rows(args, tokenizer) if args.eval_every and rank == 0 else None
@@ -1437,9 +1431,8 @@ def main(args: Args | None = None):
 
             # 6. KL controller and reference refresh
             mean_kl = global_mean([kl.sum(1).mean()])  # over every rank's batch (detail 24)
-            if kl_ctl is not None:
-                kl_ctl.update(mean_kl, args.prompts_per_update)
-                kl_coef = kl_ctl.value
+            if args.kl_target:
+                kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, args.prompts_per_update)
             if args.ref_update_every and update % args.ref_update_every == 0 and ref_policy is not None:
                 ref_policy.load_state_dict(policy.state_dict())
 
