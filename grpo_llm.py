@@ -1322,7 +1322,7 @@ def score(r, completions, rows, reward_model, rm_tokenizer, args):
 
 
 def training_forward(policy, r, mc, args):
-    """The training forward of micro-batch mc: log-probs and entropies (B, T) of its completions."""
+    """The training forward of micro-batch mc: log-probs and entropies (B, R) of its completions."""
     hidden = hidden_states(policy, r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"])
     return response_logprobs(policy, hidden, r["responses"][mc], args, with_entropy=True)
 
@@ -1414,7 +1414,7 @@ def main(args: Args | None = None):
             t0 = wall_clock(device)
             rows = [row for row in (next(prompts) for _ in range(B // G)) for _ in range(G)]
             r = rollout(policy, tokenizer, [row["prompt"] for row in rows], max_prompt_length, eos_ids, autocast)
-            responses, mask = r["responses"], r["mask"]  # (B, T)
+            responses, mask = r["responses"], r["mask"]  # (B, R)
             t1 = wall_clock(device)
 
             # 2. rewards: weighted reward functions or the reward model (detail 14), overlong punishment
@@ -1443,8 +1443,8 @@ def main(args: Args | None = None):
                     qr, am, W = r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"]
                     if args.num_iterations > 1 or by_entropy:  # detail 28: the whole batch's entropy first
                         hidden = hidden_states(policy, qr, am, W)
-                        logprobs, mc_entropy = response_logprobs(policy, hidden, responses[mc], args, by_entropy)
-                        old_logprobs.append(logprobs)
+                        mc_old_logprobs, mc_entropy = response_logprobs(policy, hidden, responses[mc], args, by_entropy)
+                        old_logprobs.append(mc_old_logprobs)
                         entropies.append(mc_entropy)
                     if ref_policy is not None:
                         with adapters_off(ref_policy):  # LoRA: the base is the reference (detail 23)
@@ -1459,8 +1459,7 @@ def main(args: Args | None = None):
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 12)
             policy.train()
             stats, losses, grad_norms = {}, [], []
-            # no token in the loss on any rank (e.g. every group's rewards equal under --dynamic-sampling): no update,
-            # and the log has no loss metrics
+            # no token in the loss on any rank (all groups equal under --dynamic-sampling, ...): no update, no loss
             if all_reduce(loss_mask.sum()) > 0:
                 for _ in range(args.num_iterations):
                     loss_sum, mc_stats = accumulate_gradients(policy, r, args, autocast, ddp)

@@ -1370,8 +1370,7 @@ def main(args: Args | None = None):
             responses, mask = r["responses"], r["mask"]  # (B, R)
             t1 = wall_clock(device)
 
-            # 2. old log-probs of policy and reference and the values, in the training's micro-batch shapes
-            # (detail 5); the scores of the responses
+            # 2. old and reference log-probs and the values, in the training's micro-batch shapes (detail 5); scores
             old_logprobs, ref_logprobs, values = [], [], []
             with torch.no_grad(), autocast:
                 for mc in torch.arange(B, device=device).split(args.micro_batch_size):
