@@ -1328,16 +1328,15 @@ def training_forward(policy, r, mc, args):
 
 
 def accumulate_gradients(policy, r, args, autocast, ddp=None):
-    """Forward and backward the whole batch, micro-batch by micro-batch, each loss weighted so that the accumulated
-    gradient is the batch's (detail 12); returns (the weighted loss, each micro-batch's stats). Under torchrun (detail
-    24) n_tokens is the union batch's loss tokens per rank, as DDP averages the ranks' gradients; no rank skips."""
+    """Forward and backward the whole batch, micro-batch by micro-batch; returns (the weighted loss, each micro-batch's
+    stats). Under torchrun n_tokens is the union batch's loss tokens per rank, as DDP averages the ranks' gradients."""
     loss_mask, B = r["loss_mask"], r["loss_mask"].shape[0]
     stats, loss_sum, n_tokens = {}, torch.zeros((), device=loss_mask.device), global_mean([loss_mask.sum()])
     micro_batches = torch.arange(B, device=loss_mask.device).split(args.micro_batch_size)
     for mc in micro_batches:
         mc_mask = loss_mask[mc]
         if mc_mask.sum() == 0 and ddp is None:
-            continue  # nothing of it is in the loss: its gradient would be 0
+            continue  # nothing of it is in the loss: its gradient would be 0 (under DDP it runs, detail 24)
         with autocast:
             logprobs, entropy = ddp_forward(ddp, mc is micro_batches[-1], training_forward, policy, r, mc, args)
         loss, mc_stats = grpo_loss(
@@ -1350,7 +1349,7 @@ def accumulate_gradients(policy, r, args, autocast, ddp=None):
             off_policy_mask_threshold=args.off_policy_mask_threshold,
             use_bias_correction_kl=args.use_bias_correction_kl,
         )  # fmt: skip
-        loss = loss * (mc_mask.sum() / n_tokens if args.loss_type in ("dapo", "cispo") else len(mc) / B)
+        loss = loss * (mc_mask.sum() / n_tokens if args.loss_type in ("dapo", "cispo") else len(mc) / B)  # detail 12
         if args.ent_coef:  # detail 31: a token mean over the batch, whatever the loss type
             loss = loss - args.ent_coef * (entropy * mc_mask).sum() / n_tokens
         loss.backward()
