@@ -1306,8 +1306,8 @@ def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast,
 
 def save(path, policy, tokenizer, value_head, critic, merged=False):
     """save_pretrained of the policy and its tokenizer (with LoRA the adapter, which peft loads on the base; with
-    merged=True also the merged model in path/merged), and of the value model: path/critic (trunk, its LoRA adapter,
-    tokenizer, value_head.pt), or path itself with --critic head. The value model reloads as
+    merged=True also the merged model in path/merged), and of the value model: path/critic (the trunk, an adapter with
+    LoRA; tokenizer; value_head.pt), or path itself with --critic head. The value model reloads as
         critic = AutoModel.from_pretrained(critic_dir)  # --critic head: AutoModel.from_pretrained(path)
         value_head = torch.nn.Linear(critic.config.hidden_size, 1)  # with its bias: HF's score layers have none
         value_head.load_state_dict(torch.load(os.path.join(critic_dir, "value_head.pt")))
