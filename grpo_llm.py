@@ -1473,7 +1473,6 @@ def main(args: Args | None = None):
             t3 = wall_clock(device)
 
             # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
-            n_completion_tokens = mask.sum().item()
             metrics = {"update": update, "episode": update * B * world, "reward": rewards.mean().item(),
                        "reward_std": rewards.view(-1, G).std(1).mean().item(),
                        "frac_reward_zero_std": zero_std.float().mean().item(),
@@ -1481,7 +1480,7 @@ def main(args: Args | None = None):
                        "completions/max_length": lengths.max().item(),
                        "completions/clipped_ratio": truncated.float().mean().item(),
                        "learning_rate": optimizer.param_groups[0]["lr"]}  # fmt: skip
-            metrics |= timing_metrics((t0, t1, t2, t3), start_time, n_completion_tokens, device)
+            metrics |= timing_metrics((t0, t1, t2, t3), start_time, mask.sum().item(), device)
             for name, s in zip(reward_names, scores.T):
                 metrics[f"rewards/{name}/mean"] = s.mean().item()
                 metrics[f"rewards/{name}/std"] = global_mean_var(s, torch.ones_like(s))[1].sqrt().item()
