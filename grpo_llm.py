@@ -322,10 +322,10 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
 
 
 def group_advantages(rewards, group_size, scale, leave_one_out=False):
-    """Advantage of each completion relative to its group (detail 3): rewards (B,) -> (B,), G contiguous each.
+    """Advantage of each completion relative to its group (detail 3), G contiguous completions a group:
     A_i = r_i - mean(group), or r_i - mean of the other G - 1 (leave_one_out, RLOO); then divided by std(group) + 1e-4
     (scale "group"), std(batch) + 1e-4 ("batch", every rank's, detail 24) or nothing ("none"), std Bessel-corrected.
-    A group of equal rewards gets exactly 0 (detail 8)."""
+    rewards (B,) -> advantages (B,), zero_std (P,): the groups of equal rewards, whose advantages are 0 (detail 8)."""
     grouped = rewards.view(-1, group_size)  # (P, G)
     if leave_one_out:
         baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
@@ -336,8 +336,8 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
         advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
     elif scale == "batch":
         advantages = advantages / (global_mean_var(rewards, torch.ones_like(rewards))[1].sqrt() + 1e-4)
-    equal = grouped.max(1, keepdim=True).values == grouped.min(1, keepdim=True).values
-    return advantages.masked_fill(equal, 0.0).view(-1)
+    zero_std = grouped.max(1).values == grouped.min(1).values  # (P,)
+    return advantages.masked_fill(zero_std[:, None], 0.0).view(-1), zero_std
 
 
 def high_entropy_mask(entropy, mask, quantile):
@@ -372,12 +372,14 @@ def grpo_loss(
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
     ratio = torch.exp(log_ratio)
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    clipped_ratio, capped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high), ratio.clamp(max=delta or torch.inf)
-    tau = torch.where(advantages > 0, *sapo_temperatures)
-    per_token_loss = {
-        "cispo": lambda: -ratio.clamp(max=1 + epsilon_high).detach() * advantages * logprobs,
-        "sapo": lambda: -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages,
-    }.get(loss_type, lambda: -torch.min(capped_ratio * advantages, clipped_ratio * advantages))()
+    if loss_type == "cispo":
+        per_token_loss = -ratio.clamp(max=1 + epsilon_high).detach() * advantages * logprobs
+    elif loss_type == "sapo":
+        tau = torch.where(advantages > 0, *sapo_temperatures)
+        per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+    else:
+        clipped_ratio, capped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high), ratio.clamp(max=delta or torch.inf)
+        per_token_loss = -torch.min(capped_ratio * advantages, clipped_ratio * advantages)
     per_token_loss = per_token_loss * entropy_mask
     if off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
         off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
@@ -1308,9 +1310,8 @@ def check_args(args):
                          f"{' per process' if world > 1 else ''})")  # fmt: skip
     if args.num_iterations < 1:
         raise SystemExit(f"error: --num-iterations must be at least 1 (got {args.num_iterations})")
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if epsilon_high < args.epsilon:
-        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {epsilon_high} and {args.epsilon})")
+    if args.epsilon_high is not None and args.epsilon_high < args.epsilon:
+        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high} and {args.epsilon})")
     if not 0 < args.top_entropy_quantile <= 1 or min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
         raise SystemExit("error: --top-entropy-quantile must be in (0, 1] and the --sapo-temperature-* > 0")
     if args.temperature <= 0:
@@ -1331,7 +1332,7 @@ def check_args(args):
 
 
 @torch.no_grad()
-def score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args):
+def score(r, completions, rows, reward_model, rm_tokenizer, args):
     """Step 2's scores (B, number of rewards): the reward model's, or each reward function's (detail 14)."""
     if reward_model is not None:
         return reward_model_scores(reward_model, rm_tokenizer, r["query_responses"], r["attention_mask"], rows,
@@ -1340,22 +1341,21 @@ def score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args):
 
 
 def training_forward(policy, r, mc, args):
-    """The training forward of micro-batch mc: log-probs and entropies (B, T) of its completions."""
+    """The training forward of micro-batch mc: log-probs and entropies (B, R) of its completions."""
     hidden = hidden_states(policy, r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"])
     return response_logprobs(policy, hidden, r["responses"][mc], args, with_entropy=True)
 
 
 def accumulate_gradients(policy, r, args, autocast, ddp=None):
-    """Forward and backward the whole batch, micro-batch by micro-batch, each loss weighted so that the accumulated
-    gradient is the batch's (detail 12); returns (the weighted loss, each micro-batch's stats). Under torchrun (detail
-    24) n_tokens is the union batch's loss tokens per rank, as DDP averages the ranks' gradients; no rank skips."""
+    """Forward and backward the whole batch, micro-batch by micro-batch; returns (the weighted loss, each micro-batch's
+    stats). Under torchrun n_tokens is the union batch's loss tokens per rank, as DDP averages the ranks' gradients."""
     loss_mask, B = r["loss_mask"], r["loss_mask"].shape[0]
     stats, loss_sum, n_tokens = {}, torch.zeros((), device=loss_mask.device), global_mean([loss_mask.sum()])
     micro_batches = torch.arange(B, device=loss_mask.device).split(args.micro_batch_size)
     for mc in micro_batches:
         mc_mask = loss_mask[mc]
         if mc_mask.sum() == 0 and ddp is None:
-            continue  # nothing of it is in the loss: its gradient would be 0
+            continue  # nothing of it is in the loss: its gradient would be 0 (under DDP it runs, detail 24)
         with autocast:
             logprobs, entropy = ddp_forward(ddp, mc is micro_batches[-1], training_forward, policy, r, mc, args)
         loss, mc_stats = grpo_loss(
@@ -1368,7 +1368,7 @@ def accumulate_gradients(policy, r, args, autocast, ddp=None):
             off_policy_mask_threshold=args.off_policy_mask_threshold,
             use_bias_correction_kl=args.use_bias_correction_kl,
         )  # fmt: skip
-        loss = loss * (mc_mask.sum() / n_tokens if args.loss_type in ("dapo", "cispo") else len(mc) / B)
+        loss = loss * (mc_mask.sum() / n_tokens if args.loss_type in ("dapo", "cispo") else len(mc) / B)  # detail 12
         if args.ent_coef:  # detail 31: a token mean over the batch, whatever the loss type
             loss = loss - args.ent_coef * (entropy * mc_mask).sum() / n_tokens
         loss.backward()
@@ -1432,13 +1432,12 @@ def main(args: Args | None = None):
             t0 = wall_clock(device)
             rows = [row for row in (next(prompts) for _ in range(B // G)) for _ in range(G)]
             r = rollout(policy, tokenizer, [row["prompt"] for row in rows], max_prompt_length, eos_ids, autocast)
-            query_responses, attention_mask, prompt_width = r["query_responses"], r["attention_mask"], r["prompt_width"]
-            responses, mask = r["responses"], r["mask"]  # (B, T)
+            responses, mask = r["responses"], r["mask"]  # (B, R)
             t1 = wall_clock(device)
 
             # 2. rewards: weighted reward functions or the reward model (detail 14), overlong punishment
             completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            scores = score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args).to(device)
+            scores = score(r, completions, rows, reward_model, rm_tokenizer, args).to(device)
             rewards = scores @ reward_weights  # (B,)
             lengths = mask.sum(1)
             if args.overlong_buffer:  # DAPO: linear from 0 to -penalty over the last --overlong-buffer lengths
@@ -1446,30 +1445,28 @@ def main(args: Args | None = None):
                 rewards = rewards - args.overlong_penalty * over
 
             # 3. advantages relative to the group (details 3, 8); which completions the loss sees
-            advantages = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)  # (B,)
-            grouped = rewards.view(-1, G)  # (prompts, G)
-            zero_std = (grouped.max(1).values == grouped.min(1).values).float()
+            advantages, zero_std = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)
             truncated = ~torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
             loss_mask = mask.clone()
             if args.dynamic_sampling:
-                loss_mask *= 1 - zero_std.repeat_interleave(G)[:, None]
+                loss_mask *= ~zero_std.repeat_interleave(G)[:, None]
             if args.mask_truncated_completions:
-                loss_mask *= (~truncated).float()[:, None]
+                loss_mask *= ~truncated[:, None]
             r |= dict(loss_mask=loss_mask, advantages=advantages)
 
             # 4. old log-probs (mu > 1) and reference log-probs, in the training's micro-batch shapes (detail 5)
             old_logprobs, ref_logprobs, entropies, by_entropy = [], [], [], args.top_entropy_quantile < 1
             with torch.no_grad(), autocast:
                 for mc in torch.arange(B, device=device).split(args.micro_batch_size):
-                    qr, am = query_responses[mc], attention_mask[mc]
+                    qr, am, W = r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"]
                     if args.num_iterations > 1 or by_entropy:  # detail 28: the whole batch's entropy first
-                        hidden = hidden_states(policy, qr, am, prompt_width)
-                        logprobs, mc_entropy = response_logprobs(policy, hidden, responses[mc], args, by_entropy)
-                        old_logprobs.append(logprobs)
+                        hidden = hidden_states(policy, qr, am, W)
+                        mc_old_logprobs, mc_entropy = response_logprobs(policy, hidden, responses[mc], args, by_entropy)
+                        old_logprobs.append(mc_old_logprobs)
                         entropies.append(mc_entropy)
                     if ref_policy is not None:
                         with adapters_off(ref_policy):  # LoRA: the base is the reference (detail 23)
-                            hidden = hidden_states(ref_policy, qr, am, prompt_width)
+                            hidden = hidden_states(ref_policy, qr, am, W)
                         ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
             r["old_logprobs"] = torch.cat(old_logprobs) if args.num_iterations > 1 else None
             r["ref_logprobs"] = torch.cat(ref_logprobs) if ref_logprobs else None
@@ -1480,33 +1477,33 @@ def main(args: Args | None = None):
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 12)
             policy.train()
             stats, losses, grad_norms = {}, [], []
-            n_tokens = all_reduce(loss_mask.sum())  # every rank's (detail 24)
-            num_iterations = args.num_iterations if n_tokens > 0 else 0  # no token in the loss: no update (logged)
-            for _ in range(num_iterations):
-                loss_sum, mc_stats = accumulate_gradients(policy, r, args, autocast, ddp)
-                for key, values in mc_stats.items():
-                    stats.setdefault(key, []).extend(values)
-                grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                check_finite(grad_norm, update, save_all)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(loss_sum)
-                grad_norms.append(grad_norm)
+            # no token in the loss on any rank (all groups equal under --dynamic-sampling, ...): no update, no loss
+            if all_reduce(loss_mask.sum()) > 0:
+                for _ in range(args.num_iterations):
+                    loss_sum, mc_stats = accumulate_gradients(policy, r, args, autocast, ddp)
+                    for key, values in mc_stats.items():
+                        stats.setdefault(key, []).extend(values)
+                    grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                    check_finite(grad_norm, update, save_all)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    losses.append(loss_sum)
+                    grad_norms.append(grad_norm)
             t3 = wall_clock(device)
 
             # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
-            n_completion_tokens = mask.sum().item()
             metrics = {"update": update, "episode": update * B * world, "reward": rewards.mean().item(),
-                       "reward_std": grouped.std(1).mean().item(), "frac_reward_zero_std": zero_std.mean().item(),
+                       "reward_std": rewards.view(-1, G).std(1).mean().item(),
+                       "frac_reward_zero_std": zero_std.float().mean().item(),
                        "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
                        "completions/max_length": lengths.max().item(),
                        "completions/clipped_ratio": truncated.float().mean().item(),
                        "learning_rate": optimizer.param_groups[0]["lr"]}  # fmt: skip
-            metrics |= timing_metrics((t0, t1, t2, t3), start_time, n_completion_tokens, device)
+            metrics |= timing_metrics((t0, t1, t2, t3), start_time, mask.sum().item(), device)
             for name, s in zip(reward_names, scores.T):
                 metrics[f"rewards/{name}/mean"] = s.mean().item()
                 metrics[f"rewards/{name}/std"] = global_mean_var(s, torch.ones_like(s))[1].sqrt().item()
-            if losses:
+            if losses:  # with the stats of grpo_loss (clip_ratio/*, importance_ratio/mean, kl) and entropy
                 metrics["loss"] = global_mean(losses)
                 metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
                 metrics |= {k: global_mean(v) for k, v in stats.items()}

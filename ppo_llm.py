@@ -341,15 +341,11 @@ def value_loss(values, old_values, returns, mask, clip_range):
     return loss, stats
 
 
-class AdaptiveKLController:
-    """Ziegler et al.'s beta controller: beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon)."""
-
-    def __init__(self, init_kl_coef, target, horizon):
-        self.value, self.target, self.horizon = init_kl_coef, target, horizon
-
-    def update(self, current_kl, n_steps):
-        proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
-        self.value *= 1 + proportional_error * n_steps / self.horizon
+def adaptive_kl_coef(kl_coef, kl, target, horizon, n_steps):
+    """Ziegler et al.'s proportional controller (detail 13), the beta after n_steps more sequences of mean KL kl:
+    beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon)."""
+    proportional_error = min(max(kl / target - 1, -0.2), 0.2)
+    return kl_coef * (1 + proportional_error * n_steps / horizon)
 
 
 # TASKS: prompts and reward functions (the arithmetic block is identical in grpo_llm.py and assets/)
@@ -1286,7 +1282,7 @@ def values_of(value_head, hidden):
 
 
 @torch.no_grad()
-def score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args):
+def score(r, completions, rows, reward_model, rm_tokenizer, args):
     """Step 2's scores (B,), one per response: the reward model's, or the reward function's against the answers."""
     if reward_model is None:
         return torch.tensor(load_reward_fn(args.reward_fn)(completions, rows))
@@ -1305,17 +1301,15 @@ def training_forward(policy, critic, value_head, r, mc, args):
 
 
 def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast, ddp=None):
-    """Forward and backward one minibatch, micro-batch by micro-batch, each token mean weighted by its share of the
-    minibatch's real tokens (detail 12); returns each micro-batch's stats. Under torchrun (detail 24) n_tokens is the
-    union minibatch's real tokens per rank, as DDP averages the ranks' gradients."""
+    """Forward and backward one minibatch, micro-batch by micro-batch (detail 12); returns each micro-batch's stats.
+    Under torchrun n_tokens is the union minibatch's real tokens per rank, as DDP averages the ranks' gradients."""
     stats, n_tokens = [], global_mean([r["mask"][mb_inds].sum()])
     micro_batches = mb_inds.split(args.micro_batch_size)
     for mc in micro_batches:
         mask = r["mask"][mc]
-        with autocast:
-            last = mc is micro_batches[-1]
+        with autocast:  # under DDP the last micro-batch's backward averages the gradients over the ranks
             logprobs, entropy, values = ddp_forward(
-                ddp, last, training_forward, policy, critic, value_head, r, mc, args
+                ddp, mc is micro_batches[-1], training_forward, policy, critic, value_head, r, mc, args
             )
         pg_loss, pg_stats = policy_loss(logprobs, r["old_logprobs"][mc], r["advantages"][mc], mask, args.cliprange)
         vf_loss, vf_stats = value_loss(values, r["values"][mc], r["returns"][mc], mask, args.cliprange_value)
@@ -1323,16 +1317,16 @@ def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast,
         loss = pg_loss + args.vf_coef * vf_loss
         if args.ent_coef:  # only then does backward go through the entropy
             loss = loss - args.ent_coef * entropy
-        (loss * mask.sum() / n_tokens).backward()
+        (loss * mask.sum() / n_tokens).backward()  # weighted by its share of the minibatch's real tokens (detail 12)
         stats.append(pg_stats | vf_stats | {"loss/policy_avg": pg_loss.detach(), "loss/value_avg": vf_loss.detach(),
                                             "policy/entropy_avg": entropy.detach()})  # fmt: skip
     return stats
 
 
 def save(path, policy, tokenizer, value_head, critic, merged=False):
-    """save_pretrained of the policy and its tokenizer; the value model is one directory too: path/critic (trunk,
-    tokenizer, value_head.pt), or path itself with --critic head. With LoRA they hold adapters (peft loads them on
-    the base); merged=True also writes the merged policy to path/merged. The value model reloads as
+    """save_pretrained of the policy and its tokenizer (with LoRA the adapter, which peft loads on the base; with
+    merged=True also the merged model in path/merged), and of the value model: path/critic (the trunk, an adapter with
+    LoRA; tokenizer; value_head.pt), or path itself with --critic head. The value model reloads as
         critic = AutoModel.from_pretrained(critic_dir)  # --critic head: AutoModel.from_pretrained(path)
         value_head = torch.nn.Linear(critic.config.hidden_size, 1)  # with its bias: HF's score layers have none
         value_head.load_state_dict(torch.load(os.path.join(critic_dir, "value_head.pt")))
@@ -1364,7 +1358,6 @@ def main(args: Args | None = None):
     params, optimizer, ddp = build_optimizer(args, device, [policy, critic, value_head], [ref_policy], world)
     checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
     kl_coef = checkpoint.get("kl_coef", args.kl_coef) if args.kl_target else args.kl_coef
-    kl_ctl = AdaptiveKLController(kl_coef, args.kl_target, args.kl_horizon) if args.kl_target else None
     prompts = PromptStream(itertools.islice(load_prompts(args, tokenizer), rank, None, world),  # rank-strided
                            checkpoint.get("prompt_cursor", 0))  # fmt: skip
     eval_problems = eval_rows(args, tokenizer) if args.eval_every and rank == 0 else None
@@ -1373,7 +1366,6 @@ def main(args: Args | None = None):
     models = dict(policy=policy, critic=critic, value_head=value_head,
                   ref_policy=ref_policy if args.ref_update_every else None)  # fmt: skip
     B = args.prompts_per_update // world  # this rank's share (detail 24)
-    mini_batch_size = B // args.num_mini_batches
     evaluate_policy = eval_problems and functools.partial(
         evaluate, policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn), eos_ids, B, autocast
     )
@@ -1397,8 +1389,7 @@ def main(args: Args | None = None):
             responses, mask = r["responses"], r["mask"]  # (B, R)
             t1 = wall_clock(device)
 
-            # 2. old log-probs of policy and reference and the values, in the training's micro-batch shapes
-            # (detail 5); the scores of the responses
+            # 2. old and reference log-probs and the values, in the training's micro-batch shapes (detail 5); scores
             old_logprobs, ref_logprobs, values = [], [], []
             with torch.no_grad(), autocast:
                 for mc in torch.arange(B, device=device).split(args.micro_batch_size):
@@ -1413,7 +1404,7 @@ def main(args: Args | None = None):
             old_logprobs, values = torch.cat(old_logprobs), torch.cat(values)
             ref_logprobs = torch.cat(ref_logprobs) if ref_policy is not None else old_logprobs
             completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            scores = score(r, completions, rows, reward_model, rm_tokenizer, tokenizer, args).to(device)
+            scores = score(r, completions, rows, reward_model, rm_tokenizer, args).to(device)
             contains_eos = torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contains_eos).float()
@@ -1445,7 +1436,7 @@ def main(args: Args | None = None):
             stats = []
             for _ in range(args.num_ppo_epochs):
                 epoch_stats = []
-                for mb_inds in torch.randperm(B, device=device).split(mini_batch_size):
+                for mb_inds in torch.randperm(B, device=device).split(B // args.num_mini_batches):
                     epoch_stats += accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast, ddp)
                     check_finite(nn.utils.clip_grad_norm_(params, args.max_grad_norm), update, save_all)
                     optimizer.step()
@@ -1458,9 +1449,8 @@ def main(args: Args | None = None):
 
             # 6. KL controller and reference refresh
             mean_kl = global_mean([kl.sum(1).mean()])  # over every rank's batch (detail 24)
-            if kl_ctl is not None:
-                kl_ctl.update(mean_kl, args.prompts_per_update)
-                kl_coef = kl_ctl.value
+            if args.kl_target:
+                kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, args.prompts_per_update)
             if args.ref_update_every and update % args.ref_update_every == 0 and ref_policy is not None:
                 ref_policy.load_state_dict(policy.state_dict())
 
@@ -1473,6 +1463,7 @@ def main(args: Args | None = None):
                        "val/num_eos_tokens": int(contains_eos.sum().item()), "val/mean_length": n_tokens / B,
                        "lr": optimizer.param_groups[0]["lr"]}  # fmt: skip
             metrics |= timing_metrics((t0, t1, t2, t3), start_time, n_tokens, device)
+            # the stats of policy_loss (policy/*, val/ratio), value_loss (val/clipfrac_avg), the losses and entropy
             metrics |= {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
             metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
             if rows[0]["answer"] is not None:  # the reward function's verdict, beside a reward model too

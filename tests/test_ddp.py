@@ -87,8 +87,8 @@ def worker(rank, world, init_file):
     full = union_batch()
     expected = {case: update(case, full, ddp_on=False) for case in CASES}  # one process, the whole batch
     rewards = full["values"][:, 0]
-    whitened, group_advantages = ppo_llm.masked_whiten(full["advantages"], full["mask"]), grpo_llm.group_advantages(
-        rewards, 2, "batch")  # fmt: skip
+    whitened = ppo_llm.masked_whiten(full["advantages"], full["mask"])
+    group_advantages = grpo_llm.group_advantages(rewards, 2, "batch")[0]
     entropy_mask = grpo_llm.high_entropy_mask(full["advantages"], full["loss_mask"], 0.2)  # random "entropies"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     mine = slice(rank * B // world, (rank + 1) * B // world)
@@ -103,7 +103,7 @@ def worker(rank, world, init_file):
             assert abs(stats[key] - want) < 1e-5 * (1 + abs(want)), (case, key, stats[key], want)
     # the batch statistics: whitening, score normalisation, GRPO's batch std, the top-entropy quantile, the metrics
     torch.testing.assert_close(ppo_llm.masked_whiten(r["advantages"], r["mask"]), whitened[mine])
-    torch.testing.assert_close(grpo_llm.group_advantages(rewards[mine], 2, "batch"), group_advantages[mine])
+    torch.testing.assert_close(grpo_llm.group_advantages(rewards[mine], 2, "batch")[0], group_advantages[mine])
     torch.testing.assert_close(grpo_llm.high_entropy_mask(r["advantages"], r["loss_mask"], 0.2), entropy_mask[mine])
     metrics = {"update": 3, "mean": float(rank), "n": rank + 1, "lo": rank + 5.0}
     metrics = ppo_llm.global_metrics(metrics, {"n": "sum", "lo": "min"})

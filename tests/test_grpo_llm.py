@@ -26,26 +26,28 @@ REWARDS = t([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
 def test_group_advantages_group_scale():
     # group 1: mean 2, std = sqrt((1 + 0 + 1) / 2) = 1 -> (r - 2) / (1 + 1e-4); group 2: equal rewards -> 0
     expected = t([-1 / 1.0001, 0.0, 1 / 1.0001, 0.0, 0.0, 0.0])
-    torch.testing.assert_close(grpo_llm.group_advantages(REWARDS, 3, "group"), expected)
+    advantages, zero_std = grpo_llm.group_advantages(REWARDS, 3, "group")
+    torch.testing.assert_close(advantages, expected)
+    assert zero_std.tolist() == [False, True]
 
 
 def test_group_advantages_batch_scale():
     # group means 2 and 5; batch std: mean 21/6 = 3.5, squares 6.25 + 2.25 + 0.25 + 3 * 2.25 = 15.5,
     # var = 15.5 / 5 = 3.1, std = 1.7606817
     expected = t([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]) / (math.sqrt(3.1) + 1e-4)
-    torch.testing.assert_close(grpo_llm.group_advantages(REWARDS, 3, "batch"), expected)
+    torch.testing.assert_close(grpo_llm.group_advantages(REWARDS, 3, "batch")[0], expected)
 
 
 def test_group_advantages_no_scale():
-    torch.testing.assert_close(grpo_llm.group_advantages(REWARDS, 3, "none"), t([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(grpo_llm.group_advantages(REWARDS, 3, "none")[0], t([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]))
 
 
 def test_group_advantages_leave_one_out():
     # baselines of group 1: (2 + 3) / 2 = 2.5, (1 + 3) / 2 = 2, (1 + 2) / 2 = 1.5 -> -1.5, 0, 1.5
-    out = grpo_llm.group_advantages(REWARDS, 3, "none", leave_one_out=True)
+    out, _ = grpo_llm.group_advantages(REWARDS, 3, "none", leave_one_out=True)
     torch.testing.assert_close(out, t([-1.5, 0.0, 1.5, 0.0, 0.0, 0.0]))
     # with group scale: / (std 1 + 1e-4)
-    out = grpo_llm.group_advantages(REWARDS, 3, "group", leave_one_out=True)
+    out, _ = grpo_llm.group_advantages(REWARDS, 3, "group", leave_one_out=True)
     torch.testing.assert_close(out, t([-1.5, 0.0, 1.5, 0.0, 0.0, 0.0]) / 1.0001)
 
 
@@ -54,8 +56,9 @@ def test_group_advantages_leave_one_out():
 def test_group_advantages_equal_rewards_are_exactly_zero(scale, leave_one_out):
     # 0.1 and 0.7 are not exact in binary: the group mean may be off by an ulp, yet the advantage is 0
     rewards = t([0.1, 0.1, 0.1, 0.7, 0.7, 0.7])
-    out = grpo_llm.group_advantages(rewards, 3, scale, leave_one_out)
+    out, zero_std = grpo_llm.group_advantages(rewards, 3, scale, leave_one_out)
     assert torch.equal(out, torch.zeros(6))
+    assert zero_std.tolist() == [True, True]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GPT2LMH
 
 import ppo_llm
 from ppo_llm import (
-    AdaptiveKLController,
+    adaptive_kl_coef,
     compute_gae,
     kl_penalty,
     lm_head_logprobs,
@@ -151,11 +151,10 @@ def test_value_loss_clipping():
 
 
 def test_adaptive_kl_controller():
-    ctl = AdaptiveKLController(0.1, target=6.0, horizon=10000)
-    ctl.update(12.0, n_steps=100)  # error clip(12/6 - 1, -0.2, 0.2) = 0.2: beta = 0.1 * (1 + 0.2 * 100/10000)
-    assert ctl.value == pytest.approx(0.1002)
-    ctl.update(5.4, n_steps=1000)  # error 5.4/6 - 1 = -0.1: beta = 0.1002 * (1 - 0.1 * 0.1) = 0.099198
-    assert ctl.value == pytest.approx(0.099198)
+    beta = adaptive_kl_coef(0.1, 12.0, target=6.0, horizon=10000, n_steps=100)
+    assert beta == pytest.approx(0.1002)  # error clip(12/6 - 1, -0.2, 0.2) = 0.2: beta = 0.1 * (1 + 0.2 * 100/10000)
+    beta = adaptive_kl_coef(beta, 5.4, target=6.0, horizon=10000, n_steps=1000)
+    assert beta == pytest.approx(0.099198)  # error 5.4/6 - 1 = -0.1: beta = 0.1002 * (1 - 0.1 * 0.1) = 0.099198
 
 
 def test_truncate_after_eos():
