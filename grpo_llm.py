@@ -1106,9 +1106,8 @@ def save_checkpoint(logger, models, optimizer, state):
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
     weights = {name: model.state_dict() for name, model in models.items() if model is not None}
-    state |= dict(
-        weights=weights, optimizer=optimizer.state_dict(), rng=rng, wandb_id=getattr(logger.wandb, "id", None)
-    )
+    wandb_id = getattr(logger.wandb, "id", None)
+    state |= dict(weights=weights, optimizer=optimizer.state_dict(), rng=rng, wandb_id=wandb_id)
     path = os.path.join(logger.run_dir, "checkpoint.pt")
     with open(path + ".tmp", "wb") as f:
         torch.save(state, f)
