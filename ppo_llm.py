@@ -858,9 +858,8 @@ def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_m
 
 
 def load_models(args, device):
-    """(tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids), each failure a one-line error:
-    the policy on the CPU (details 18, 19, 20, 23), the frozen reward model on `device` in its checkpoint dtype,
-    rm_tokenizer None when the reward model reads the policy's own tokens (the ids are then scored as they are)."""
+    """(tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids): the policy on the CPU (details 18
+    to 20, 23), the frozen reward model on `device` in its checkpoint dtype; each failure a one-line error."""
     args.model = resolve(args.model)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
@@ -909,9 +908,7 @@ def load_models(args, device):
 def setup(args):
     """Seeds, device and autocast (detail 19). Returns (device, autocast, a line saying which)."""
     transformers.utils.logging.disable_progress_bar()
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    transformers.set_seed(args.seed)  # python's random, numpy, torch
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and device.type == "cuda")
     precision = "fp32 weights, bf16 autocast" if bf16 else "fp32 weights and compute"
@@ -927,24 +924,23 @@ class RunLogger:
         name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
         self.run_dir = args.resume or os.path.join(args.output_dir, name)  # a resumed run appends to its own
         os.makedirs(self.run_dir, exist_ok=True)
+        config = asdict(args) | {"device": str(device), "precision": precision}
         with open(os.path.join(self.run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args) | {"device": str(device), "precision": precision}, f, indent=1)
-        self.metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
-        self.samples = open(os.path.join(self.run_dir, "samples.jsonl"), "a")
+            json.dump(config, f, indent=1)
+        # line-buffered: each line is on disk as soon as it is written (tail -f)
+        self.metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1)
+        self.samples = open(os.path.join(self.run_dir, "samples.jsonl"), "a", buffering=1)
         self.tensorboard = SummaryWriter(self.run_dir)
         self.wandb = None
         if args.track:
             import wandb
 
-            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity,
-                                    name=os.path.basename(os.path.normpath(self.run_dir)),
-                                    config=vars(args) | {"device": str(device), "precision": precision},
-                                    dir=self.run_dir, save_code=True, id=wandb_id,
-                                    resume="allow" if wandb_id else None)  # fmt: skip
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=config,
+                                    name=os.path.basename(os.path.normpath(self.run_dir)), dir=self.run_dir,
+                                    save_code=True, id=wandb_id, resume="allow" if wandb_id else None)  # fmt: skip
 
     def log(self, metrics):
         self.metrics.write(json.dumps(metrics) + "\n")
-        self.metrics.flush()
         for key in metrics.keys() - {"update"}:  # the same names as metrics.jsonl (`tensorboard --logdir runs`)
             self.tensorboard.add_scalar(key, metrics[key], metrics["update"])
         self.tensorboard.flush()
@@ -956,7 +952,6 @@ class RunLogger:
             self.samples.write(json.dumps(sample) + "\n")
             numbers = "  ".join(f"{k} {v:.2f}" for k, v in sample.items() if isinstance(v, float))
             print(f"  {sample['prompt']!r} -> {sample['completion']!r}  {numbers}")
-        self.samples.flush()
 
     def close(self):
         for f in [self.metrics, self.samples, self.tensorboard]:
@@ -1070,9 +1065,8 @@ def save_checkpoint(logger, models, optimizer, state):
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
     weights = {name: model.state_dict() for name, model in models.items() if model is not None}
-    state |= dict(
-        weights=weights, optimizer=optimizer.state_dict(), rng=rng, wandb_id=getattr(logger.wandb, "id", None)
-    )
+    wandb_id = getattr(logger.wandb, "id", None)
+    state |= dict(weights=weights, optimizer=optimizer.state_dict(), rng=rng, wandb_id=wandb_id)
     path = os.path.join(logger.run_dir, "checkpoint.pt")
     with open(path + ".tmp", "wb") as f:
         torch.save(state, f)
@@ -1087,31 +1081,13 @@ def load_checkpoint(run_dir):
     return torch.load(path, map_location="cpu", weights_only=False) if path else {}  # (not only tensors)
 
 
-def restore_checkpoint(checkpoint, models, optimizer, learning_rate):
-    """A checkpoint's weights, optimizer and RNG states back, last before the loop, so that sampling goes on where the
-    saved run stopped. The learning rate is --learning-rate's: a flag given on resuming wins."""
-    for name, weights in checkpoint.get("weights", {}).items():
-        if models.get(name) is not None:
-            models[name].load_state_dict(weights)
-    if checkpoint:
-        print(f"resuming after update {checkpoint['update']} of the saved run")
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        optimizer.param_groups[0]["lr"] = learning_rate
-        rng = checkpoint["rng"]
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-
-
 def build_optimizer(args, device, trained, frozen, world):
     """The models onto the device, activation checkpointing (HF's works in train mode only: step 5), defaults for the
     policy's size. Returns (trainable parameters, with LoRA the adapters; AdamW; DDP of the trained models or None)."""
-    for model in trained + frozen:
+    trained = [model.to(device) for model in trained if model is not None]
+    for model in frozen:
         if model is not None:
             model.to(device)
-    trained = [m for m in trained if m is not None]
     for model in trained if args.gradient_checkpointing else []:
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable()
@@ -1127,13 +1103,25 @@ def build_optimizer(args, device, trained, frozen, world):
 
 
 def start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, world):
-    """The update to start after: 0 after evaluating the initial policy, or the checkpoint's with its state restored
-    (detail 22); under torchrun each rank then draws its own samples (detail 24)."""
-    if evaluate_policy and not checkpoint:
+    """The update to start after: the checkpoint's, with its weights, AdamW and RNG states back last before the loop
+    so that sampling goes on where the saved run stopped (detail 22); or 0 after evaluating the initial policy."""
+    if checkpoint:
+        for name, weights in checkpoint["weights"].items():
+            if models.get(name) is not None:
+                models[name].load_state_dict(weights)
+        print(f"resuming after update {checkpoint['update']} of the saved run")
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.param_groups[0]["lr"] = args.learning_rate  # a flag given on resuming wins
+        rng = checkpoint["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    elif evaluate_policy:
         evaluation = evaluate_policy()
         logger.log({"update": 0, "episode": 0} | evaluation)
         print(f"update 0: {eval_line(evaluation)}")
-    restore_checkpoint(checkpoint, models, optimizer, args.learning_rate)
     update = checkpoint.get("update", 0)
     if world > 1:  # every rank holds rank 0's weights (DDP's broadcast) and draws its own samples
         torch.manual_seed(args.seed + rank + world * update)
@@ -1141,8 +1129,7 @@ def start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, wo
 
 
 def timing_metrics(t, start_time, n_tokens, device):
-    """time/* and perf/* of one update, from its wall-clock marks t = (t0, t1, t2, t3); the peak memory is CUDA's
-    allocations on a GPU, the process's resident set (ru_maxrss, KiB) on a CPU."""
+    """time/* and perf/* of one update, from its wall-clock marks t = (t0, t1, t2, t3); ru_maxrss is in KiB."""
     return {"time/generation": t[1] - t[0], "time/scoring": t[2] - t[1], "time/update": t[3] - t[2],
             "time/elapsed": time.time() - start_time, "perf/tokens_per_sec": n_tokens / (t[3] - t[0]),
             "perf/peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
@@ -1211,9 +1198,7 @@ def ddp_forward(ddp, sync, fn, *inputs):
     only where sync (the last micro-batch; the others accumulate locally). No-grad passes run the bare models."""
     if ddp is None:
         return fn(*inputs)
-    if sync:
-        return ddp(fn, *inputs)
-    with ddp.no_sync():
+    with contextlib.nullcontext() if sync else ddp.no_sync():
         return ddp(fn, *inputs)
 
 
