@@ -1475,6 +1475,7 @@ def main(args: Args | None = None):
     print(f"saved the policy to {save_all()}")
     logger.close()
     if dist.is_initialized():
+        dist.barrier()  # the other ranks wait while rank 0 saves: one that tears gloo down first can abort at exit
         dist.destroy_process_group()
     return logger.run_dir
 
