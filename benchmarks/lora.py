@@ -1,8 +1,9 @@
 """LoRA (--lora-r) against full fine-tuning, both LLM scripts, on this machine (CPU, fp32: no autocast there).
 
-(a) memory and time: each script for 1 update on a GPT-2-124M-shaped model built from its config (random
-    weights, 50257 tokens, so responses run to --max-new-tokens), with and without --lora-r, each run in its own
-    process: peak resident set (perf/peak_memory_mb, ru_maxrss, loading included) and seconds of that update
+(a) memory and time: each script for 1 update on GPT-2-124M- and Qwen2-0.5B-shaped models built from their configs
+    (random weights, vocabularies of 50257 and 151936 tokens, so responses run to --max-new-tokens; Qwen2 with
+    --critic head: a separate 0.5B critic would double the trained state), with and without --lora-r, each run in its
+    own process: peak resident set (perf/peak_memory_mb, ru_maxrss, loading included) and seconds of that update
     (the first, warm-up included);
 (b) learning: `ppo_llm.py` defaults on the embedded task for --updates updates, full fine-tuning (lr 1e-4, the
     default) against LoRA (--lora-r 16, lr 1e-3: LoRA usually wants ~10x), 3 seeds, held-out accuracy.
@@ -24,7 +25,8 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from llm_speed import gpt2_shaped_model, machine_name  # noqa: E402
+from llm_speed import machine_name  # noqa: E402
+from scale import RUNS  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results")
 
@@ -51,21 +53,30 @@ def run(script, flags, out):
 
 
 def memory_part(args, results):
-    shape = ["--total-steps", "1", "--max-new-tokens", "4", "--micro-batch-size", "8", "--eval-every", "0",
-             "--sample-every", "0"]  # fmt: skip
+    common = ["--total-steps", "1", "--max-new-tokens", "4", "--micro-batch-size", "8", "--eval-every", "0",
+              "--sample-every", "0"]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        model = gpt2_shaped_model(os.path.join(tmp, "gpt2-124m"))
+        # built in a child process: a run's ru_maxrss starts at this process's resident set when it forks
+        gpt2, qwen2 = os.path.join(tmp, "gpt2-124m"), os.path.join(RUNS, "scale_models", "qwen2-0.5b")
+        code = f"import llm_speed, scale; llm_speed.gpt2_shaped_model({gpt2!r}); scale.build('qwen2-0.5b')"
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.join(ROOT, "benchmarks"))
+        gpt2, qwen2 = ["--model", gpt2], ["--model", qwen2, "--dataset", f"{qwen2}/prompts.jsonl"]
         ppo = ["--prompts-per-update", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1"]
         grpo = ["--prompts-per-update", "2", "--num-generations", "4", "--micro-batch-size", "4", "--beta", "0.04"]
-        for script, batch in [("ppo_llm.py", ppo), ("grpo_llm.py", grpo)][: 2 if args.grpo else 1]:
+        runs = [
+            ("GPT-2-124M", "ppo_llm.py", gpt2, ppo),
+            ("Qwen2-0.5B", "ppo_llm.py", qwen2, ppo + ["--critic", "head"]),
+        ]
+        runs += [("GPT-2-124M", "grpo_llm.py", gpt2, grpo)] if args.grpo else []
+        for shape, script, model, flags in runs:
             for lora in [[], ["--lora-r", str(args.lora_r)]]:
                 with tempfile.TemporaryDirectory() as out:
-                    m = run(script, ["--model", model, *shape, *batch, *lora], out)[-1]
-                name = f"{script} {'--lora-r ' + str(args.lora_r) if lora else '(full)'}"
+                    m = run(script, [*common, *model, *flags, *lora], out)[-1]
+                name = f"{shape}: {script} {'--lora-r ' + str(args.lora_r) if lora else '(full)'}"
                 results["memory"][name] = {
                     "peak_rss_mb": m["perf/peak_memory_mb"],
                     "s_per_update": m["time/generation"] + m["time/scoring"] + m["time/update"],
-                    "flags": " ".join(batch + lora),
+                    "flags": " ".join(flags + lora),
                 }
                 print(name, results["memory"][name], flush=True)
                 save(results)
@@ -88,7 +99,7 @@ def save(results):
         json.dump(results, f, indent=1)
     lines = [f"# LoRA against full fine-tuning\n\nMachine: {results['machine']}; CPU, fp32 (no autocast on CPU).\n"]
     if results["memory"]:
-        lines += ["## GPT-2-124M shape (random weights, built from its config), 1 update, 4 new tokens\n",
+        lines += ["## GPT-2-124M and Qwen2-0.5B shapes (random weights, from their configs), 1 update, 4 new tokens\n",
                   "| run | batch flags | peak RSS (MB) | s / update (the first) |", "|---|---|---|---|"]  # fmt: skip
         lines += [f"| {k} | `{v['flags']}` | {v['peak_rss_mb']:.0f} | {v['s_per_update']:.1f} |"
                   for k, v in results["memory"].items()]  # fmt: skip
@@ -135,6 +146,7 @@ def main():
             results = json.load(f)
     results["args_" + args.part] = vars(args)
     if args.part in ("both", "memory"):
+        results["memory"] = {}  # measured again in full
         memory_part(args, results)
     if args.part in ("both", "learning"):
         learning_part(args, results)

@@ -1,11 +1,12 @@
 """ppo_llm.py and grpo_llm.py at realistic sizes: s/update split into generation / scoring / training, tokens/s
 and peak memory, beside TRL at the same configuration, plus the LM head's memory and a memory estimate.
 
-Models are built from their configs with random weights (no download) into benchmarks/runs/scale_models/, with
-a WordLevel tokenizer over synthetic tokens that covers the vocabulary; EOS is 1 token in 50k+, so responses run
-to --max-new-tokens. The reward is the arithmetic reward function (all zeros on this text: timing only) or a
-random-init reward model. Each run is a subprocess; the first of --updates is warm-up. TRL runs when its directory
-exists (TRL 1.12 for PPO, `trl.experimental.ppo`; current TRL for GRPO), installed beside the shared venv:
+Models are built from their configs with random weights (no download) into benchmarks/runs/scale_models/, with a
+tokenizer of one token per character padded with filler tokens to the vocabulary; EOS is 1 token in 50k+, so
+responses run to --max-new-tokens. The reward is the arithmetic reward function (all zeros on this text: timing
+only) or a random-init reward model. Each run is a subprocess; the first of --updates is warm-up. TRL runs when
+its directory exists (TRL 1.12 for PPO, `trl.experimental.ppo`; current TRL for GRPO), installed beside the
+shared venv:
 
     pip install --no-deps --target benchmarks/runs/trl112 trl==1.12.0 accelerate psutil
     pip install --no-deps --target benchmarks/runs/trl116 trl==1.16.0 accelerate psutil
@@ -63,7 +64,8 @@ class Args:
     head: bool = True
     """run the LM-head memory micro-benchmark"""
     profile: bool = False
-    """only time one training micro-batch of the GPT-2-124M PPO config: trunk vs LM head, forward vs backward"""
+    """only time one training micro-batch of the GPT-2-124M PPO config (trunk vs LM head, forward vs backward) and
+    one AdamW step (loop vs fused)"""
     child: str | None = None
     """internal: run one measurement in this process (a JSON spec) and print its result as JSON"""
 
@@ -71,16 +73,20 @@ class Args:
 def build(shape):
     """Directory with a random-init causal LM, a 1-label reward model of the same trunk, a tokenizer, prompts."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     path = os.path.join(RUNS, "scale_models", shape)
     if os.path.exists(os.path.join(path, "done")):
         return path
     cls, kwargs = SHAPES[shape]
     config = getattr(transformers, cls)(**kwargs, pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {f"t{i}": i for i in range(3, config.vocab_size)}
+    # one token per character, then filler tokens up to the vocabulary's size (transformers 5 loads a tokenizer saved
+    # beside a Qwen2 config as Qwen2Tokenizer, which keeps a character split but not a whitespace one)
+    tokens = ["<pad>", "<eos>", "<unk>"] + [chr(c) for c in range(33, 127)]
+    vocab = {t: i for i, t in enumerate(tokens + [f"<{i}>" for i in range(config.vocab_size - len(tokens))])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
                                                      unk_token="<unk>", padding_side="left")  # fmt: skip
     torch.manual_seed(0)
@@ -93,7 +99,7 @@ def build(shape):
     rng = random.Random(0)
     with open(os.path.join(path, "prompts.jsonl"), "w") as f:
         for _ in range(256):
-            prompt = " ".join(f"t{rng.randrange(3, 1000)}" for _ in range(PROMPT_TOKENS))
+            prompt = "".join(rng.choice(tokens[3:]) for _ in range(PROMPT_TOKENS))
             f.write(json.dumps({"prompt": prompt, "answer": "0"}) + "\n")
     open(os.path.join(path, "done"), "w").close()
     return path
@@ -256,7 +262,8 @@ def head_benchmark(B=4, T=256, H=768, V=151936):
 
 def profile(shape="gpt2-124m", micro=8, new=64, repeats=3):
     """Seconds of one training micro-batch of the policy, split: trunk forward, head forward (log-probs + entropy,
-    ppo_llm's lm_head_logprobs), head backward (recomputes the chunks), trunk backward. Medians over `repeats`."""
+    ppo_llm's lm_head_logprobs), head backward (recomputes the chunks), trunk backward; and of one AdamW step over
+    its parameters, torch's per-parameter loop against fused. Medians over `repeats`."""
     import transformers
 
     sys.path.insert(0, ROOT)
@@ -280,7 +287,17 @@ def profile(shape="gpt2-124m", micro=8, new=64, repeats=3):
         policy.zero_grad(set_to_none=True)
         times.append([t1 - t0, t2 - t1, t3 - t2, t4 - t3])
     keys = ["trunk forward", "head forward", "head backward", "trunk backward"]
-    return {k: median([t[i] for t in times[1:]]) for i, k in enumerate(keys)}
+    result = {k: median([t[i] for t in times[1:]]) for i, k in enumerate(keys)}
+    for p in policy.parameters():
+        p.grad = torch.randn_like(p)
+    for name, kwargs in [("AdamW step, loop", {"foreach": False}), ("AdamW step, fused", {"fused": True})]:
+        optimizer, steps = torch.optim.AdamW(policy.parameters(), lr=1e-5, **kwargs), []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            optimizer.step()
+            steps.append(time.perf_counter() - t0)
+        result[name] = median(steps[1:])
+    return result
 
 
 def estimate_gb(params, layers, hidden, vocab, seq, micro, batch, trained=1, frozen=1, checkpointing=False, bf16=True,
