@@ -964,7 +964,11 @@ class RunLogger:
 def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast):
     """Step 1: the prompts left-padded (detail 7) and cut on the left, a sampled response each, cut after its first EOS
     (detail 2). Returns {query_responses, attention_mask (B, Q + R), responses, mask (B, R) float, prompt_width Q}."""
-    enc = tokenize_texts(tokenizer, prompts, max_prompt_length).to(policy.device)
+    enc = tokenize_texts(tokenizer, prompts, max_prompt_length)
+    empty = [prompt for prompt, n in zip(prompts, enc.attention_mask.sum(1).tolist()) if n == 0]
+    if empty:  # generate() would fail deep inside
+        raise SystemExit(f"error: prompt {empty[0]!r} is no tokens to --model's tokenizer (empty? a wrong tokenizer?)")
+    enc = enc.to(policy.device)
     policy.eval()
     with autocast:
         responses = generate(policy, enc.input_ids, enc.attention_mask)

@@ -242,6 +242,7 @@ BAD_FILES = {
     "noanswer.csv": "prompt,answer\n1+1=,2\n2+2=,\n",
     "badmessages.jsonl": '{"prompt": [{"content": "hi"}], "answer": "2"}\n',
     "broken.json": '[{"prompt": "1+1="',
+    "emptyprompt.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "", "answer": "0"}\n',
 }
 
 
@@ -255,6 +256,7 @@ BAD_FILES = {
         (dict(dataset="noanswer.csv"), "noanswer.csv: row 2 has no --answer-column answer, which the reward"),
         (dict(dataset="badmessages.jsonl"), "row 1: the prompt is neither a string nor a list of {role, content}"),
         (dict(dataset="broken.json"), "broken.json could not be loaded ("),
+        (dict(dataset="emptyprompt.jsonl"), "prompt '' is no tokens to --model's tokenizer (empty? a wrong"),
         (dict(chat_template=True), "has no chat template, which --chat-template and --system-prompt need"),
         (dict(reward_model="RM2", reward_label=2), "--reward-label 2 is not a logit of --reward-model"),
         (dict(reward_fn="nowhere.py:f"), "--reward-fn nowhere.py:f: not one of ['arithmetic', 'format', 'gsm8k'], "
