@@ -1029,7 +1029,7 @@ def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast):
     enc = tokenize_texts(tokenizer, prompts, max_prompt_length)
     empty = [prompt for prompt, n in zip(prompts, enc.attention_mask.sum(1).tolist()) if n == 0]
     if empty:  # generate() would fail deep inside
-        raise SystemExit(f"error: prompt {empty[0]!r} is no tokens to --model's tokenizer (empty? a wrong tokenizer?)")
+        raise SystemExit(f"error: prompt {empty[0]!r} encodes to no tokens with --model's tokenizer (a wrong one?)")
     enc = enc.to(policy.device)
     policy.eval()
     with autocast:
@@ -1110,9 +1110,9 @@ def parse_args(argv=None):
     named_groups = [(group.__name__.lower(), group) for group in groups]
     Sections = make_dataclass("Sections", named_groups, namespace={"__doc__": Args.__doc__})
 
-    def cli(default):
-        default = Sections(*[group(**{f.name: getattr(default, f.name) for f in fields(group)}) for group in groups])
-        sections = tyro.cli(Sections, args=argv, default=default, config=(tyro.conf.OmitArgPrefixes,))
+    def cli(defaults):  # an Args, split into its groups for tyro
+        split = Sections(*[group(**{f.name: getattr(defaults, f.name) for f in fields(group)}) for group in groups])
+        sections = tyro.cli(Sections, args=argv, default=split, config=(tyro.conf.OmitArgPrefixes,))
         return Args(**{k: v for section in asdict(sections).values() for k, v in section.items()})
 
     args = cli(Args())
@@ -1164,7 +1164,7 @@ def build_optimizer(args, device, trained, frozen, world):
         args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
         print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
     params = [p for m in trained for p in m.parameters() if p.requires_grad]
-    # fused: one kernel over all parameters (on the CPU 11x faster per step than the default loop at 124M)
+    # fused: one kernel over all parameters (0.06 s a step at 124M on a CPU, 0.64 s as torch's default loop)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
     return params, optimizer, nn.parallel.DistributedDataParallel(TrainedModels(trained)) if world > 1 else None
 

@@ -1,10 +1,10 @@
 """LoRA (--lora-r) against full fine-tuning, both LLM scripts, on this machine (CPU, fp32: no autocast there).
 
-(a) memory and time: each script for 1 update on GPT-2-124M- and Qwen2-0.5B-shaped models built from their configs
-    (random weights, vocabularies of 50257 and 151936 tokens, so responses run to --max-new-tokens; Qwen2 with
-    --critic head: a separate 0.5B critic would double the trained state), with and without --lora-r, each run in its
-    own process: peak resident set (perf/peak_memory_mb, ru_maxrss, loading included) and seconds of that update
-    (the first, warm-up included);
+(a) memory and time: each script for 1 update on benchmarks/scale.py's GPT-2-124M- and Qwen2-0.5B-shaped models
+    and the arithmetic prompts (random weights, vocabularies of 50257 and 151936: responses run to --max-new-tokens;
+    Qwen2 with --critic head: a separate 0.5B critic would double the trained state), with and without --lora-r,
+    each run in its own process: peak resident set (perf/peak_memory_mb, ru_maxrss, loading included) and seconds
+    of that update (the first, warm-up included);
 (b) learning: `ppo_llm.py` defaults on the embedded task for --updates updates, full fine-tuning (lr 1e-4, the
     default) against LoRA (--lora-r 16, lr 1e-3: LoRA usually wants ~10x), 3 seeds, held-out accuracy.
 Runs are sequential, niced; results go to benchmarks/results/lora.json and lora.md as they come.
@@ -26,7 +26,7 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from llm_speed import machine_name  # noqa: E402
-from scale import RUNS  # noqa: E402
+from scale import build  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results")
 
@@ -55,31 +55,27 @@ def run(script, flags, out):
 def memory_part(args, results):
     common = ["--total-steps", "1", "--max-new-tokens", "4", "--micro-batch-size", "8", "--eval-every", "0",
               "--sample-every", "0"]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        # built in a child process: a run's ru_maxrss starts at this process's resident set when it forks
-        gpt2, qwen2 = os.path.join(tmp, "gpt2-124m"), os.path.join(RUNS, "scale_models", "qwen2-0.5b")
-        code = f"import llm_speed, scale; llm_speed.gpt2_shaped_model({gpt2!r}); scale.build('qwen2-0.5b')"
-        subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.join(ROOT, "benchmarks"))
-        gpt2, qwen2 = ["--model", gpt2], ["--model", qwen2, "--dataset", f"{qwen2}/prompts.jsonl"]
-        ppo = ["--prompts-per-update", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1"]
-        grpo = ["--prompts-per-update", "2", "--num-generations", "4", "--micro-batch-size", "4", "--beta", "0.04"]
-        runs = [
-            ("GPT-2-124M", "ppo_llm.py", gpt2, ppo),
-            ("Qwen2-0.5B", "ppo_llm.py", qwen2, ppo + ["--critic", "head"]),
-        ]
-        runs += [("GPT-2-124M", "grpo_llm.py", gpt2, grpo)] if args.grpo else []
-        for shape, script, model, flags in runs:
-            for lora in [[], ["--lora-r", str(args.lora_r)]]:
-                with tempfile.TemporaryDirectory() as out:
-                    m = run(script, [*common, *model, *flags, *lora], out)[-1]
-                name = f"{shape}: {script} {'--lora-r ' + str(args.lora_r) if lora else '(full)'}"
-                results["memory"][name] = {
-                    "peak_rss_mb": m["perf/peak_memory_mb"],
-                    "s_per_update": m["time/generation"] + m["time/scoring"] + m["time/update"],
-                    "flags": " ".join(flags + lora),
-                }
-                print(name, results["memory"][name], flush=True)
-                save(results)
+    # scale.py's models, built in a child process; their one-token-per-character tokenizers read the arithmetic prompts
+    gpt2, qwen2 = ["--model", build("gpt2-124m")], ["--model", build("qwen2-0.5b")]
+    ppo = ["--prompts-per-update", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1"]
+    grpo = ["--prompts-per-update", "2", "--num-generations", "4", "--micro-batch-size", "4", "--beta", "0.04"]
+    runs = [
+        ("GPT-2-124M", "ppo_llm.py", gpt2, ppo),
+        ("Qwen2-0.5B", "ppo_llm.py", qwen2, ppo + ["--critic", "head"]),
+    ]
+    runs += [("GPT-2-124M", "grpo_llm.py", gpt2, grpo)] if args.grpo else []
+    for shape, script, model, flags in runs:
+        for lora in [[], ["--lora-r", str(args.lora_r)]]:
+            with tempfile.TemporaryDirectory() as out:
+                m = run(script, [*common, *model, *flags, *lora], out)[-1]
+            name = f"{shape}: {script} {'--lora-r ' + str(args.lora_r) if lora else '(full)'}"
+            results["memory"][name] = {
+                "peak_rss_mb": m["perf/peak_memory_mb"],
+                "s_per_update": m["time/generation"] + m["time/scoring"] + m["time/update"],
+                "flags": " ".join(flags + lora),
+            }
+            print(name, results["memory"][name], flush=True)
+            save(results)
 
 
 def learning_part(args, results):

@@ -71,13 +71,18 @@ class Args:
 
 
 def build(shape):
-    """Directory with a random-init causal LM, a 1-label reward model of the same trunk, a tokenizer, prompts."""
+    """Directory with a random-init causal LM, a 1-label reward model of the same trunk, a tokenizer, prompts; built
+    once, in a child process: a run's ru_maxrss starts at its parent's resident set, which the models would raise."""
+    path = os.path.join(RUNS, "scale_models", shape)
+    if not os.path.exists(os.path.join(path, "done")):
+        subprocess.run([PY, __file__, "--child", json.dumps({"kind": "build", "shape": shape})], check=True)
+    return path
+
+
+def build_child(shape, path):
     import transformers
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    path = os.path.join(RUNS, "scale_models", shape)
-    if os.path.exists(os.path.join(path, "done")):
-        return path
     cls, kwargs = SHAPES[shape]
     config = getattr(transformers, cls)(**kwargs, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     # one token per character, then filler tokens up to the vocabulary's size (transformers 5 loads a tokenizer saved
@@ -102,7 +107,6 @@ def build(shape):
             prompt = "".join(rng.choice(tokens[3:]) for _ in range(PROMPT_TOKENS))
             f.write(json.dumps({"prompt": prompt, "answer": "0"}) + "\n")
     open(os.path.join(path, "done"), "w").close()
-    return path
 
 
 def median(xs):
@@ -379,6 +383,8 @@ def main():
     args = tyro.cli(Args)
     if args.child:
         spec = json.loads(args.child)
+        if spec["kind"] == "build":
+            return build_child(spec["shape"], os.path.join(RUNS, "scale_models", spec["shape"]))
         return head_child(spec) if spec["kind"] == "head" else trl_child(spec)
     if args.profile:
         return print(json.dumps(profile()))

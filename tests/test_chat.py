@@ -256,7 +256,7 @@ BAD_FILES = {
         (dict(dataset="noanswer.csv"), "noanswer.csv: row 2 has no --answer-column answer, which the reward"),
         (dict(dataset="badmessages.jsonl"), "row 1: the prompt is neither a string nor a list of {role, content}"),
         (dict(dataset="broken.json"), "broken.json could not be loaded ("),
-        (dict(dataset="emptyprompt.jsonl"), "prompt '' is no tokens to --model's tokenizer (empty? a wrong"),
+        (dict(dataset="emptyprompt.jsonl"), "prompt '' encodes to no tokens with --model's tokenizer (a wrong one?)"),
         (dict(chat_template=True), "has no chat template, which --chat-template and --system-prompt need"),
         (dict(reward_model="RM2", reward_label=2), "--reward-label 2 is not a logit of --reward-model"),
         (dict(reward_fn="nowhere.py:f"), "--reward-fn nowhere.py:f: not one of ['arithmetic', 'format', 'gsm8k'], "
@@ -302,8 +302,8 @@ def test_help_and_flags(capsys):
         text = capsys.readouterr().out
         assert "(default:" in text and not re.search(r"\(default:[^)]*\)[\s│]*\(default:", text)
         # one section per group of Args, in the order of the source, each flag in its own group's section
-        headings = ["experiment options", "models options", "generation options", "algorithm options", "logging"]
-        at = [text.index(heading) for heading in headings] + [len(text)]
+        groups = ["experiment", "models", "generation", "algorithm", "logging"]
+        at = [text.index(f"{group} options") for group in groups] + [len(text)]
         for i, flag in enumerate(["--seed", "--dataset", "--temperature", "--learning-rate", "--eval-every"]):
             assert at[i] < re.search(rf"\n\W*{flag} ", text).start() < at[i + 1]
         assert at == sorted(at) and "--experiment." not in text
