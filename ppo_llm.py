@@ -710,17 +710,18 @@ def logit_postprocessing(config):
 
 def head_chunk(hidden, weight, bias, temperature, scale, softcap):
     """One chunk's post-processed logits z = softcap(scale * a) / temperature, a = h W^T + b: (N, H) -> (N, V),
-    fp32, the matmul in the dtype that its inputs were cast to."""
-    logits = F.linear(hidden, weight, bias).float() * scale  # the log-sum-exp arithmetic is always fp32
+    fp32, the matmul in the dtype that its inputs were cast to. In place after the matmul: every new (N, V) tensor
+    is another pass over memory (and, on a CPU, fresh pages from the kernel)."""
+    z = F.linear(hidden, weight, bias).float()  # the log-sum-exp arithmetic is always fp32
     if softcap:
-        logits = softcap * torch.tanh(logits / softcap)
-    return logits / temperature
+        return z.mul_(scale / softcap).tanh_().mul_(softcap / temperature)
+    return z.mul_(scale / temperature) if scale != temperature else z
 
 
 class ChunkedHead(torch.autograd.Function):
     """lm_head_logprobs' autograd. Forward keeps no logits, only each token's logsumexp (and entropy); backward
     recomputes the logits chunk by chunk and adds each chunk's gradient in place to one weight (and bias)
-    gradient buffer, where autograd through the chunks would make and sum a (V, H) weight gradient per chunk."""
+    gradient, where autograd through the chunks would make and sum a (V, H) weight gradient per chunk."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, scale, softcap, with_entropy, dtype):
@@ -730,12 +731,13 @@ class ChunkedHead(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):  # the matmul runs in `dtype`
             for i in range(0, len(hidden), n):
                 s = slice(i, i + n)
-                z = head_chunk(hidden[s].to(dtype), w, b, temperature, scale, softcap)
-                logsumexp[s] = torch.logsumexp(z, dim=-1)
-                logprobs[s] = z.gather(-1, labels[s, None])[:, 0] - logsumexp[s]
-                if with_entropy:
-                    entropy[s] = logsumexp[s] - (torch.softmax(z, dim=-1) * z).sum(-1)
-                del z  # before the next chunk's logits exist
+                logp = head_chunk(hidden[s].to(dtype), w, b, temperature, scale, softcap)
+                logsumexp[s] = torch.logsumexp(logp, dim=-1)
+                logp -= logsumexp[s, None]  # log softmax, in place
+                logprobs[s] = logp.gather(-1, labels[s, None])[:, 0]
+                if with_entropy:  # H = -sum_v p_v log p_v
+                    entropy[s] = -torch.linalg.vecdot(logp.exp(), logp)
+                del logp  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, bias, labels, logsumexp, entropy)
         ctx.settings = temperature, scale, softcap, dtype, n
         ctx.set_materialize_grads(False)  # an output that the loss does not use gets None: its terms are skipped
@@ -743,37 +745,40 @@ class ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
+        """With g = d loss / d log p_y and g_H = d loss / d H: d log p_y / d z_j = δ_jy - p_j and
+        d H / d z_j = -p_j (log p_j + H), so d loss / d z_j = g δ_jy - p_j (g + g_H (log p_j + H))."""
         hidden, weight, bias, labels, logsumexp, entropy = ctx.saved_tensors
         temperature, scale, softcap, dtype, n = ctx.settings
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
-        # one buffer each, None for a frozen head (LoRA); the weight's and bias's sum in fp32 whatever their dtype
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if ctx.needs_input_grad[2] else None
+        grad_weight = grad_bias = None  # stay None for a frozen head (LoRA); summed in fp32 whatever their dtype
         with torch.autocast(hidden.device.type, enabled=False):
             for i in range(0, len(hidden), n):
-                s = slice(i, i + n)
-                h = hidden[s].to(dtype)
-                z = head_chunk(h, w, b, temperature, scale, softcap)
-                p, grad = (z - logsumexp[s, None]).exp_(), torch.zeros_like(z)  # softmax(z); d loss / d z
-                if grad_logprobs is not None:  # log p_y = z_y - logsumexp(z), so d log p_y / d z = onehot(y) - p
-                    grad.addcmul_(p, grad_logprobs[s, None], value=-1)
+                s, h = slice(i, i + n), hidden[i : i + n].to(dtype)
+                logp = head_chunk(h, w, b, temperature, scale, softcap)
+                # d softcap tanh(x / softcap) / d x = 1 - tanh^2 = 1 - (temperature z / softcap)^2
+                d_softcap = 1 - (logp * (temperature / softcap)) ** 2 if softcap else None
+                logp -= logsumexp[s, None]
+                grad = logp.exp()  # p, then d loss / d z
+                if grad_entropy is not None:
+                    coef = logp.add_(entropy[s, None]).mul_(grad_entropy[s, None])  # in place of logp
+                    grad.mul_(coef if grad_logprobs is None else coef.add_(grad_logprobs[s, None])).neg_()
+                else:
+                    grad.mul_(-grad_logprobs[s, None])
+                if grad_logprobs is not None:
                     grad[torch.arange(len(h)), labels[s]] += grad_logprobs[s]
-                if grad_entropy is not None:  # H = logsumexp(z) - sum_k p_k z_k, d p_k / d z_j = p_k (δ_kj - p_j):
-                    # d H / d z_j = p_j - (p_j + p_j z_j - p_j sum_k p_k z_k) = -p_j (z_j - mean), mean = E_p[z]
-                    mean = logsumexp[s] - entropy[s]
-                    grad.addcmul_(p, (z - mean[:, None]).mul_(grad_entropy[s, None]), value=-1)
-                del p
-                if softcap:  # d softcap tanh(x / softcap) / d x = 1 - tanh^2 = 1 - (temperature z / softcap)^2
-                    grad *= 1 - (z * (temperature / softcap)) ** 2
-                grad *= scale / temperature  # d loss / d a
+                del logp
+                if softcap:
+                    grad *= d_softcap
+                if scale != temperature:
+                    grad *= scale / temperature  # d loss / d a
                 if grad_hidden is not None:  # d a / d h = W
                     grad_hidden[s] = grad.to(dtype) @ w
-                if grad_weight is not None:  # d a / d W = h, summed over the tokens in place
-                    grad_weight.addmm_(grad.T, h.float())
-                if grad_bias is not None:
-                    grad_bias += grad.sum(0)
-                del z, grad
+                if ctx.needs_input_grad[1]:  # d a / d W = h, summed over the chunks in place
+                    grad_weight = grad.T @ h.float() if i == 0 else grad_weight.addmm_(grad.T, h.float())
+                if ctx.needs_input_grad[2]:
+                    grad_bias = grad.sum(0) if i == 0 else grad_bias.add_(grad.sum(0))
+                del grad
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
