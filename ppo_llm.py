@@ -553,7 +553,7 @@ class PromptStream:
 
 # MODELS: loading, generation, the forward pass and its head, scores
 
-LM_HEAD_CHUNK = 2**24  # logits that exist at once in lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
+LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
 
 
 def resolve(path):
@@ -736,7 +736,7 @@ class ChunkedHead(torch.autograd.Function):
                 logp -= logsumexp[s, None]  # log softmax, in place
                 logprobs[s] = logp.gather(-1, labels[s, None])[:, 0]
                 if with_entropy:  # H = -sum_v p_v log p_v
-                    entropy[s] = -torch.linalg.vecdot(logp.exp(), logp)
+                    entropy[s] = logp.exp().mul_(logp).sum(-1).neg_()
                 del logp  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, bias, labels, logsumexp, entropy)
         ctx.settings = temperature, scale, softcap, dtype, n
@@ -757,7 +757,7 @@ class ChunkedHead(torch.autograd.Function):
                 s, h = slice(i, i + n), hidden[i : i + n].to(dtype)
                 logp = head_chunk(h, w, b, temperature, scale, softcap)
                 # d softcap tanh(x / softcap) / d x = 1 - tanh^2 = 1 - (temperature z / softcap)^2
-                d_softcap = 1 - (logp * (temperature / softcap)) ** 2 if softcap else None
+                d_softcap = (logp * (temperature / softcap)).square_().neg_().add_(1) if softcap else None
                 logp -= logsumexp[s, None]
                 grad = logp.exp()  # p, then d loss / d z
                 if grad_entropy is not None:
@@ -788,8 +788,8 @@ def lm_head_logprobs(hidden, head, labels, temperature, scale=1.0, softcap=None,
     """Log-probs of labels (B, T) and, optionally, entropies (B, T) of the next-token distributions, from the last
     hidden states (B, T, H) and the output embedding `head`, in chunks of tokens (details 4, 9, 18).
 
-    logits = softcap(scale * head(h)) / temperature;  log p(y) = logits[y] - logsumexp(logits);
-    H = logsumexp(logits) - sum_v softmax(logits)_v * logits_v.  At most LM_HEAD_CHUNK logits exist at once."""
+    logits = softcap(scale * head(h)) / temperature;  log p = logits - logsumexp(logits);  H = -sum_v p_v log p_v.
+    Two or three tensors the size of one chunk (at most LM_HEAD_CHUNK logits) exist at once."""
     (B, T), device = labels.shape, hidden.device.type
     if fp32:  # the matmul in fp32 even under autocast (--cast-lm-head-to-fp32)
         dtype = torch.float32

@@ -79,10 +79,11 @@ def check(hidden, head, labels, coefs, temperature, scale, softcap, fp32=True, u
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("weight_grad", [True, False])  # False: a frozen head, as under LoRA
-def test_matches_full_logits(monkeypatch, chunk_logits, softcap, bias, weight_grad):
+@pytest.mark.parametrize("temperature, scale", [(0.7, 1.3), (1.0, 1.0)])  # (1, 1): the multiplications skipped
+def test_matches_full_logits(monkeypatch, chunk_logits, softcap, bias, weight_grad, temperature, scale):
     monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", chunk_logits)
     hidden, head, labels, coefs = inputs(bias, weight_grad)
-    check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=softcap)
+    check(hidden, head, labels, coefs, temperature=temperature, scale=scale, softcap=softcap)
 
 
 @pytest.mark.parametrize("use", [(0,), (1,)])  # the loss uses one output: the other's gradient is None
