@@ -141,12 +141,12 @@ def ours(name, updates):
 
 def trl(name, updates):
     """The same config under TRL, in a subprocess with TRL's directory on PYTHONPATH; None when it is absent."""
+    if "--critic head" in " ".join(CONFIGS[name][-1]):
+        return {"error": "not run: TRL's PPO trains a separate value model, not a head on the policy's trunk"}
     script = CONFIGS[name][1]
     target = os.path.join(RUNS, "trl112" if script == "ppo" else "trl116")
     if not os.path.isdir(target):
         return None
-    if "--critic" in CONFIGS[name][-1]:
-        return {"error": "not run: TRL's PPO trains a separate value model, not a head on the policy's trunk"}
     env = os.environ | {"PYTHONPATH": target, "TRL_EXPERIMENTAL_SILENCE": "1"}
     spec = json.dumps({"kind": f"trl-{script}", "name": name, "updates": updates})
     done = subprocess.run([PY, __file__, "--child", spec], env=env, capture_output=True, text=True)
@@ -399,8 +399,13 @@ def main():
     results, head = saved["results"], saved["head"]  # configs not run this time keep their last results
     for name in args.runs:
         print(f"{name}: ours ...", flush=True)
-        key = f"{name}, {GLIBC_NO_TRIM}" if os.environ.get("MALLOC_TRIM_THRESHOLD_") else name  # children inherit it
-        r = results[key] = {"ours": ours(name, args.updates), "updates": args.updates, "command": sys.argv[1:]}
+        glibc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"}
+        r = results[f"{name}, {GLIBC_NO_TRIM}" if glibc else name] = {  # the children inherit glibc's settings
+            "ours": ours(name, args.updates),
+            "updates": args.updates,
+            "command": sys.argv[1:],
+            "env": glibc,
+        }
         if args.trl:
             print(f"{name}: TRL ...", flush=True)
             r["trl"] = trl(name, args.updates)
