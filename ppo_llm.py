@@ -397,8 +397,8 @@ def final_answer(text, strict=False):
         stated = [m for m in re.findall(marker, text, flags=re.IGNORECASE) if re.search(NUMBER, m)]
         if stated:
             return float(re.sub(r"[$,\s]", "", re.search(NUMBER, stated[-1]).group()))
-    numbers = [] if strict else re.findall(NUMBER, text)
-    return float(re.sub(r"[$,\s]", "", numbers[-1])) if numbers else None
+    found = [] if strict else re.findall(NUMBER, text)
+    return float(re.sub(r"[$,\s]", "", found[-1])) if found else None
 
 
 def gsm8k_reward(completions: list[str], answers: list[str]) -> list[float]:
@@ -955,8 +955,8 @@ class RunLogger:
     def log_samples(self, samples):
         for sample in samples:
             self.samples.write(json.dumps(sample) + "\n")
-            numbers = "  ".join(f"{k} {v:.2f}" for k, v in sample.items() if isinstance(v, float))
-            print(f"  {sample['prompt']!r} -> {sample['completion']!r}  {numbers}")
+            values = "  ".join(f"{k} {v:.2f}" for k, v in sample.items() if isinstance(v, float))
+            print(f"  {sample['prompt']!r} -> {sample['completion']!r}  {values}")
 
     def close(self):
         for f in [self.metrics, self.samples, self.tensorboard]:
