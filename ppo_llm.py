@@ -759,12 +759,11 @@ class ChunkedHead(torch.autograd.Function):
                 # d softcap tanh(x / softcap) / d x = 1 - tanh^2 = 1 - (temperature z / softcap)^2
                 d_softcap = (logp * (temperature / softcap)).square_().neg_().add_(1) if softcap else None
                 logp -= logsumexp[s, None]
-                grad = logp.exp()  # p, then d loss / d z
+                grad = logp.exp()  # p, then d loss / d z = g δ_jy - p_j c_j, c_j = g + g_H (log p_j + H)
+                c = 0.0 if grad_logprobs is None else grad_logprobs[s, None]
                 if grad_entropy is not None:
-                    coef = logp.add_(entropy[s, None]).mul_(grad_entropy[s, None])  # in place of logp
-                    grad.mul_(coef if grad_logprobs is None else coef.add_(grad_logprobs[s, None])).neg_()
-                else:
-                    grad.mul_(-grad_logprobs[s, None])
+                    c = logp.add_(entropy[s, None]).mul_(grad_entropy[s, None]).add_(c)  # in place of logp
+                grad.mul_(c).neg_()
                 if grad_logprobs is not None:
                     grad[torch.arange(len(h)), labels[s]] += grad_logprobs[s]
                 del logp
@@ -1107,7 +1106,7 @@ def build_optimizer(args, device, trained, frozen, world):
         args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
         print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
     params = [p for m in trained for p in m.parameters() if p.requires_grad]
-    # fused: one kernel over all parameters (0.06 s a step at 124M on a CPU, 0.64 s as torch's default loop)
+    # fused: one kernel over all parameters (0.04 s a step at 124M on a CPU, 0.70 s as torch's default loop)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
     return params, optimizer, nn.parallel.DistributedDataParallel(TrainedModels(trained)) if world > 1 else None
 

@@ -425,8 +425,9 @@ def write(out, device, results, head):
              "training | tokens/s | peak GiB | estimate GiB | ours/TRL s/update | ours/TRL peak |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, r in results.items():
-        shape, script, prompts, gens, new, micro, extra = CONFIGS[name.split(",")[0]]
-        P, L, H, V, kv, trained, frozen = MEASURED[name.split(",")[0]]
+        config = name.split(",")[0]  # without ", glibc keeps freed memory"
+        shape, script, prompts, gens, new, micro, extra = CONFIGS[config]
+        P, L, H, V, kv, trained, frozen = MEASURED[config]
         est = estimate_gb(P, L, H, V, PROMPT_TOKENS + new, micro, prompts * gens, trained, frozen,
                           bf16=device == "cuda", kv_dim=kv, cpu=device == "cpu")  # fmt: skip
         r["ours"]["estimate_gb"] = est
