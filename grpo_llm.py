@@ -1344,7 +1344,7 @@ def accumulate_gradients(policy, r, args, autocast, ddp=None):
     """Forward and backward the whole batch, micro-batch by micro-batch; returns (the weighted loss, each micro-batch's
     stats). Under torchrun n_tokens is the union batch's loss tokens per rank, as DDP averages the ranks' gradients."""
     loss_mask, B = r["loss_mask"], r["loss_mask"].shape[0]
-    stats, loss_sum, n_tokens = {}, torch.zeros((), device=loss_mask.device), global_mean([loss_mask.sum()])
+    stats, loss_sum, n_tokens = [], torch.zeros((), device=loss_mask.device), global_mean([loss_mask.sum()])
     micro_batches = torch.arange(B, device=loss_mask.device).split(args.micro_batch_size)
     for mc in micro_batches:
         mc_mask = loss_mask[mc]
@@ -1367,9 +1367,7 @@ def accumulate_gradients(policy, r, args, autocast, ddp=None):
             loss = loss - args.ent_coef * (entropy * mc_mask).sum() / n_tokens
         loss.backward()
         loss_sum += loss.detach()  # no .item() per micro-batch: one sync at logging
-        mc_stats["entropy"] = masked_mean(entropy.detach(), mc_mask)
-        for key, value in mc_stats.items():
-            stats.setdefault(key, []).append(value)
+        stats.append(mc_stats | {"entropy": masked_mean(entropy.detach(), mc_mask)})
     return loss_sum, stats
 
 
@@ -1470,13 +1468,12 @@ def main(args: Args | None = None):
 
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 12)
             policy.train()
-            stats, losses, grad_norms = {}, [], []
+            stats, losses, grad_norms = [], [], []
             # no token in the loss on any rank (all groups equal under --dynamic-sampling, ...): no update, no loss
             if all_reduce(loss_mask.sum()) > 0:
                 for _ in range(args.num_iterations):
-                    loss_sum, mc_stats = accumulate_gradients(policy, r, args, autocast, ddp)
-                    for key, values in mc_stats.items():
-                        stats.setdefault(key, []).extend(values)
+                    loss_sum, mb_stats = accumulate_gradients(policy, r, args, autocast, ddp)
+                    stats += mb_stats
                     grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                     check_finite(grad_norm, update, save_all)
                     optimizer.step()
@@ -1500,7 +1497,7 @@ def main(args: Args | None = None):
             if losses:  # with the stats of grpo_loss (clip_ratio/*, importance_ratio/mean, kl) and entropy
                 metrics["loss"] = global_mean(losses)
                 metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
-                metrics |= {k: global_mean(v) for k, v in stats.items()}
+                metrics |= {k: global_mean([s[k] for s in stats]) for k in stats[0]}
             metrics = global_metrics(metrics, {"completions/min_length": "min", "completions/max_length": "max",
                                                "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"})  # fmt: skip
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):

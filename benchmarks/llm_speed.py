@@ -13,7 +13,6 @@ benchmarks/results/llm_speed_<device>.md and .json.
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo_llm  # noqa: E402
 import ppo_llm  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from scale import machine_name  # noqa: E402
 
 
 @dataclass
@@ -117,14 +119,6 @@ def run_script(module, model_path, args, extra):
     return result
 
 
-def machine_name(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_name()
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line), "?")
-    return f"{model}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-
-
 def main():
     args = tyro.cli(Args)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
@@ -138,7 +132,7 @@ def main():
         results = {name: run_script(module, model_path, args, extra) for name, (module, extra) in runs.items()}
         floors = {b: bare_generate_seconds(model_path, b, args, device, args.updates)
                   for b in {r["batch_size"] for r in results.values()}}  # fmt: skip
-    machine = machine_name(device)
+    machine = f"{machine_name(device.type)}, torch threads {torch.get_num_threads()}"
     name = "gpt2-124m-shape" if args.gpt2_shape else "arith-sft"
     lines = [
         f"Model {name}, up to {args.max_new_tokens} new tokens, {'bf16 autocast on ' if device.type == 'cuda' else ''}"

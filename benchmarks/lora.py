@@ -25,8 +25,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from llm_speed import machine_name  # noqa: E402
-from scale import build  # noqa: E402
+from scale import build, machine_name  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results")
 
@@ -136,7 +135,7 @@ def plot(learning):
 
 def main():
     args = tyro.cli(Args)
-    results = {"machine": machine_name(__import__("torch").device("cpu")), "memory": {}, "learning": {}}
+    results = {"machine": machine_name("cpu"), "memory": {}, "learning": {}}
     if os.path.exists(os.path.join(OUT, "lora.json")):  # one part at a time keeps the other's results
         with open(os.path.join(OUT, "lora.json")) as f:
             results = json.load(f)

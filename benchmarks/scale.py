@@ -358,8 +358,9 @@ def hub_estimates():
     return rows
 
 
-def machine_name():
-    if torch.cuda.is_available():
+def machine_name(device):
+    """The GPU's name, or the CPU's model, cores and memory (also used by llm_speed.py and lora.py)."""
+    if device == "cuda":
         return torch.cuda.get_device_name()
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line), "?")
@@ -418,7 +419,7 @@ def main():
 def write(out, device, results, head):
     """benchmarks/results/scale_<device>.md and .json from every config measured so far; returns the markdown."""
     precision, peak = ("bf16 autocast", "max_memory_allocated") if device == "cuda" else ("fp32", "the peak RSS")
-    lines = [f"Machine: {machine_name()}, torch {torch.__version__}, {precision}. "
+    lines = [f"Machine: {machine_name(device)}, torch {torch.__version__}, {precision}. "
              "Command: `python benchmarks/scale.py --runs NAME --updates N`; seconds are medians over the N - 1 "
              f"updates after 1 of warm-up; peak memory is {peak} of the process.", "",
              "| config (prompts x generations x new tokens, micro-batch) | N | run | s/update | generation | scoring | "
@@ -452,7 +453,7 @@ def write(out, device, results, head):
     with open(out + ".md", "w") as f:
         f.write(table + "\n")
     with open(out + ".json", "w") as f:
-        json.dump({"machine": machine_name(), "device": device, "results": results, "head": head,
+        json.dump({"machine": machine_name(device), "device": device, "results": results, "head": head,
                    "hub_estimates_gb": hub}, f, indent=1)  # fmt: skip
     return table
 

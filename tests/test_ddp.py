@@ -63,7 +63,9 @@ def update(case, r, ddp_on):
         args = grpo_llm.Args(micro_batch_size=2, epsilon_high=0.28, beta=0.04, loss_type=variant, max_new_tokens=R)
         ddp = torch.nn.parallel.DistributedDataParallel(grpo_llm.TrainedModels(trained)) if ddp_on else None
         loss, stats = grpo_llm.accumulate_gradients(trained[0], r, args, nullcontext(), ddp)
-        stats = {k: grpo_llm.global_mean(v) for k, v in stats.items()} | {"loss": grpo_llm.global_mean([loss])}
+        stats = {k: grpo_llm.global_mean([s[k] for s in stats]) for k in stats[0]} | {
+            "loss": grpo_llm.global_mean([loss])
+        }
     params = [p for m in trained for p in m.parameters()]
     grads = [p.grad.clone() for p in params]
     torch.nn.utils.clip_grad_norm_(params, 0.5)
