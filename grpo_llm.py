@@ -388,11 +388,11 @@ def grpo_loss(
     kl = kl_penalty(logprobs, ref_logprobs, "k3") * correction if ref_logprobs is not None else None
     if beta:
         per_token_loss = per_token_loss + beta * kl
-    lengths, rows = mask.sum(1).clamp(min=1), logprobs.shape[0]
+    lengths, n = mask.sum(1).clamp(min=1), logprobs.shape[0]  # tokens per completion, completions
     if loss_type in ("grpo", "sapo"):
-        normaliser = lengths * rows
+        normaliser = lengths * n
     else:
-        normaliser = rows * max_completion_length if loss_type == "dr_grpo" else mask.sum().clamp(min=1)
+        normaliser = n * max_completion_length if loss_type == "dr_grpo" else mask.sum().clamp(min=1)
     loss = ((per_token_loss * mask).sum(1) / normaliser).sum()
     with torch.no_grad():
         low = (ratio < 1 - epsilon) & (advantages < 0)  # clipped where the min picks the clipped term
@@ -603,10 +603,11 @@ def load_prompts(args, tokenizer):
 
 
 class PromptStream:
-    """load_prompts' rows, counted (detail 22): a resumed run re-creates the seeded stream and skips `cursor` rows."""
+    """load_prompts' rows for this rank (rows rank, rank + world, ...: detail 24), counted (detail 22): a resumed run
+    re-creates the seeded stream and skips the `cursor` rows it has drawn."""
 
-    def __init__(self, rows, cursor=0):
-        self.rows, self.cursor = itertools.islice(rows, cursor, None), cursor
+    def __init__(self, rows, rank, world, cursor):
+        self.rows, self.cursor = itertools.islice(rows, rank + world * cursor, None, world), cursor
 
     def __next__(self):
         self.cursor += 1
@@ -968,7 +969,7 @@ def load_models(args, device):
     return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
 
 
-# PLUMBING: set-up, the run directory, the rollout, timing (identical in grpo_llm.py)
+# PLUMBING: set-up, the run directory, the rollout, timing (identical in ppo_llm.py)
 
 
 def setup(args):
@@ -1207,7 +1208,7 @@ def timing_metrics(t, start_time, n_tokens, device):
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}  # fmt: skip
 
 
-# DISTRIBUTED: torchrun's data parallelism (detail 24), identical in grpo_llm.py; without torchrun each is a no-op
+# DISTRIBUTED: torchrun's data parallelism (detail 24), identical in ppo_llm.py; without torchrun each is a no-op
 
 
 def setup_distributed(args):
@@ -1399,8 +1400,7 @@ def main(args: Args | None = None):
     ref_policy = reference_model(policy) if args.beta else None  # details 13, 19, 23
     params, optimizer, ddp = build_optimizer(args, device, [policy], [ref_policy], world)
     checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
-    prompts = PromptStream(itertools.islice(load_prompts(args, tokenizer), rank, None, world),  # rank-strided
-                           checkpoint.get("prompt_cursor", 0))  # fmt: skip
+    prompts = PromptStream(load_prompts(args, tokenizer), rank, world, checkpoint.get("prompt_cursor", 0))
     eval_problems = eval_rows(args, tokenizer) if args.eval_every and rank == 0 else None
     logger = RunLogger(args, device, precision, checkpoint.get("wandb_id")) if rank == 0 else Silent()
     models = dict(policy=policy)  # what --resume restores (detail 22); the reference is re-derived from --model
@@ -1450,15 +1450,15 @@ def main(args: Args | None = None):
             old_logprobs, ref_logprobs, entropies, by_entropy = [], [], [], args.top_entropy_quantile < 1
             with torch.no_grad(), autocast:
                 for mc in torch.arange(B, device=device).split(args.micro_batch_size):
-                    qr, am, W = r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"]
+                    qr, am, Q = r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"]
                     if args.num_iterations > 1 or by_entropy:  # detail 28: the whole batch's entropy first
-                        hidden = hidden_states(policy, qr, am, W)
+                        hidden = hidden_states(policy, qr, am, Q)
                         mc_old_logprobs, mc_entropy = response_logprobs(policy, hidden, responses[mc], args, by_entropy)
                         old_logprobs.append(mc_old_logprobs)
                         entropies.append(mc_entropy)
                     if ref_policy is not None:
                         with adapters_off(ref_policy):  # LoRA: the base is the reference (detail 23)
-                            hidden = hidden_states(ref_policy, qr, am, W)
+                            hidden = hidden_states(ref_policy, qr, am, Q)
                         ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
             r["old_logprobs"] = torch.cat(old_logprobs) if args.num_iterations > 1 else None
             r["ref_logprobs"] = torch.cat(ref_logprobs) if ref_logprobs else None
@@ -1494,7 +1494,7 @@ def main(args: Args | None = None):
             for name, s in zip(reward_names, scores.T):
                 metrics[f"rewards/{name}/mean"] = s.mean().item()
                 metrics[f"rewards/{name}/std"] = global_mean_var(s, torch.ones_like(s))[1].sqrt().item()
-            if losses:  # with the stats of grpo_loss (clip_ratio/*, importance_ratio/mean, kl) and entropy
+            if losses:  # grpo_loss's stats (clip_ratio/*, importance_ratio/mean, kl, cispo_clip_ratio) and entropy
                 metrics["loss"] = global_mean(losses)
                 metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
                 metrics |= {k: global_mean([s[k] for s in stats]) for k in stats[0]}

@@ -5,7 +5,7 @@ Advantage Estimation (Schulman et al. 2016, https://arxiv.org/abs/1506.02438), w
 ppo.py (Huang et al. 2022, "The 37 Implementation Details of PPO",
 https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/): the same flags and metric
 names. With Discrete actions the defaults are ppo.py's, so runs compare with CleanRL's; with Box actions
-they differ from ppo_continuous_action.py's where detail 17 says. Details 6, 18, 19 and 21 differ from CleanRL.
+they differ from ppo_continuous_action.py's where detail 17 says. Details 6, 7, 18 to 22 differ from CleanRL.
 
 Usage: python ppo_classic.py --env-id CartPole-v1 --total-timesteps 500000 --seed 1
        python ppo_classic.py --env-id Pendulum-v1          # Box defaults: learns with no other flag
@@ -124,7 +124,7 @@ class Args:
     max_grad_norm: float = 0.5
     """the maximum norm for the gradient clipping"""
     target_kl: float | None = None
-    """the target KL divergence threshold (stop the update epochs early when exceeded)"""
+    """the target KL divergence threshold: stop the update epochs when the last minibatch's approx_kl (k3) exceeds it"""
     norm_obs: bool | None = None
     """normalise observations by running stats saved with the agent, clip at +-10 (default: off Discrete, on Box)"""
     norm_reward: bool | None = None
@@ -387,7 +387,7 @@ def main():
     obs = torch.zeros((T, N) + obs_shape, device=device)
     act_dtype = torch.float32 if agent.continuous else torch.long
     actions = torch.zeros((T, N) + act_shape, dtype=act_dtype, device=device)
-    logprobs = torch.zeros((T, N), device=device)
+    old_logprobs = torch.zeros((T, N), device=device)  # log-probs of the actions under the rollout policy
     rewards = np.zeros((T, N), dtype=np.float32)  # env outputs stay numpy until the rollout ends
     dones = np.zeros((T, N), dtype=np.float32)
     values = torch.zeros((T, N), device=device)
@@ -412,7 +412,7 @@ def main():
                     action, logprob, _, value = agent.get_action_and_value(next_obs)
                 values[step] = value.flatten()
                 actions[step] = action
-                logprobs[step] = logprob
+                old_logprobs[step] = logprob
 
                 # TRY NOT TO MODIFY: execute the game and log data.
                 next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
@@ -445,7 +445,7 @@ def main():
 
             # flatten the batch: (T, N, ...) -> (T*N, ...)
             b_obs = obs.reshape((-1,) + obs_shape)
-            b_logprobs = logprobs.reshape(-1)
+            b_old_logprobs = old_logprobs.reshape(-1)
             b_actions = actions.reshape((-1,) + act_shape)
             b_advantages = advantages.reshape(-1)
             b_returns = returns.reshape(-1)
@@ -458,8 +458,8 @@ def main():
                 b_inds = torch.randperm(batch_size, device=device)
                 for start in range(0, batch_size, minibatch_size):
                     mb_inds = b_inds[start : start + minibatch_size]
-                    _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
-                    logratio = newlogprob - b_logprobs[mb_inds]
+                    _, logprobs, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
+                    logratio = logprobs - b_old_logprobs[mb_inds]
                     ratio = logratio.exp()
                     with torch.no_grad():
                         # k1 and k3 estimators of KL(old || new), http://joschu.net/blog/kl-approx.html

@@ -221,7 +221,7 @@ class Algorithm:
     max_grad_norm: float = 1.0
     """global gradient-norm clip"""
     target_kl: float | None = None
-    """stop an update's epochs early once their mean approx-KL passes this"""
+    """stop an update's epochs once an epoch's mean approx-KL, 1/2 (log rho)^2 (policy/approxkl_avg), passes this"""
     kl_coef: float = 0.05
     """beta of the per-token KL penalty (its start value with --kl-target)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
@@ -339,6 +339,13 @@ def value_loss(values, old_values, returns, mask, clip_range):
     with torch.no_grad():
         stats = {"val/clipfrac_avg": masked_mean((clipped_losses > losses).float(), mask)}
     return loss, stats
+
+
+def normalize_scores(scores, whiten, clip):
+    """Detail 14: the scores (B,) as the rewards get them: whitened over the batch (every rank's) when `whiten`, then
+    clipped to [-clip, clip] unless clip is None. The logs show them before."""
+    scores = masked_whiten(scores, torch.ones_like(scores)) if whiten else scores
+    return scores if clip is None else scores.clamp(-clip, clip)
 
 
 def adaptive_kl_coef(kl_coef, kl, target, horizon, n_steps):
@@ -541,10 +548,11 @@ def load_prompts(args, tokenizer):
 
 
 class PromptStream:
-    """load_prompts' rows, counted (detail 22): a resumed run re-creates the seeded stream and skips `cursor` rows."""
+    """load_prompts' rows for this rank (rows rank, rank + world, ...: detail 24), counted (detail 22): a resumed run
+    re-creates the seeded stream and skips the `cursor` rows it has drawn."""
 
-    def __init__(self, rows, cursor=0):
-        self.rows, self.cursor = itertools.islice(rows, cursor, None), cursor
+    def __init__(self, rows, rank, world, cursor):
+        self.rows, self.cursor = itertools.islice(rows, rank + world * cursor, None, world), cursor
 
     def __next__(self):
         self.cursor += 1
@@ -1352,8 +1360,7 @@ def main(args: Args | None = None):
     params, optimizer, ddp = build_optimizer(args, device, [policy, critic, value_head], [ref_policy], world)
     checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
     kl_coef = checkpoint.get("kl_coef", args.kl_coef) if args.kl_target else args.kl_coef
-    prompts = PromptStream(itertools.islice(load_prompts(args, tokenizer), rank, None, world),  # rank-strided
-                           checkpoint.get("prompt_cursor", 0))  # fmt: skip
+    prompts = PromptStream(load_prompts(args, tokenizer), rank, world, checkpoint.get("prompt_cursor", 0))
     eval_problems = eval_rows(args, tokenizer) if args.eval_every and rank == 0 else None
     logger = RunLogger(args, device, precision, checkpoint.get("wandb_id")) if rank == 0 else Silent()
     # what --resume restores (detail 22); the reference is re-derived from --model unless --ref-update-every moves it
@@ -1387,13 +1394,13 @@ def main(args: Args | None = None):
             old_logprobs, ref_logprobs, values = [], [], []
             with torch.no_grad(), autocast:
                 for mc in torch.arange(B, device=device).split(args.micro_batch_size):
-                    qr, am, W = r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"]
-                    hidden = hidden_states(policy, qr, am, W)
+                    qr, am, Q = r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"]
+                    hidden = hidden_states(policy, qr, am, Q)
                     old_logprobs.append(response_logprobs(policy, hidden, responses[mc], args)[0])
-                    values.append(values_of(value_head, hidden if critic is None else hidden_states(critic, qr, am, W)))
+                    values.append(values_of(value_head, hidden if critic is None else hidden_states(critic, qr, am, Q)))
                     if ref_policy is not None:
                         with adapters_off(ref_policy):  # LoRA: the base is the reference (detail 23)
-                            hidden = hidden_states(ref_policy, qr, am, W)
+                            hidden = hidden_states(ref_policy, qr, am, Q)
                         ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
             old_logprobs, values = torch.cat(old_logprobs), torch.cat(values)
             ref_logprobs = torch.cat(ref_logprobs) if ref_policy is not None else old_logprobs
@@ -1402,19 +1409,14 @@ def main(args: Args | None = None):
             contains_eos = torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contains_eos).float()
-            raw_scores = scores  # the logs show the scores before normalisation and clipping (detail 14)
-            if args.score_norm == "on":  # over every rank's scores (detail 24)
-                mean, var = global_mean_var(scores, torch.ones_like(scores))
-                scores = (scores - mean) / (var.sqrt() + 1e-8)
-            if args.score_clip is not None:
-                scores = scores.clamp(-args.score_clip, args.score_clip)
             t2 = wall_clock(device)
 
             # 3. per-token rewards: -beta * KL everywhere, plus the score at the last real token (detail 3)
             kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator) * mask
             non_score_reward = -kl_coef * kl
             rewards = non_score_reward.clone()
-            rewards[torch.arange(B, device=device), mask.long().sum(1) - 1] += scores
+            normalized = normalize_scores(scores, args.score_norm == "on", args.score_clip)  # detail 14
+            rewards[torch.arange(B, device=device), mask.long().sum(1) - 1] += normalized
             if args.whiten_rewards:
                 rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
 
@@ -1453,7 +1455,7 @@ def main(args: Args | None = None):
             metrics = {"update": update, "episode": update * args.prompts_per_update, "objective/kl": mean_kl,
                        "objective/kl_coef": kl_coef, "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
                        "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
-                       "objective/scores": raw_scores.mean().item(),
+                       "objective/scores": scores.mean().item(),
                        "val/num_eos_tokens": int(contains_eos.sum().item()), "val/mean_length": n_tokens / B,
                        "lr": optimizer.param_groups[0]["lr"]}  # fmt: skip
             metrics |= timing_metrics((t0, t1, t2, t3), start_time, n_tokens, device)
@@ -1476,7 +1478,7 @@ def main(args: Args | None = None):
             if args.sample_every and update % args.sample_every == 0:
                 shown = range(min(args.num_samples, B))
                 logger.log_samples([{"update": update, "prompt": rows[j]["prompt"], "completion": completions[j],
-                                     "score": raw_scores[j].item()} for j in shown])  # fmt: skip
+                                     "score": scores[j].item()} for j in shown])  # fmt: skip
             if args.save_every and update % args.save_every == 0:
                 save_all()
     except KeyboardInterrupt:

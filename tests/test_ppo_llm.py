@@ -19,6 +19,7 @@ from ppo_llm import (
     lm_head_logprobs,
     masked_mean,
     masked_whiten,
+    normalize_scores,
     policy_loss,
     truncate_after_eos,
     value_loss,
@@ -95,6 +96,16 @@ def test_masked_whiten_bessel():
     got = masked_whiten(values, mask)
     assert torch.allclose(got[:3], T([-1.0, 0.0, 1.0]), atol=1e-6)  # (x - 4) / 2
     assert torch.allclose(masked_whiten(values, mask, shift_mean=False)[:3], T([3.0, 4.0, 5.0]), atol=1e-6)
+
+
+def test_normalize_scores_whiten_then_clip():
+    # 1, 2, 3, 6: mean 3, Bessel variance (4 + 1 + 0 + 9) / 3 = 14 / 3, std 2.160247
+    # whitened (-2, -1, 0, 3) / 2.160247 = (-0.925820, -0.462910, 0, 1.388730); clipped at 1: 1.388730 -> 1
+    scores = T([1.0, 2.0, 3.0, 6.0])
+    assert torch.allclose(normalize_scores(scores, True, None), T([-0.925820, -0.462910, 0.0, 1.388730]), atol=1e-6)
+    assert torch.allclose(normalize_scores(scores, True, 1.0), T([-0.925820, -0.462910, 0.0, 1.0]), atol=1e-6)
+    assert torch.equal(normalize_scores(scores, False, 2.0), T([1.0, 2.0, 2.0, 2.0]))  # clip alone
+    assert normalize_scores(scores, False, None) is scores
 
 
 def test_kl_penalty_estimators():
@@ -306,6 +317,14 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
     assert checkpoint["update"] == 1 and torch.equal(checkpoint["weights"]["policy"]["weight"], model.weight)
 
 
+def test_prompt_stream_shards_and_resumes():
+    # rank 1 of 2 draws rows 1, 3, 5, ...; having drawn 3 of them (1, 3, 5), a resumed stream goes on at 7, then 9
+    stream = ppo_llm.PromptStream(iter(range(100)), 1, 2, 3)
+    assert [next(stream), next(stream)] == [7, 9] and stream.cursor == 5
+    fresh = ppo_llm.PromptStream(iter(range(100)), 0, 1, 0)
+    assert [next(fresh) for _ in range(3)] == [0, 1, 2] and fresh.cursor == 3
+
+
 def test_resume_needs_a_run_with_a_checkpoint(tmp_path):
     (tmp_path / "args.json").write_text("{}")  # a run killed before its first save
     for run_dir in ["/no/such/run", str(tmp_path)]:
@@ -317,7 +336,7 @@ def test_resume_needs_a_run_with_a_checkpoint(tmp_path):
 def test_options_all_run(tiny, tmp_path):
     # Every option at least once, combined into a few runs to stay fast.
     _, m = run(tiny, tmp_path, critic="head", kl_estimator="k3", kl_target=1.0, kl_horizon=100,
-               ref_update_every=1, whiten_rewards=True, missing_eos_penalty=1.0, score_norm=True, score_clip=0.5,
+               ref_update_every=1, whiten_rewards=True, missing_eos_penalty=1.0, score_norm="on", score_clip=0.5,
                anneal_lr=True, target_kl=1e-9, ent_coef=0.01, gradient_checkpointing=True, temperature=0.7)  # fmt: skip
     assert m[-1]["objective/kl_coef"] != 0.05  # the adaptive controller moved beta
     assert m[-1]["lr"] == pytest.approx(1e-4 / 2)  # update 2 of 2: 1e-4 * (1 - 1/2)
