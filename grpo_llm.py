@@ -51,8 +51,9 @@ Implementation details (cited as "detail N" in the comments):
     template with the assistant header (--chat-template / --system-prompt for plain strings); no second BOS; a long
     prompt loses its start, never the header; the end-of-turn token ends a response (detail 16).
 22. --resume RUN_DIR goes on from RUN_DIR/checkpoint.pt, the whole state of the run (weights, AdamW, RNG states, prompts
-    drawn, wandb id): 2 updates and a resume to 4 log what 4 do. It is written to a temporary file and renamed, so a
-    crash while saving leaves the previous one whole. Flags given win over the saved ones.
+    drawn, wandb id): 2 updates and a resume to 4 log what 4 do (torchrun reseeds the ranks). A stop inside an update
+    saves the state after the last finished one with the weights of the moment: the resume redoes that update.
+    Written to a temporary file and renamed: a crash while saving leaves the last one whole. Flags given win.
 23. LoRA (--lora-r, through peft, as TRL): only adapters train, W x + (alpha / r) B A x on the trunk's linear layers. B
     starts at 0, so the base with its adapters off is the initial policy exactly: the reference, at no memory cost, with
     a first KL of 0. Adapter dropout is refused (detail 6).
@@ -280,7 +281,7 @@ class Logging:
     eval_every: int = 10
     """held-out accuracy on the arithmetic task (or --eval-split) every N updates (0: off)"""
     eval_split: str | None = None
-    """split of --dataset evaluated with the reward function every --eval-every updates (gsm8k: test)"""
+    """split of --dataset (gsm8k: test), or a prompt file, evaluated with the reward function every --eval-every"""
     eval_size: int = 256
     """distinct prompts drawn from --eval-split (the arithmetic task has its own 256 held-out problems)"""
     eval_only: bool = False
@@ -347,7 +348,9 @@ def high_entropy_mask(entropy, mask, quantile):
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, values.cpu())
         values = torch.cat(gathered).to(entropy.device)
-    threshold = torch.quantile(values, 1 - quantile)
+    if len(values) == 0:  # no token in the loss (all groups equal under --dynamic-sampling, say)
+        return torch.zeros_like(mask)
+    threshold = np.quantile(values.cpu().numpy(), 1 - quantile)  # torch.quantile refuses more than 2^24 values
     return (entropy >= threshold).float() * mask
 
 
@@ -378,7 +381,8 @@ def grpo_loss(
         tau = torch.where(advantages > 0, *sapo_temperatures)
         per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
     else:
-        clipped_ratio, capped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high), ratio.clamp(max=delta or torch.inf)
+        clipped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high)
+        capped_ratio = ratio if delta is None else ratio.clamp(max=delta)
         per_token_loss = -torch.min(capped_ratio * advantages, clipped_ratio * advantages)
     per_token_loss = per_token_loss * entropy_mask
     if off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
@@ -395,16 +399,15 @@ def grpo_loss(
         normaliser = n * max_completion_length if loss_type == "dr_grpo" else mask.sum().clamp(min=1)
     loss = ((per_token_loss * mask).sum(1) / normaliser).sum()
     with torch.no_grad():
-        low = (ratio < 1 - epsilon) & (advantages < 0)  # clipped where the min picks the clipped term
-        high = (ratio > 1 + epsilon_high) & (advantages > 0)
-        stats = {
-            "clip_ratio/low_mean": masked_mean(low.float(), mask),
-            "clip_ratio/high_mean": masked_mean(high.float(), mask),
-            "clip_ratio/region_mean": masked_mean((low | high).float(), mask),
-            "importance_ratio/mean": masked_mean(ratio.expand_as(mask), mask),
-        }
+        stats = {"importance_ratio/mean": masked_mean(ratio.expand_as(mask), mask)}
+        high = (ratio > 1 + epsilon_high) & (advantages > 0)  # where the clip (cispo: the cap) acts, as TRL logs it
         if loss_type == "cispo":
-            stats["cispo_clip_ratio"] = stats["clip_ratio/high_mean"]  # TRL's name: rho above the cap, A > 0
+            stats["cispo_clip_ratio"] = masked_mean(high.float(), mask)
+        elif loss_type != "sapo":  # the hard clip's, where the min picks the clipped term (sapo has none)
+            low = (ratio < 1 - epsilon) & (advantages < 0)
+            stats |= {"clip_ratio/low_mean": masked_mean(low.float(), mask),
+                      "clip_ratio/high_mean": masked_mean(high.float(), mask),
+                      "clip_ratio/region_mean": masked_mean((low | high).float(), mask)}  # fmt: skip
         if kl is not None:
             stats["kl"] = masked_mean(kl, mask)
     return loss, stats
@@ -542,6 +545,11 @@ def read_dataset(args):
     elif not os.path.isfile(args.dataset) or os.path.getsize(args.dataset) == 0:
         why = "empty file" if os.path.isfile(args.dataset) else "no such file"
         raise SystemExit(f"error: --dataset {args.dataset}: {why}")
+    elif args.dataset_split != "train":  # datasets names a file's one split "train"
+        raise SystemExit(
+            f"error: --dataset {args.dataset} is one file, with no split {args.dataset_split!r} "
+            "(--dataset-split, --eval-split); evaluation prompts can be a file: --eval-split FILE"
+        )
     try:
         if fmt is None:
             return list(datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split))
@@ -677,7 +685,11 @@ def add_lora(model, args):
         target_modules=list(args.lora_target_modules or []) or "all-linear",  # all-linear leaves out the LM head
         task_type="CAUSAL_LM" if model.get_output_embeddings() is not None else None,
     )  # fmt: skip
-    return peft.get_peft_model(model, config)
+    model = peft.get_peft_model(model, config)
+    if hasattr(model.get_output_embeddings(), "lora_A"):
+        raise SystemExit("error: --lora-target-modules: not the LM head, whose log-probs come from its weight alone "
+                         "(detail 9): its adapters would never train")  # fmt: skip
+    return model
 
 
 def reference_model(policy):
@@ -690,9 +702,10 @@ def adapters_off(model):
     return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
 
 
-def add_pad_token(tokenizer):
-    """Give a tokenizer without a pad token its own one (never EOS: a padded EOS would look like an end)."""
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+def add_pad_token(tokenizer, eos_ids=()):
+    """Give a tokenizer its own pad token unless it has one that ends no response (detail 16; Qwen2.5's pad is one of
+    its EOS ids): a reward model reads the last non-pad token, and a padded end would look like an end."""
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in {tokenizer.eos_token_id, *eos_ids}:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
         print(f"note: the tokenizer had no pad token distinct from EOS; added [PAD] (id {tokenizer.pad_token_id})")
 
@@ -960,7 +973,7 @@ def load_models(args, device):
             fit_embeddings(reward_model, rm_tokenizer)
         reward_model.to(device).eval().requires_grad_(False)
     eos_ids = eos_token_ids(tokenizer, policy.generation_config)
-    add_pad_token(tokenizer)
+    add_pad_token(tokenizer, eos_ids)
     for model in [policy] + ([reward_model] if reward_model is not None and rm_tokenizer is None else []):
         fit_embeddings(model, tokenizer)
     policy.generation_config = sampling_config(args.max_new_tokens, args.temperature, tokenizer.pad_token_id, eos_ids)
@@ -1046,13 +1059,13 @@ def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast):
     )  # fmt: skip
 
 
-def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, chunk, autocast):
+def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, max_prompt_length, chunk, autocast):
     """Held-out accuracy: mean reward-function score over `problems`, sampling as in training, and its standard error
     std / sqrt(n) (sqrt(p (1 - p) / n) for a 0/1 reward): evaluations of one policy differ by chance by ~1.4x that."""
     correct = []
     for i in range(0, len(problems), chunk):
         batch = problems[i : i + chunk]
-        r = rollout(policy, tokenizer, [p["prompt"] for p in batch], None, eos_ids, autocast)
+        r = rollout(policy, tokenizer, [p["prompt"] for p in batch], max_prompt_length, eos_ids, autocast)
         completions = tokenizer.batch_decode(r["responses"], skip_special_tokens=True)
         correct += reward_fn(completions, batch)
     stderr = torch.tensor(correct, dtype=torch.float64).std(correction=0).item() / len(correct) ** 0.5
@@ -1065,23 +1078,27 @@ def eval_line(metrics):
 
 def eval_rows(args, tokenizer):
     """What evaluate() scores: the arithmetic task's held-out set, or up to --eval-size distinct prompts of --dataset's
-    --eval-split (--eval-only: default --dataset-split); None when there is neither."""
+    --eval-split or of the --eval-split file (--eval-only: default --dataset-split); None when there is neither. The
+    same prompts whatever --seed, so that runs of different seeds compare."""
     if args.dataset == "arithmetic":
         return [prompt_row(p, "a problem", tokenizer, args) for p in arithmetic_eval_set()]
     split = args.eval_split or (args.dataset_split if args.eval_only else None)
     if split is None:
         return None
-    prompts = load_prompts(Args(**asdict(args) | {"dataset_split": split}), tokenizer)
+    source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
+    prompts = load_prompts(Args(**asdict(args) | source | {"seed": 0}), tokenizer)
     rows = list({row["prompt"]: row for row in (next(prompts) for _ in range(args.eval_size))}.values())
     if rows[0]["answer"] is None:  # the reward function checks answers, even beside a reward model
         raise SystemExit(f"error: evaluation needs --answer-column {args.answer_column} in --dataset {args.dataset}")
     return rows
 
 
-def eval_only(args, policy, tokenizer, reward_fn, eos_ids, autocast):
+def eval_only(args, policy, tokenizer, reward_fn, eos_ids, max_prompt_length, autocast):
     """--eval-only, no run directory. Evaluations of a policy differ by < 1.96 sqrt(2) = 2.8 stderr 95% of the time."""
     problems = eval_rows(args, tokenizer)
-    result = evaluate(policy, tokenizer, problems, reward_fn, eos_ids, args.micro_batch_size, autocast)
+    result = evaluate(
+        policy, tokenizer, problems, reward_fn, eos_ids, max_prompt_length, args.micro_batch_size, autocast
+    )
     print(f"{eval_line(result)} (n={len(problems)}; two evaluations differing by up to "
           f"{2.8 * result['eval/accuracy_stderr']:.3f} are noise)")  # fmt: skip
     return result
@@ -1131,13 +1148,20 @@ def parse_args(argv=None):
     return cli(Args(**saved | {"resume": args.resume}))
 
 
-def save_checkpoint(logger, models, optimizer, state):
-    """Detail 22: checkpoint.pt gets `state`, the weights of `models` (None skipped), AdamW, RNG states, wandb id."""
+def train_state(update, prompts, **state):
+    """What a resume restores besides the weights and AdamW, taken between updates (detail 22): the update, the prompts
+    drawn, python's, numpy's, torch's and CUDA's RNG states, and `state` (PPO's beta)."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
+    return dict(update=update, prompt_cursor=prompts.cursor, rng=rng, **state)
+
+
+def save_checkpoint(logger, models, optimizer, state):
+    """Detail 22: checkpoint.pt gets `state` (train_state's), the weights of `models` (None skipped), AdamW's state and
+    the wandb id."""
     weights = {name: model.state_dict() for name, model in models.items() if model is not None}
     wandb_id = getattr(logger.wandb, "id", None)
-    state |= dict(weights=weights, optimizer=optimizer.state_dict(), rng=rng, wandb_id=wandb_id)
+    state = state | dict(weights=weights, optimizer=optimizer.state_dict(), wandb_id=wandb_id)
     path = os.path.join(logger.run_dir, "checkpoint.pt")
     with open(path + ".tmp", "wb") as f:
         torch.save(state, f)
@@ -1307,6 +1331,9 @@ def check_args(args):
         raise SystemExit(f"error: --num-iterations must be at least 1 (got {args.num_iterations})")
     if args.epsilon_high is not None and args.epsilon_high < args.epsilon:
         raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high} and {args.epsilon})")
+    upper = 1 + (args.epsilon if args.epsilon_high is None else args.epsilon_high)
+    if args.delta is not None and args.delta <= upper:  # below, it would cap the clip's upper bound too (detail 27)
+        raise SystemExit(f"error: --delta must be > 1 + --epsilon-high = {upper:g} (got {args.delta})")
     if not 0 < args.top_entropy_quantile <= 1 or min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
         raise SystemExit("error: --top-entropy-quantile must be in (0, 1] and the --sapo-temperature-* > 0")
     if args.temperature <= 0:
@@ -1396,7 +1423,8 @@ def main(args: Args | None = None):
     reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names), device=device)
     tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
     if args.eval_only:  # no training, no run directory
-        return eval_only(args, policy.to(device), tokenizer, load_reward_fn(args.reward_fn[0]), eos_ids, autocast)
+        reward_fn = load_reward_fn(args.reward_fn[0])
+        return eval_only(args, policy.to(device), tokenizer, reward_fn, eos_ids, max_prompt_length, autocast)
     ref_policy = reference_model(policy) if args.beta else None  # details 13, 19, 23
     params, optimizer, ddp = build_optimizer(args, device, [policy], [ref_policy], world)
     checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
@@ -1405,16 +1433,18 @@ def main(args: Args | None = None):
     logger = RunLogger(args, device, precision, checkpoint.get("wandb_id")) if rank == 0 else Silent()
     models = dict(policy=policy)  # what --resume restores (detail 22); the reference is re-derived from --model
     evaluate_policy = eval_problems and functools.partial(
-        evaluate, policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn[0]), eos_ids, B, autocast
-    )
+        evaluate, policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn[0]), eos_ids, max_prompt_length, B,
+        autocast,
+    )  # fmt: skip
 
     def save_all():
         if rank:  # only rank 0 writes (detail 24)
             return "rank 0's run directory"
-        save_checkpoint(logger, models, optimizer, dict(update=update, prompt_cursor=prompts.cursor))
+        save_checkpoint(logger, models, optimizer, state)
         return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer, args.save_merged)
 
     first_update = update = start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, world)
+    state = train_state(update, prompts)  # what a resume restores (detail 22)
     start_time = time.time()
     try:
         for update in range(update + 1, args.total_steps + 1):
@@ -1494,7 +1524,7 @@ def main(args: Args | None = None):
             for name, s in zip(reward_names, scores.T):
                 metrics[f"rewards/{name}/mean"] = s.mean().item()
                 metrics[f"rewards/{name}/std"] = global_mean_var(s, torch.ones_like(s))[1].sqrt().item()
-            if losses:  # grpo_loss's stats (clip_ratio/*, importance_ratio/mean, kl, cispo_clip_ratio) and entropy
+            if losses:  # grpo_loss's stats (importance_ratio/mean, clip_ratio/* or cispo_clip_ratio, kl) and entropy
                 metrics["loss"] = global_mean(losses)
                 metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
                 metrics |= {k: global_mean([s[k] for s in stats]) for k in stats[0]}
@@ -1503,10 +1533,12 @@ def main(args: Args | None = None):
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics |= evaluate_policy()
             logger.log(metrics)
+            state = train_state(update, prompts)  # update done: a stop from here on resumes after it
             print(
                 f"update {update}/{args.total_steps}: reward {metrics['reward']:.3f}  "
                 + (f"kl {metrics['kl']:.4f}  " if "kl" in metrics else "")
-                + (f"clip {metrics['clip_ratio/region_mean']:.3f}  " if losses else "(no loss tokens)  ")
+                + (f"clip {metrics['clip_ratio/region_mean']:.3f}  " if "clip_ratio/region_mean" in metrics else "")
+                + ("" if losses else "(no loss tokens)  ")
                 + (f"{eval_line(metrics)}  " if "eval/accuracy" in metrics else "")
                 + f"{t3 - t0:.2f}s  {eta(start_time, first_update, update, args.total_steps)}"
             )

@@ -52,8 +52,9 @@ Implementation details (cited as "detail N" in the comments):
     template with the assistant header (--chat-template / --system-prompt for plain strings); no second BOS; a long
     prompt loses its start, never the header; the end-of-turn token ends a response (detail 16).
 22. --resume RUN_DIR goes on from RUN_DIR/checkpoint.pt, the whole state of the run (weights, AdamW, beta, RNG states,
-    prompts drawn, wandb id): 2 updates and a resume to 4 log what 4 do. It is written to a temporary file and renamed,
-    so a crash while saving leaves the previous one whole. Flags given win over the saved ones.
+    prompts drawn, wandb id): 2 updates and a resume to 4 log what 4 do (torchrun reseeds the ranks). A stop inside an
+    update saves the state after the last finished one with the weights of the moment: the resume redoes that update.
+    Written to a temporary file and renamed: a crash while saving leaves the last one whole. Flags given win.
 23. LoRA (--lora-r, through peft, as TRL): only adapters train, W x + (alpha / r) B A x on the trunk's linear layers. B
     starts at 0, so the base with its adapters off is the initial policy exactly: the reference, at no memory cost, with
     a first KL of 0. Adapter dropout is refused (detail 6).
@@ -249,7 +250,7 @@ class Logging:
     eval_every: int = 10
     """held-out accuracy on the arithmetic task (or --eval-split) every N updates (0: off)"""
     eval_split: str | None = None
-    """split of --dataset evaluated with the reward function every --eval-every updates (gsm8k: test)"""
+    """split of --dataset (gsm8k: test), or a prompt file, evaluated with the reward function every --eval-every"""
     eval_size: int = 256
     """distinct prompts drawn from --eval-split (the arithmetic task has its own 256 held-out problems)"""
     eval_only: bool = False
@@ -487,6 +488,11 @@ def read_dataset(args):
     elif not os.path.isfile(args.dataset) or os.path.getsize(args.dataset) == 0:
         why = "empty file" if os.path.isfile(args.dataset) else "no such file"
         raise SystemExit(f"error: --dataset {args.dataset}: {why}")
+    elif args.dataset_split != "train":  # datasets names a file's one split "train"
+        raise SystemExit(
+            f"error: --dataset {args.dataset} is one file, with no split {args.dataset_split!r} "
+            "(--dataset-split, --eval-split); evaluation prompts can be a file: --eval-split FILE"
+        )
     try:
         if fmt is None:
             return list(datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split))
@@ -622,7 +628,11 @@ def add_lora(model, args):
         target_modules=list(args.lora_target_modules or []) or "all-linear",  # all-linear leaves out the LM head
         task_type="CAUSAL_LM" if model.get_output_embeddings() is not None else None,
     )  # fmt: skip
-    return peft.get_peft_model(model, config)
+    model = peft.get_peft_model(model, config)
+    if hasattr(model.get_output_embeddings(), "lora_A"):
+        raise SystemExit("error: --lora-target-modules: not the LM head, whose log-probs come from its weight alone "
+                         "(detail 9): its adapters would never train")  # fmt: skip
+    return model
 
 
 def reference_model(policy):
@@ -635,9 +645,10 @@ def adapters_off(model):
     return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
 
 
-def add_pad_token(tokenizer):
-    """Give a tokenizer without a pad token its own one (never EOS: a padded EOS would look like an end)."""
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+def add_pad_token(tokenizer, eos_ids=()):
+    """Give a tokenizer its own pad token unless it has one that ends no response (detail 16; Qwen2.5's pad is one of
+    its EOS ids): a reward model reads the last non-pad token, and a padded end would look like an end."""
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in {tokenizer.eos_token_id, *eos_ids}:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
         print(f"note: the tokenizer had no pad token distinct from EOS; added [PAD] (id {tokenizer.pad_token_id})")
 
@@ -905,7 +916,7 @@ def load_models(args, device):
             fit_embeddings(reward_model, rm_tokenizer)
         reward_model.to(device).eval().requires_grad_(False)
     eos_ids = eos_token_ids(tokenizer, policy.generation_config)
-    add_pad_token(tokenizer)
+    add_pad_token(tokenizer, eos_ids)
     for model in [policy] + ([reward_model] if reward_model is not None and rm_tokenizer is None else []):
         fit_embeddings(model, tokenizer)
     policy.generation_config = sampling_config(args.max_new_tokens, args.temperature, tokenizer.pad_token_id, eos_ids)
@@ -991,13 +1002,13 @@ def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast):
     )  # fmt: skip
 
 
-def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, chunk, autocast):
+def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, max_prompt_length, chunk, autocast):
     """Held-out accuracy: mean reward-function score over `problems`, sampling as in training, and its standard error
     std / sqrt(n) (sqrt(p (1 - p) / n) for a 0/1 reward): evaluations of one policy differ by chance by ~1.4x that."""
     correct = []
     for i in range(0, len(problems), chunk):
         batch = problems[i : i + chunk]
-        r = rollout(policy, tokenizer, [p["prompt"] for p in batch], None, eos_ids, autocast)
+        r = rollout(policy, tokenizer, [p["prompt"] for p in batch], max_prompt_length, eos_ids, autocast)
         completions = tokenizer.batch_decode(r["responses"], skip_special_tokens=True)
         correct += reward_fn(completions, batch)
     stderr = torch.tensor(correct, dtype=torch.float64).std(correction=0).item() / len(correct) ** 0.5
@@ -1010,23 +1021,27 @@ def eval_line(metrics):
 
 def eval_rows(args, tokenizer):
     """What evaluate() scores: the arithmetic task's held-out set, or up to --eval-size distinct prompts of --dataset's
-    --eval-split (--eval-only: default --dataset-split); None when there is neither."""
+    --eval-split or of the --eval-split file (--eval-only: default --dataset-split); None when there is neither. The
+    same prompts whatever --seed, so that runs of different seeds compare."""
     if args.dataset == "arithmetic":
         return [prompt_row(p, "a problem", tokenizer, args) for p in arithmetic_eval_set()]
     split = args.eval_split or (args.dataset_split if args.eval_only else None)
     if split is None:
         return None
-    prompts = load_prompts(Args(**asdict(args) | {"dataset_split": split}), tokenizer)
+    source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
+    prompts = load_prompts(Args(**asdict(args) | source | {"seed": 0}), tokenizer)
     rows = list({row["prompt"]: row for row in (next(prompts) for _ in range(args.eval_size))}.values())
     if rows[0]["answer"] is None:  # the reward function checks answers, even beside a reward model
         raise SystemExit(f"error: evaluation needs --answer-column {args.answer_column} in --dataset {args.dataset}")
     return rows
 
 
-def eval_only(args, policy, tokenizer, reward_fn, eos_ids, autocast):
+def eval_only(args, policy, tokenizer, reward_fn, eos_ids, max_prompt_length, autocast):
     """--eval-only, no run directory. Evaluations of a policy differ by < 1.96 sqrt(2) = 2.8 stderr 95% of the time."""
     problems = eval_rows(args, tokenizer)
-    result = evaluate(policy, tokenizer, problems, reward_fn, eos_ids, args.micro_batch_size, autocast)
+    result = evaluate(
+        policy, tokenizer, problems, reward_fn, eos_ids, max_prompt_length, args.micro_batch_size, autocast
+    )
     print(f"{eval_line(result)} (n={len(problems)}; two evaluations differing by up to "
           f"{2.8 * result['eval/accuracy_stderr']:.3f} are noise)")  # fmt: skip
     return result
@@ -1076,13 +1091,20 @@ def parse_args(argv=None):
     return cli(Args(**saved | {"resume": args.resume}))
 
 
-def save_checkpoint(logger, models, optimizer, state):
-    """Detail 22: checkpoint.pt gets `state`, the weights of `models` (None skipped), AdamW, RNG states, wandb id."""
+def train_state(update, prompts, **state):
+    """What a resume restores besides the weights and AdamW, taken between updates (detail 22): the update, the prompts
+    drawn, python's, numpy's, torch's and CUDA's RNG states, and `state` (PPO's beta)."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
+    return dict(update=update, prompt_cursor=prompts.cursor, rng=rng, **state)
+
+
+def save_checkpoint(logger, models, optimizer, state):
+    """Detail 22: checkpoint.pt gets `state` (train_state's), the weights of `models` (None skipped), AdamW's state and
+    the wandb id."""
     weights = {name: model.state_dict() for name, model in models.items() if model is not None}
     wandb_id = getattr(logger.wandb, "id", None)
-    state |= dict(weights=weights, optimizer=optimizer.state_dict(), rng=rng, wandb_id=wandb_id)
+    state = state | dict(weights=weights, optimizer=optimizer.state_dict(), wandb_id=wandb_id)
     path = os.path.join(logger.run_dir, "checkpoint.pt")
     with open(path + ".tmp", "wb") as f:
         torch.save(state, f)
@@ -1259,6 +1281,10 @@ def check_args(args):
         args.score_norm = "on" if args.reward_model is not None else "off"  # detail 14
         print(f"score normalisation {args.score_norm}: the default with a reward "
               f"{'model' if args.reward_model else 'function'}")  # fmt: skip
+    if args.score_norm == "on" and args.prompts_per_update < 2:
+        raise SystemExit("error: --score-norm on whitens each batch's scores: it needs --prompts-per-update >= 2")
+    if args.kl_target and not args.kl_coef:
+        raise SystemExit("error: --kl-target scales --kl-coef up or down by a factor: start it above 0 (got 0)")
 
 
 def build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer):
@@ -1354,7 +1380,8 @@ def main(args: Args | None = None):
     device, autocast, precision = setup(args)
     tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
     if args.eval_only:  # no training, no run directory
-        return eval_only(args, policy.to(device), tokenizer, load_reward_fn(args.reward_fn), eos_ids, autocast)
+        reward_fn = load_reward_fn(args.reward_fn)
+        return eval_only(args, policy.to(device), tokenizer, reward_fn, eos_ids, max_prompt_length, autocast)
     critic, value_head = build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer)
     ref_policy = reference_model(policy) if args.kl_coef or args.kl_target else None  # details 19, 23
     params, optimizer, ddp = build_optimizer(args, device, [policy, critic, value_head], [ref_policy], world)
@@ -1368,16 +1395,18 @@ def main(args: Args | None = None):
                   ref_policy=ref_policy if args.ref_update_every else None)  # fmt: skip
     B = args.prompts_per_update // world  # this rank's share (detail 24)
     evaluate_policy = eval_problems and functools.partial(
-        evaluate, policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn), eos_ids, B, autocast
-    )
+        evaluate, policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn), eos_ids, max_prompt_length, B,
+        autocast,
+    )  # fmt: skip
 
     def save_all():
         if rank:  # only rank 0 writes (detail 24)
             return "rank 0's run directory"
-        save_checkpoint(logger, models, optimizer, dict(update=update, kl_coef=kl_coef, prompt_cursor=prompts.cursor))
+        save_checkpoint(logger, models, optimizer, state)
         return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer, value_head, critic, args.save_merged)
 
     first_update = update = start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, world)
+    state = train_state(update, prompts, kl_coef=kl_coef)  # what a resume restores (detail 22)
     start_time = time.time()
     try:
         for update in range(update + 1, args.total_steps + 1):
@@ -1469,6 +1498,7 @@ def main(args: Args | None = None):
             if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics |= evaluate_policy()
             logger.log(metrics)
+            state = train_state(update, prompts, kl_coef=kl_coef)  # update done: a stop from here on resumes after it
             print(
                 f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
                 f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "

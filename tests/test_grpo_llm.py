@@ -319,9 +319,13 @@ def test_eval_only_on_a_dataset_and_eval_split_during_training(tiny, tmp_path, c
     result = grpo_llm.main(args)
     assert "(n=20; two evaluations" in capsys.readouterr().out and not os.path.exists(tmp_path / "runs")
     assert set(result) == {"eval/accuracy", "eval/accuracy_stderr"}
-    # --eval-split: the periodic evaluation of a dataset (a local file has one split)
-    _, records = run(tiny, tmp_path, dataset=tiny["jsonl"], reward_fn=("gsm8k",), eval_split="test", eval_every=1)
+    # --eval-split FILE: the periodic evaluation of a prompt file; a local --dataset has no split to name
+    _, records = run(
+        tiny, tmp_path, dataset=tiny["jsonl"], reward_fn=("gsm8k",), eval_split=tiny["jsonl"], eval_every=1
+    )
     assert [("eval/accuracy_stderr" in r) for r in records] == [True, True, True]
+    with pytest.raises(SystemExit, match=r"^error: --dataset .*prompts.jsonl is one file, with no split 'test' \("):
+        run(tiny, tmp_path, dataset=tiny["jsonl"], reward_fn=("gsm8k",), eval_split="test", eval_every=1)
     (tmp_path / "no_answers.jsonl").write_text('{"prompt": "1+1="}\n')
     with pytest.raises(SystemExit, match=r"^error: --dataset .*no_answers.jsonl: row 1 has no --answer-column answer"):
         grpo_llm.main(grpo_llm.Args(**(vars(args) | {"dataset": str(tmp_path / "no_answers.jsonl")})))
@@ -398,7 +402,7 @@ def test_dynamic_sampling_drops_equal_groups(tiny, tmp_path, monkeypatch):
 
 def test_dynamic_sampling_with_only_equal_groups_trains_nothing(tiny, tmp_path, capsys):
     # the arithmetic reward of a random policy is 0 everywhere: every group leaves the loss
-    _, records = run(tiny, tmp_path, dynamic_sampling=True, loss_type="dapo")
+    _, records = run(tiny, tmp_path, dynamic_sampling=True, loss_type="dapo", top_entropy_quantile=0.5)
     assert [r["frac_reward_zero_std"] for r in records] == [1.0, 1.0]
     assert all("loss" not in r for r in records) and "(no loss tokens)" in capsys.readouterr().out
 
@@ -447,6 +451,7 @@ def test_new_variants_accumulate_the_whole_batch_gradient(tiny, tmp_path, monkey
         )  # fmt: skip
         grad_norms.append(records[0]["grad_norm"])
         assert ("cispo_clip_ratio" in records[0]) == (options.get("loss_type") == "cispo")
+        assert ("clip_ratio/region_mean" in records[0]) == (options.get("loss_type") not in ("cispo", "sapo"))
     assert grad_norms[0] > 0 and grad_norms[0] == pytest.approx(grad_norms[1], rel=1e-5)
 
 
@@ -528,6 +533,7 @@ def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
         (dict(micro_batch_size=3), "(got 3 and 8)"),
         (dict(num_iterations=0), "error: --num-iterations must be at least 1 (got 0)"),
         (dict(epsilon=0.2, epsilon_high=0.1), "error: --epsilon-high must be >= --epsilon (got 0.1 and 0.2)"),
+        (dict(epsilon_high=0.28, delta=1.2), "error: --delta must be > 1 + --epsilon-high = 1.28 (got 1.2)"),
         (dict(reward_fn=("arithmetic", "nope")), "error: --reward-fn nope: not one of ['arithmetic', 'format', "
          "'gsm8k'], nor a path/to/file.py:function or module:function"),
         (dict(reward_weights=(1.0, 2.0)), "error: --reward-weights needs one weight per reward (arithmetic), got 2"),

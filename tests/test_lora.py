@@ -96,6 +96,7 @@ def test_bf16_base_with_autocast_and_checkpointing(families, tmp_path, monkeypat
         (grpo_llm, dict(lora_dropout=0.05), "--lora-dropout must be 0, or the first ratio is not 1"),
         (ppo_llm, dict(ref_update_every=1), "--ref-update-every cannot refresh a LoRA run's reference"),
         (grpo_llm, dict(lora_r=0, save_merged=True), "--save-merged needs --lora-r"),
+        (ppo_llm, dict(lora_target_modules=("lm_head",)), "--lora-target-modules: not the LM head"),
     ],
 )
 def test_bad_lora_flags_one_line(script, kwargs, message, tiny, tmp_path, monkeypatch):

@@ -299,6 +299,32 @@ def test_resume_logs_what_one_run_logs(tiny, tmp_path):
     assert json.load(open(os.path.join(run_dir, "args.json")))["total_steps"] == 4
 
 
+def test_a_stop_inside_an_update_resumes_by_redoing_it(tiny, tmp_path, monkeypatch):
+    # Ctrl-C in update 2's generation: the checkpoint holds the state after update 1 (its prompts and RNG), so the
+    # resume runs update 2 again, and as the weights had not moved yet, it logs what one run logs.
+    _, whole = run(tiny, tmp_path / "whole", total_steps=3)
+    real_generate, calls = ppo_llm.generate, []
+
+    def interrupted(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_generate(*a)
+
+    monkeypatch.setattr(ppo_llm, "generate", interrupted)
+    run_dir, first = run(tiny, tmp_path / "split", total_steps=3)
+    monkeypatch.setattr(ppo_llm, "generate", real_generate)
+    assert [m["update"] for m in first] == [1] and ppo_llm.load_checkpoint(run_dir)["update"] == 1
+    ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir]))
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        resumed = [json.loads(line) for line in f]
+
+    def same(metrics):
+        return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/"))}
+
+    assert [same(m) for m in resumed] == [same(m) for m in whole]
+
+
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     logger, model = types.SimpleNamespace(run_dir=str(tmp_path), wandb=None), torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -323,6 +349,28 @@ def test_prompt_stream_shards_and_resumes():
     assert [next(stream), next(stream)] == [7, 9] and stream.cursor == 5
     fresh = ppo_llm.PromptStream(iter(range(100)), 0, 1, 0)
     assert [next(fresh) for _ in range(3)] == [0, 1, 2] and fresh.cursor == 3
+
+
+def test_pad_token_never_ends_a_response():
+    # Qwen2.5-Instruct's pad <|endoftext|> is one of its EOS ids: a reward model would read a padded end as padding
+    tokenizer = char_tokenizer("ab")  # <pad> 0, <eos> 1
+    ppo_llm.add_pad_token(tokenizer, [1, 0])
+    assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == 5
+    tokenizer = char_tokenizer("ab")
+    ppo_llm.add_pad_token(tokenizer, [1])
+    assert tokenizer.pad_token_id == 0  # a pad that ends nothing stays
+
+
+def test_evaluation_prompts_are_fixed_and_cut_as_in_training(tiny, tmp_path):
+    # the evaluation draws the same prompts whatever --seed, from --eval-split FILE
+    tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
+    args = [ppo_llm.Args(dataset=tiny["jsonl"], eval_split=tiny["jsonl"], eval_size=5, seed=s) for s in (1, 2)]
+    assert ppo_llm.eval_rows(args[0], tokenizer) == ppo_llm.eval_rows(args[1], tokenizer)
+    # prompts longer than the context (32) lose their start in evaluation too, as in training (--max-prompt-length)
+    long = tmp_path / "long.jsonl"
+    long.write_text("".join(json.dumps({"prompt": "1+" * 20 + f"{i}=", "answer": "2"}) + "\n" for i in range(4)))
+    _, m = run(tiny, tmp_path, dataset=tiny["jsonl"], reward_fn="gsm8k", eval_split=str(long), eval_every=1)
+    assert [("eval/accuracy" in x) for x in m] == [True, True, True]
 
 
 def test_resume_needs_a_run_with_a_checkpoint(tmp_path):
@@ -428,6 +476,8 @@ def test_reward_rises(tiny, tmp_path):
         (dict(temperature=0.0), "--temperature must be > 0"),
         (dict(top_p=0.9), "--top-k 0 / --top-p 0.9 would sample from a truncated distribution"),
         (dict(dataset="/no/such.jsonl"), "--dataset /no/such.jsonl: no such file"),
+        (dict(prompts_per_update=1, score_norm="on", num_mini_batches=1, micro_batch_size=1), "needs --prompts-per"),
+        (dict(kl_target=1.0, kl_coef=0.0), "--kl-target scales --kl-coef up or down by a factor: start it above 0"),
     ],
 )
 def test_bad_input_one_line(tiny, tmp_path, monkeypatch, kwargs, message):
