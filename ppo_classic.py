@@ -15,7 +15,7 @@ Implementation details ([n] = number in the 37-details post):
 2. Orthogonal init, gain sqrt(2) hidden, 0.01 policy head, 1.0 value head, zero biases [2]: the
    initial policy is near-uniform and the initial values near zero.
 3. Adam with eps=1e-5 [3]: the value OpenAI baselines uses; steadier than the 1e-8 default.
-4. Learning rate annealed linearly to 0 [4]: smaller steps as the policy converges.
+4. Learning rate annealed linearly towards 0 [4]: smaller steps as the policy converges.
 5. GAE(lambda) over the (T, N) rollout, cut at episode ends [5]: trades TD bias against MC variance.
 6. Truncation bootstraps: r_t += gamma * V(final obs) when the time limit ends an episode, not when it
    terminates: reaching CartPole's 500-step limit is not a failure (CleanRL counts it as one, #198).
@@ -24,7 +24,7 @@ Implementation details ([n] = number in the 37-details post):
 8. update-epochs passes over the batch in shuffled minibatches [6]: each sample is used several times.
 9. Advantages normalised per minibatch [7]: the policy step does not depend on the reward scale.
 10. Clipped surrogate objective [8]: the pessimistic bound that keeps the policy near the rollout one.
-11. Clipped value loss [9]: value predictions move at most clip-coef from the rollout values.
+11. Clipped value loss [9]: no gradient moves a prediction more than clip-coef past its rollout value.
 12. Entropy bonus [10]: slows the collapse of the policy onto one action.
 13. Global gradient-norm clipping at max-grad-norm [11]: bounds the size of any single step.
 14. approx_kl with the k3 estimator and clipfrac logged [12], early stop at --target-kl if set.
@@ -86,7 +86,8 @@ class Args:
     save_model: bool = False
     """whether to save the agent to the run directory, then evaluate it for eval-episodes"""
     eval_checkpoint: str | None = None
-    """path of a saved agent to evaluate for eval-episodes instead of training"""
+    """path of a saved agent to evaluate for eval-episodes instead of training (episodes seeded as at the end of a run
+    of the same --seed: seed + 10000)"""
     eval_episodes: int = 10
     """the number of episodes of an evaluation (actions: argmax for discrete, mean for continuous)"""
 
@@ -323,7 +324,7 @@ def main():
     if args.eval_checkpoint is not None:
         if not os.path.isfile(args.eval_checkpoint):
             raise SystemExit(f"error: --eval-checkpoint {args.eval_checkpoint} is not a file")
-        returns = evaluate(args.eval_checkpoint, args.eval_episodes, args.seed, device)
+        returns = evaluate(args.eval_checkpoint, args.eval_episodes, args.seed + 10_000, device)
         print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
         return
     action_space = check_env(args.env_id, args.capture_video)
@@ -338,6 +339,12 @@ def main():
         )
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
+    if num_iterations < 1:
+        raise SystemExit(f"error: --total-timesteps must be at least one batch, --num-envs * --num-steps "
+                         f"(got {args.total_timesteps} and {batch_size})")  # fmt: skip
+    if args.norm_adv and minibatch_size < 2:
+        raise SystemExit("error: --norm-adv needs minibatches of 2 or more samples (one has no std): lower "
+                         f"--num-minibatches (got {args.num_minibatches} for a batch of {batch_size})")  # fmt: skip
 
     run_name = f"{args.exp_name}__{args.env_id.replace('/', '-').replace(':', '-')}__{args.seed}__{int(time.time())}"
     run_dir = f"runs/{run_name}"

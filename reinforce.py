@@ -11,7 +11,7 @@ Optimization"; Schulman et al. 2016, https://arxiv.org/abs/1506.02438, section 2
   reward-to-go           Psi_t = G_t = sum_{k>=t} gamma^(k-t) r_k, an action cannot change past rewards
   reward-to-go-baseline  Psi_t = G_t - V(s_t), V a learned state-value baseline: same expectation, less noise
   advantage              Psi_t = GAE-lambda estimate of A(s_t, a_t) with the fitted V (Spinning Up's VPG;
-                         seeds 003 section 4.4): less variance still, some bias where V is wrong
+                         Schulman et al. 2016, section 3): less variance still, some bias where V is wrong
 Whether each choice really lowers the variance is measured in benchmarks/psi_variance.py (README).
 Same flags, logging and metric names as ppo_classic.py, so the two compare directly (benchmarks/).
 
@@ -81,7 +81,8 @@ class Args:
     save_model: bool = False
     """whether to save the agent to the run directory, then evaluate it for eval-episodes"""
     eval_checkpoint: str | None = None
-    """path of a saved agent to evaluate for eval-episodes instead of training"""
+    """path of a saved agent to evaluate for eval-episodes instead of training (episodes seeded as at the end of a run
+    of the same --seed: seed + 10000)"""
     eval_episodes: int = 10
     """the number of episodes of an evaluation (actions: argmax for discrete, mean for continuous)"""
 
@@ -333,7 +334,7 @@ def main():
     if args.eval_checkpoint is not None:
         if not os.path.isfile(args.eval_checkpoint):
             raise SystemExit(f"error: --eval-checkpoint {args.eval_checkpoint} is not a file")
-        returns = evaluate(args.eval_checkpoint, args.eval_episodes, args.seed, device)
+        returns = evaluate(args.eval_checkpoint, args.eval_episodes, args.seed + 10_000, device)
         print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
         return
     check_env(args.env_id, args.capture_video)
