@@ -5,7 +5,6 @@ import json
 import math
 import os
 import re
-import time
 from dataclasses import asdict
 
 import pytest
@@ -285,10 +284,12 @@ def test_unreachable_hub_fails_fast(tmp_path, monkeypatch):
     monkeypatch.setattr(ppo_llm.hub_constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(ppo_llm.hub_constants, "ENDPOINT", "http://127.0.0.1:9")
     ppo_llm.check_hub.cache_clear()
-    start = time.time()
+    probes, urlopen = [], ppo_llm.urllib.request.urlopen
+    monkeypatch.setattr(ppo_llm.urllib.request, "urlopen", lambda *a, **k: probes.append(k) or urlopen(*a, **k))
     with pytest.raises(SystemExit, match="gpt2 is not a local directory.*HF_HUB_OFFLINE=1 skips the network"):
         ppo_llm.from_pretrained(AutoTokenizer, "gpt2", "--model")
-    assert time.time() - start < 10 and ppo_llm.hub_constants.HF_HUB_OFFLINE
+    # one probe of at most 5 s, then offline: huggingface_hub's retries (~50 s) never start
+    assert probes == [{"timeout": 5}] and ppo_llm.hub_constants.HF_HUB_OFFLINE
     ppo_llm.check_hub.cache_clear()
 
 

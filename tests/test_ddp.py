@@ -105,6 +105,8 @@ def worker(rank, world, init_file):
             assert abs(stats[key] - want) < 1e-5 * (1 + abs(want)), (case, key, stats[key], want)
     # the batch statistics: whitening, score normalisation, GRPO's batch std, the top-entropy quantile, the metrics
     torch.testing.assert_close(ppo_llm.masked_whiten(r["advantages"], r["mask"]), whitened[mine])
+    scores = (rewards - rewards.mean()) * torch.rsqrt(rewards.var() + 1e-8)  # the union's, Bessel (detail 14)
+    torch.testing.assert_close(ppo_llm.normalize_scores(rewards[mine], True, None), scores[mine])
     torch.testing.assert_close(grpo_llm.group_advantages(rewards[mine], 2, "batch")[0], group_advantages[mine])
     torch.testing.assert_close(grpo_llm.high_entropy_mask(r["advantages"], r["loss_mask"], 0.2), entropy_mask[mine])
     metrics = {"update": 3, "mean": float(rank), "n": rank + 1, "lo": rank + 5.0}

@@ -201,10 +201,11 @@ def test_two_sided_clipping_caps_the_ratio_of_negative_advantages():
     torch.testing.assert_close(loss, torch.tensor((-2.78 + 0.8 + 3.0) / 5))
 
 
-@pytest.mark.parametrize("threshold, expected", [(0.1, -2.78 / 5), (0.2, -0.88 / 5)])
+@pytest.mark.parametrize("threshold, expected", [(0.05, -2.78 / 5), (0.1, -2.78 / 5), (0.2, -0.88 / 5)])
 def test_off_policy_mask_drops_negative_completions_far_from_the_rollout_policy(threshold, expected):
     # mean of old - logp per completion: row 0 -(ln 1.5 + ln 0.5) / 3 = 0.0958940 (A > 0: kept anyway),
-    # row 1 -(ln 0.7 + ln 1.1) / 2 = 0.1306822: dropped at 0.1 (its +1.9 goes; the normaliser stays 5), kept at 0.2
+    # row 1 -(ln 0.7 + ln 1.1) / 2 = 0.1306822: dropped at 0.1 (its +1.9 goes; the normaliser stays 5), kept at 0.2;
+    # at 0.05 both are past the threshold, and only row 1 (A < 0) is dropped: the same loss as at 0.1
     logprobs, old = loss_inputs(RATIOS)
     loss, _ = grpo_llm.grpo_loss(
         logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo", off_policy_mask_threshold=threshold
@@ -398,6 +399,51 @@ def test_dynamic_sampling_drops_equal_groups(tiny, tmp_path, monkeypatch):
             grad_norms[loss_type, dynamic_sampling] = records[0]["grad_norm"]
     assert grad_norms["dapo", True] == pytest.approx(2 * grad_norms["dapo", False], rel=1e-5)
     assert grad_norms["grpo", True] == pytest.approx(grad_norms["grpo", False], rel=1e-5)
+
+
+def test_a_group_is_one_prompts_completions(tiny, tmp_path, monkeypatch):
+    # detail 1: the G = 4 completions of a prompt are contiguous, so rewards.view(-1, G) rows are groups
+    seen = []
+    monkeypatch.setitem(grpo_llm.REWARD_FNS, "gsm8k", lambda completions, answers: seen.append(answers) or [0.0] * 8)
+    run(tiny, tmp_path, dataset=tiny["jsonl"], reward_fn=("gsm8k",), total_steps=1)
+    answers = seen[0]
+    assert answers == [answers[0]] * 4 + [answers[4]] * 4 and answers[0] != answers[4]
+
+
+def test_mask_truncated_completions_leaves_out_responses_without_eos(tiny, tmp_path, monkeypatch, capsys):
+    # no completion ends (its EOS turned into a character): --mask-truncated-completions leaves no token in the loss
+    real_generate = grpo_llm.generate
+
+    def no_eos(policy, queries, query_mask):
+        responses = real_generate(policy, queries, query_mask).clone()
+        responses[responses == policy.config.eos_token_id] = 3
+        return responses
+
+    monkeypatch.setattr(grpo_llm, "generate", no_eos)
+    options = dict(reward_model=tiny["rm"], dataset=tiny["jsonl"], mask_truncated_completions=True)
+    _, records = run(tiny, tmp_path, **options)
+    assert all(r["completions/clipped_ratio"] == 1.0 and "loss" not in r for r in records)
+    assert "(no loss tokens)" in capsys.readouterr().out
+    _, records = run(tiny, tmp_path, **(options | dict(mask_truncated_completions=False)))
+    assert all("loss" in r for r in records)
+
+
+def test_entropy_bonus_raises_the_entropy(tiny):
+    # A = 0, beta 0: the whole gradient is -ent_coef * d(token mean of the entropy): the bonus pushes it up (detail 31)
+    torch.manual_seed(0)
+    policy = grpo_llm.load_model(AutoModelForCausalLM, tiny["policy"], "--model")
+    B, Q, R = 4, 3, 4
+    qr, mask = torch.randint(3, 20, (B, Q + R)), torch.ones(B, R)
+    r = dict(query_responses=qr, attention_mask=torch.ones_like(qr), responses=qr[:, Q:], loss_mask=mask,
+             prompt_width=Q, advantages=torch.zeros(B), old_logprobs=None, ref_logprobs=None)  # fmt: skip
+    args = grpo_llm.Args(micro_batch_size=4, ent_coef=1.0, max_new_tokens=R)
+    grpo_llm.accumulate_gradients(policy, r, args, torch.autocast("cpu", enabled=False))
+    got = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    _, entropy = grpo_llm.training_forward(policy, r, torch.arange(B), args)
+    (-(entropy * mask).sum() / mask.sum()).backward()
+    for a, p in zip(got, policy.parameters()):
+        torch.testing.assert_close(a, p.grad)
 
 
 def test_dynamic_sampling_with_only_equal_groups_trains_nothing(tiny, tmp_path, capsys):

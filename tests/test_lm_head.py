@@ -99,8 +99,8 @@ def test_bf16_weight(monkeypatch):
     hidden, head, labels, coefs = inputs()
     head.to(torch.bfloat16)
     check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=True, tol=1e-4)
-    bf16_hidden = hidden.detach().bfloat16().requires_grad_()
-    check(bf16_hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=False, tol=0.1)
+    bf16_hidden = hidden.detach().bfloat16().requires_grad_()  # a bf16 matmul: errors up to 0.034 seen (tol 0.05)
+    check(bf16_hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=False, tol=0.05)
 
 
 def test_autocast(monkeypatch):
@@ -109,7 +109,7 @@ def test_autocast(monkeypatch):
     hidden, head, labels, coefs = inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=True)
-        check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=False, tol=0.1)
+        check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=False, tol=0.05)
 
 
 def test_no_grad_is_the_same_forward(monkeypatch):

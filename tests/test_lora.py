@@ -76,6 +76,21 @@ def test_reference_is_the_initial_policy_and_first_ratio_is_one(script, tiny, tm
     torch.testing.assert_close(reference, logits(policy, ids), rtol=0, atol=0)  # B = 0: LoRA adds exactly 0
 
 
+def test_adapters_off_is_the_base(tiny):
+    # with B != 0 the adapters change the logits; under adapters_off (the reference, detail 23) the base's come back
+    base = ppo_llm.load_model(AutoModelForCausalLM, tiny["policy"], "--model")
+    ids = torch.arange(3, 12)[None]
+    expected = logits(base, ids)
+    policy = ppo_llm.add_lora(base, ppo_llm.Args(lora_r=4))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.1)
+    with ppo_llm.adapters_off(policy):
+        torch.testing.assert_close(logits(policy, ids), expected, rtol=0, atol=0)
+    assert not torch.allclose(logits(policy, ids), expected)
+
+
 def test_bf16_base_with_autocast_and_checkpointing(families, tmp_path, monkeypatch):  # noqa: F811
     # Qwen2 saved in bf16: the base stays bf16 (no fp32 copy), the adapters fp32; the first ratio is still 1
     _, metrics, policy, _ = run(ppo_llm, {"policy": families["qwen2"]}, tmp_path, monkeypatch, learning_rate=0.0,
