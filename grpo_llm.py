@@ -1080,6 +1080,9 @@ def eval_rows(args, tokenizer):
     """What evaluate() scores: the arithmetic task's held-out set, or up to --eval-size distinct prompts of --dataset's
     --eval-split or of the --eval-split file (--eval-only: default --dataset-split); None when there is neither. The
     same prompts whatever --seed, so that runs of different seeds compare."""
+    if args.dataset == "arithmetic" and args.eval_split is not None:
+        raise SystemExit(f"error: --eval-split {args.eval_split} goes with --dataset: the arithmetic task has its own "
+                         "held-out set")  # fmt: skip
     if args.dataset == "arithmetic":
         return [prompt_row(p, "a problem", tokenizer, args) for p in arithmetic_eval_set()]
     split = args.eval_split or (args.dataset_split if args.eval_only else None)
@@ -1193,7 +1196,7 @@ def build_optimizer(args, device, trained, frozen, world):
         args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
         print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
     params = [p for m in trained for p in m.parameters() if p.requires_grad]
-    # fused: one kernel over all parameters (0.04 s a step at 124M on a CPU, 0.70 s as torch's default loop)
+    # fused: one kernel over all parameters (~0.05 s a step at 124M on a CPU, ~0.6 s as torch's default loop)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
     return params, optimizer, nn.parallel.DistributedDataParallel(TrainedModels(trained)) if world > 1 else None
 

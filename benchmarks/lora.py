@@ -21,6 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,7 +33,8 @@ OUT = os.path.join(ROOT, "benchmarks", "results")
 
 @dataclass
 class Args:
-    part: Literal["both", "memory", "learning"] = "both"
+    part: Literal["both", "memory", "learning", "table"] = "both"
+    """what to measure (table: only rewrite lora.md and lora.png from lora.json)"""
     updates: int = 30
     """PPO updates per learning run (the default run is 300; 90% is reached near 90)"""
     seeds: tuple[int, ...] = (1, 2, 3)
@@ -99,16 +101,16 @@ def save(results):
         lines += [f"| {k} | `{v['flags']}` | {v['peak_rss_mb']:.0f} | {v['s_per_update']:.1f} |"
                   for k, v in results["memory"].items()]  # fmt: skip
     if results["learning"]:
-        lines += ["\n## Embedded task, `ppo_llm.py` defaults, held-out accuracy (256 problems, temperature 1)\n",
-                  "| run | seeds | start | end (per seed) | mean end | first update >= 0.9 (per seed) |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+        updates = [u for u, _ in next(iter(next(iter(results["learning"].values())).values()))["curve"]]
+        lines += ["\n## Embedded task, `ppo_llm.py` defaults, held-out accuracy (256 problems, temperature 1), mean ± "
+                  "std over the seeds (numpy's, as in llm_learning.md)\n",
+                  "| run | seeds | " + " | ".join(f"update {u}" for u in updates) + " | end, per seed |",
+                  "|---|---|" + "---|" * (len(updates) + 1)]  # fmt: skip
         for name, seeds in results["learning"].items():
-            ends = [s["curve"][-1][1] for s in seeds.values()]
-            first90 = [next((u for u, a in s["curve"] if a >= 0.9), None) for s in seeds.values()]
-            starts = [s["curve"][0][1] for s in seeds.values()]
-            lines.append(f"| {name} | {len(seeds)} | {sum(starts) / len(starts):.3f} | "
-                         f"{', '.join(f'{e:.3f}' for e in ends)} | {sum(ends) / len(ends):.3f} | "
-                         f"{', '.join('not reached' if u is None else str(u) for u in first90)} |")  # fmt: skip
+            curves = np.array([[a for _, a in s["curve"]] for s in seeds.values()])  # (seeds, evaluations)
+            cells = [f"{m:.3f} ± {sd:.3f}" for m, sd in zip(curves.mean(0), curves.std(0))]
+            ends = ", ".join(f"{e:.3f}" for e in curves[:, -1])
+            lines.append(f"| {name} | {len(seeds)} | {' | '.join(cells)} | {ends} |")
     with open(os.path.join(OUT, "lora.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if results["learning"]:
@@ -139,6 +141,8 @@ def main():
     if os.path.exists(os.path.join(OUT, "lora.json")):  # one part at a time keeps the other's results
         with open(os.path.join(OUT, "lora.json")) as f:
             results = json.load(f)
+    if args.part == "table":
+        return save(results)
     results["args_" + args.part] = vars(args)
     if args.part in ("both", "memory"):
         results["memory"] = {}  # measured again in full

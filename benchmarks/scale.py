@@ -332,12 +332,15 @@ def estimate_gb(params, layers, hidden, vocab, seq, micro, batch, trained=1, fro
 
 # the README's hub commands: label, params, layers, hidden, vocab, kv dim, prompt + response tokens, micro-batch,
 # generation batch, trained models, frozen models (in units of the policy's size)
-HUB = [
-    ("ppo_llm.py --model gpt2 (arithmetic, ~8+8 tokens)", 124e6, 12, 768, 50257, None, 16, 64, 128, 2, 1),
-    ("ppo_llm.py --model gpt2 IMDB (8+24 tokens, distilbert RM)", 124e6, 12, 768, 50257, None, 32, 64, 128, 2, 1.55),
-    ("grpo_llm.py Qwen2.5-0.5B GSM8K (~200+256 tokens)", 494e6, 24, 896, 151936, 128, 456, 64, 64, 1, 0),
-    ("grpo_llm.py Qwen2.5-1.5B GSM8K (~200+256 tokens)", 1.54e9, 28, 1536, 151936, 256, 456, 64, 64, 1, 0),
-]
+HUB = [  # label: params, layers, hidden, vocab, kv dim, tokens per sequence, micro-batch, sequences, trained, frozen
+    ("ppo_llm.py --model gpt2 (arithmetic: 128 x ~8+8 tokens, micro 64)", 124e6, 12, 768, 50257, None, 16, 64, 128,
+     2, 1),
+    ("ppo_llm.py --model gpt2 IMDB (128 x 8+24 tokens, micro 64, distilbert RM)", 124e6, 12, 768, 50257, None, 32, 64,
+     128, 2, 1.55),
+    ("grpo_llm.py Qwen2.5-0.5B, the GSM8K command (256 x ~200+512 tokens, micro 16)", 494e6, 24, 896, 151936, 128,
+     712, 16, 256, 1, 0),
+    ("grpo_llm.py Qwen2.5-1.5B, the same command", 1.54e9, 28, 1536, 151936, 256, 712, 16, 256, 1, 0),
+]  # fmt: skip
 # the CPU configs as estimator inputs (fp32): params, layers, hidden, vocab, kv dim, trained, frozen
 MEASURED = {
     "gpt2-ppo": (124e6, 12, 768, 50257, None, 2, 2),
@@ -351,10 +354,10 @@ MEASURED = {
 def hub_estimates():
     rows = {}
     for label, P, L, H, V, kv, seq, micro, batch, trained, frozen in HUB:
-        settings = [(micro, False), (micro // 4, False), (micro, True), (micro // 4, True)]
-        rows[label] = {f"micro {m}{' + ckpt' if ck else ''}":
-                       estimate_gb(P, L, H, V, seq, m, batch, trained, frozen, ck, kv_dim=kv)
-                       for m, ck in settings}  # fmt: skip
+        settings = {"as given": (micro, False), "micro-batch / 4": (micro // 4, False), "+ ckpt": (micro, True),
+                    "micro-batch / 4 + ckpt": (micro // 4, True)}  # fmt: skip
+        rows[label] = {name: estimate_gb(P, L, H, V, seq, m, batch, trained, frozen, ck, kv_dim=kv)
+                       for name, (m, ck) in settings.items()}  # fmt: skip
     return rows
 
 
@@ -392,9 +395,12 @@ def main():
         if spec["kind"] == "build":
             return build_child(spec["shape"], os.path.join(RUNS, "scale_models", spec["shape"]))
         return head_child(spec) if spec["kind"] == "head" else trl_child(spec)
-    if args.profile:
-        return print(json.dumps(profile()))
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.profile:  # printed, and kept in benchmarks/results/scale_profile_<device>.json
+        result = {"machine": machine_name(device), "command": "python benchmarks/scale.py --profile"} | profile()
+        with open(os.path.join(ROOT, "benchmarks", "results", f"scale_profile_{device}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return print(json.dumps(result))
     out = os.path.join(ROOT, "benchmarks", "results", f"scale_{device}")
     saved = json.load(open(out + ".json")) if os.path.exists(out + ".json") else {"results": {}, "head": None}
     results, head = saved["results"], saved["head"]  # configs not run this time keep their last results
@@ -446,7 +452,8 @@ def write(out, device, results, head):
     hub = hub_estimates()
     cols = list(next(iter(hub.values())))
     lines += ["", "Estimated peak GPU memory (GiB; bf16 autocast, fp32 master weights, AdamW) at the README's hub "
-              "commands; ckpt = --gradient-checkpointing", "", f"| command | {' | '.join(cols)} |",
+              "commands, as given and with a quarter of the micro-batch; ckpt = --gradient-checkpointing", "",
+              f"| command | {' | '.join(cols)} |",
               "|---|" + "---|" * len(cols)]  # fmt: skip
     lines += [f"| {label} | " + " | ".join(f"{v:.1f}" for v in gb.values()) + " |" for label, gb in hub.items()]
     table = "\n".join(lines)

@@ -576,6 +576,7 @@ def test_reward_rises(tiny, tmp_path):
         (dict(dataset="/no/such.jsonl"), "--dataset /no/such.jsonl: no such file"),
         (dict(prompts_per_update=1, score_norm="on", num_mini_batches=1, micro_batch_size=1), "needs --prompts-per"),
         (dict(kl_target=1.0, kl_coef=0.0), "--kl-target scales --kl-coef up or down by a factor: start it above 0"),
+        (dict(eval_split="test", eval_every=1), "--eval-split test goes with --dataset: the arithmetic task has its"),
     ],
 )
 def test_bad_input_one_line(tiny, tmp_path, monkeypatch, kwargs, message):
