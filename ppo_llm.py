@@ -51,10 +51,10 @@ Implementation details (cited as "detail N" in the comments):
 21. Prompts are what the model was trained on (TRL's rule: the data decides): a conversation goes through the chat
     template with the assistant header (--chat-template / --system-prompt for plain strings); no second BOS; a long
     prompt loses its start, never the header; the end-of-turn token ends a response (detail 16).
-22. --resume RUN_DIR goes on from RUN_DIR/checkpoint.pt, the whole state of the run (weights, AdamW, beta, RNG states,
-    prompts drawn, wandb id): 2 updates and a resume to 4 log what 4 do (torchrun reseeds the ranks). A stop inside an
-    update saves the state after the last finished one with the weights of the moment: the resume redoes that update.
-    Written to a temporary file and renamed: a crash while saving leaves the last one whole. Flags given win.
+22. --resume RUN_DIR goes on from RUN_DIR/checkpoint.pt, the whole state of the run (weights, AdamW, beta, every rank's
+    RNG states, prompts drawn, wandb id): 2 updates and a resume to 4 log what 4 do. A stop inside an update saves the
+    state after the last finished one with the weights of the moment: the resume redoes that update. Written to a
+    temporary file and renamed: a crash while saving leaves the last one whole. Flags given win.
 23. LoRA (--lora-r, through peft, as TRL): only adapters train, W x + (alpha / r) B A x on the trunk's linear layers. B
     starts at 0, so the base with its adapters off is the initial policy exactly: the reference, at no memory cost, with
     a first KL of 0. Adapter dropout is refused (detail 6).
@@ -1096,10 +1096,14 @@ def parse_args(argv=None):
 
 def train_state(update, prompts, **state):
     """What a resume restores besides the weights and AdamW, taken between updates (detail 22): the update, the prompts
-    drawn, python's, numpy's, torch's and CUDA's RNG states, and `state` (PPO's beta)."""
+    drawn, python's, numpy's, torch's and CUDA's RNG states (a list, one per rank), and `state` (PPO's beta)."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
-    return dict(update=update, prompt_cursor=prompts.cursor, rng=rng, **state)
+    states = [rng]
+    if dist.is_initialized():  # every rank's: each goes on with its own on resuming (detail 24)
+        states = [None] * dist.get_world_size()
+        dist.all_gather_object(states, rng)
+    return dict(update=update, prompt_cursor=prompts.cursor, rng=states, **state)
 
 
 def save_checkpoint(logger, models, optimizer, state):
@@ -1154,7 +1158,7 @@ def start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, wo
         print(f"resuming after update {checkpoint['update']} of the saved run")
         optimizer.load_state_dict(checkpoint["optimizer"])
         optimizer.param_groups[0]["lr"] = args.learning_rate  # a flag given on resuming wins
-        rng = checkpoint["rng"]
+        rng = checkpoint["rng"][rank if len(checkpoint["rng"]) == world else 0]  # this rank's, if it ran
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
@@ -1165,8 +1169,8 @@ def start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, wo
         logger.log({"update": 0, "episode": 0} | evaluation)
         print(f"update 0: {eval_line(evaluation)}")
     update = checkpoint.get("update", 0)
-    if world > 1:  # every rank holds rank 0's weights (DDP's broadcast) and draws its own samples
-        torch.manual_seed(args.seed + rank + world * update)
+    if world > 1 and len(checkpoint.get("rng", [])) != world:  # a new run, or a new world size: every rank holds
+        torch.manual_seed(args.seed + rank + world * update)  # rank 0's weights (DDP) and draws its own samples
     return update
 
 

@@ -120,20 +120,45 @@ def test_two_ranks_update_equals_one_process_on_the_union_batch(tmp_path):
     mp.spawn(worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2)
 
 
-def test_torchrun_two_processes_end_to_end(tmp_path):
-    # one launch per script: one run directory, one saved policy, one metrics line per update (rank 0's only)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    common = ["--total-steps", "2", "--eval-every", "0", "--sample-every", "1", "--micro-batch-size", "4"]
-    for script, extra in [("ppo_llm.py", ["--prompts-per-update", "8", "--num-mini-batches", "1"]),
-                          ("grpo_llm.py", ["--prompts-per-update", "4", "--num-generations", "2"])]:  # fmt: skip
-        out = tmp_path / script
-        command = [torchrun, "--standalone", "--nproc_per_node", "2", script, *common, *extra, "--output-dir", out]
-        subprocess.run(command, check=True, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=300)
-        (run_dir,) = out.iterdir()
+def torchrun(*args):
+    """torchrun with 2 processes. A rank that aborts at exit after the run is done ("terminate called without an
+    active exception", about 1 launch in 50 here, in gloo's shutdown; README) passes: the callers check the outputs."""
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "torchrun"),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        *args,
+    ]
+    p = subprocess.run(command, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=300, capture_output=True,
+                       text=True)  # fmt: skip
+    assert p.returncode == 0 or "terminate called without an active exception" in p.stderr, p.stderr[-3000:]
+
+
+def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
+    # one launch per script: one run directory, one saved policy, one metrics line per update (rank 0's only);
+    # then PPO's 2 updates resumed to 3 log what 3 in one go log (timings and memory aside): every rank's RNG states
+    # are in the checkpoint, so each rank samples on where it stopped (detail 22)
+    common = ["--eval-every", "0", "--sample-every", "1", "--micro-batch-size", "4"]
+    ppo = ["ppo_llm.py", "--prompts-per-update", "8", "--num-mini-batches", "1", *common]
+    grpo = ["grpo_llm.py", "--prompts-per-update", "4", "--num-generations", "2", *common]
+    for name, command in [("ppo", ppo), ("grpo", grpo)]:
+        torchrun(*command, "--total-steps", "2", "--output-dir", tmp_path / name)
+        (run_dir,) = (tmp_path / name).iterdir()
         assert os.path.isfile(run_dir / "policy" / "model.safetensors")
         lines = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         assert [m["update"] for m in lines] == [1, 2]
         assert lines[-1]["episode"] == 16  # 8 sequences an update, counted over both ranks
+
+    def same(path):
+        lines = [json.loads(line) for line in open(path / "metrics.jsonl")]
+        return [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in lines]
+
+    ((split,),) = [list((tmp_path / "ppo").iterdir())]
+    torchrun("ppo_llm.py", "--resume", split, "--total-steps", "3")
+    torchrun(*ppo, "--total-steps", "3", "--output-dir", tmp_path / "whole")
+    ((whole,),) = [list((tmp_path / "whole").iterdir())]
+    assert [m["update"] for m in same(split)] == [1, 2, 3] and same(split) == same(whole)
 
 
 @pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
