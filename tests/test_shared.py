@@ -24,7 +24,7 @@ SHARED = ARITHMETIC + ["masked_mean", "kl_penalty", "gsm8k_reward", "load_prompt
                        "build_optimizer", "start", "timing_metrics", "rollout", "check_finite", "wall_clock",
                        "eval_line", "eval_rows", "eval_only", "eta", "final_answer", "format_reward", "load_reward_fn",
                        "render_prompt", "read_dataset", "prompt_row", "check_hub", "end_of_turn_id", "tokenize_texts",
-                       "rm_text", "PromptStream", "parse_args", "save_checkpoint", "load_checkpoint",
+                       "rm_text", "PromptStream", "parse_args", "train_state", "save_checkpoint", "load_checkpoint",
                        "add_lora", "reference_model", "adapters_off",
                        "setup_distributed", "all_reduce", "global_mean", "global_mean_var",
                        "global_metrics", "TrainedModels", "ddp_forward", "Silent", "ChunkedHead"]  # fmt: skip
