@@ -1023,10 +1023,10 @@ def eval_rows(args, tokenizer):
     """What evaluate() scores: the arithmetic task's held-out set, or up to --eval-size distinct prompts of --dataset's
     --eval-split or of the --eval-split file (--eval-only: default --dataset-split); None when there is neither. The
     same prompts whatever --seed, so that runs of different seeds compare."""
-    if args.dataset == "arithmetic" and args.eval_split is not None:
-        raise SystemExit(f"error: --eval-split {args.eval_split} goes with --dataset: the arithmetic task has its own "
-                         "held-out set")  # fmt: skip
     if args.dataset == "arithmetic":
+        if args.eval_split is not None:
+            raise SystemExit(f"error: --eval-split {args.eval_split} goes with --dataset: the arithmetic task has its "
+                             "own held-out set")  # fmt: skip
         return [prompt_row(p, "a problem", tokenizer, args) for p in arithmetic_eval_set()]
     split = args.eval_split or (args.dataset_split if args.eval_only else None)
     if split is None:
@@ -1169,8 +1169,8 @@ def start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, wo
         logger.log({"update": 0, "episode": 0} | evaluation)
         print(f"update 0: {eval_line(evaluation)}")
     update = checkpoint.get("update", 0)
-    if world > 1 and len(checkpoint.get("rng", [])) != world:  # a new run, or a new world size: every rank holds
-        torch.manual_seed(args.seed + rank + world * update)  # rank 0's weights (DDP) and draws its own samples
+    if world > 1 and len(checkpoint.get("rng", [])) != world:  # a new run (or world size): each rank its own samples
+        torch.manual_seed(args.seed + rank + world * update)
     return update
 
 

@@ -1,6 +1,7 @@
 """Tiny models the tests build themselves: a character tokenizer, a GPT-2 policy and reward models."""
 
 import json
+import os
 
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -50,3 +51,23 @@ def tiny(tmp_path_factory):
         "".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(20))
     )
     return {k: str(v) for k, v in paths.items()}
+
+
+def untimed_metrics(run_dir):
+    """A run's metrics.jsonl records without time/* and perf/*, which differ between two runs of the same updates."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))} for line in f]
+
+
+def ends_at(generate, positions):
+    """generate(), with response i ending in EOS at positions[i] (None: no EOS at all)."""
+
+    def patched(policy, queries, query_mask):
+        responses = generate(policy, queries, query_mask).clone()
+        responses[responses == policy.config.eos_token_id] = 3  # a character, not an end
+        for i, position in enumerate(positions[: len(responses)]):
+            if position is not None:
+                responses[i, position] = policy.config.eos_token_id
+        return responses
+
+    return patched

@@ -7,6 +7,7 @@ import os
 import huggingface_hub
 import pytest
 import torch
+from conftest import ends_at, untimed_metrics
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
@@ -412,14 +413,7 @@ def test_a_group_is_one_prompts_completions(tiny, tmp_path, monkeypatch):
 
 def test_mask_truncated_completions_leaves_out_responses_without_eos(tiny, tmp_path, monkeypatch, capsys):
     # no completion ends (its EOS turned into a character): --mask-truncated-completions leaves no token in the loss
-    real_generate = grpo_llm.generate
-
-    def no_eos(policy, queries, query_mask):
-        responses = real_generate(policy, queries, query_mask).clone()
-        responses[responses == policy.config.eos_token_id] = 3
-        return responses
-
-    monkeypatch.setattr(grpo_llm, "generate", no_eos)
+    monkeypatch.setattr(grpo_llm, "generate", ends_at(grpo_llm.generate, [None] * 8))
     options = dict(reward_model=tiny["rm"], dataset=tiny["jsonl"], mask_truncated_completions=True)
     _, records = run(tiny, tmp_path, **options)
     assert all(r["completions/clipped_ratio"] == 1.0 and "loss" not in r for r in records)
@@ -511,17 +505,11 @@ def test_track_with_wandb_offline(tiny, tmp_path, monkeypatch):
 def test_resume_logs_what_one_run_logs(tiny, tmp_path):
     # 2 updates, then --resume to 4, log what 4 updates in one go do (timings and memory aside; lr constant): the
     # weights, AdamW, the RNG states and the prompt position come back, the reference is re-derived.
-    _, whole = run(tiny, tmp_path / "whole", total_steps=4, beta=0.1, num_iterations=2)
+    whole, _ = run(tiny, tmp_path / "whole", total_steps=4, beta=0.1, num_iterations=2)
     run_dir, _ = run(tiny, tmp_path / "split", beta=0.1, num_iterations=2)
     assert grpo_llm.main(grpo_llm.parse_args(["--resume", run_dir, "--total-steps", "4"])) == run_dir
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        resumed = [json.loads(line) for line in f]
-
-    def same(metrics):
-        return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/"))}
-
-    assert [m["update"] for m in resumed] == [1, 2, 3, 4]
-    assert [same(m) for m in resumed] == [same(m) for m in whole]
+    assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2, 3, 4]
+    assert untimed_metrics(run_dir) == untimed_metrics(whole)
 
 
 def test_learning_raises_the_reward(tiny, tmp_path):

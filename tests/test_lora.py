@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from conftest import untimed_metrics
 from test_families import families  # noqa: F401 (a fixture)
 from transformers import AutoModelForCausalLM
 
@@ -136,10 +137,6 @@ def test_resume_restores_the_adapters_and_adamw(tiny, tmp_path):
     whole = grpo_llm.main(grpo_llm.Args(output_dir=str(tmp_path / "whole"), total_steps=4, **opts))
     split = grpo_llm.main(grpo_llm.Args(output_dir=str(tmp_path / "split"), total_steps=2, **opts))
     grpo_llm.main(grpo_llm.parse_args(["--resume", split, "--total-steps", "4"]))
-
-    def metrics(run_dir):
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))} for line in f]
-
-    assert [m["update"] for m in metrics(split)] == [1, 2, 3, 4]
-    assert metrics(split) == metrics(whole) and metrics(whole)[-1]["kl"] > 0  # the adapters moved the policy
+    assert [m["update"] for m in untimed_metrics(split)] == [1, 2, 3, 4]
+    assert untimed_metrics(split) == untimed_metrics(whole)
+    assert untimed_metrics(whole)[-1]["kl"] > 0  # the adapters moved the policy

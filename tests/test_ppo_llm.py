@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from conftest import char_tokenizer, tiny_config
+from conftest import char_tokenizer, ends_at, tiny_config, untimed_metrics
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
@@ -286,24 +286,18 @@ def test_resume_logs_what_one_run_logs(tiny, tmp_path):
     # 2 updates, then --resume to 4, log what 4 updates in one go do (timings and memory aside; lr constant): the
     # weights, AdamW, the adaptive beta, the moving reference, the RNG states and the prompt position come back.
     options = dict(critic="separate", kl_target=1.0, kl_horizon=100, ref_update_every=1)
-    _, whole = run(tiny, tmp_path / "whole", total_steps=4, **options)
+    whole, _ = run(tiny, tmp_path / "whole", total_steps=4, **options)
     run_dir, _ = run(tiny, tmp_path / "split", **options)
     assert ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--total-steps", "4"])) == run_dir
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        resumed = [json.loads(line) for line in f]
-
-    def same(metrics):
-        return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/"))}
-
-    assert [m["update"] for m in resumed] == [1, 2, 3, 4]
-    assert [same(m) for m in resumed] == [same(m) for m in whole]
+    assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2, 3, 4]
+    assert untimed_metrics(run_dir) == untimed_metrics(whole)
     assert json.load(open(os.path.join(run_dir, "args.json")))["total_steps"] == 4
 
 
 def test_a_stop_inside_an_update_resumes_by_redoing_it(tiny, tmp_path, monkeypatch):
     # Ctrl-C in update 2's generation: the checkpoint holds the state after update 1 (its prompts and RNG), so the
     # resume runs update 2 again, and as the weights had not moved yet, it logs what one run logs.
-    _, whole = run(tiny, tmp_path / "whole", total_steps=3)
+    whole, _ = run(tiny, tmp_path / "whole", total_steps=3)
     real_generate, calls = ppo_llm.generate, []
 
     def interrupted(*a):
@@ -317,13 +311,7 @@ def test_a_stop_inside_an_update_resumes_by_redoing_it(tiny, tmp_path, monkeypat
     monkeypatch.setattr(ppo_llm, "generate", real_generate)
     assert [m["update"] for m in first] == [1] and ppo_llm.load_checkpoint(run_dir)["update"] == 1
     ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir]))
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        resumed = [json.loads(line) for line in f]
-
-    def same(metrics):
-        return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/"))}
-
-    assert [same(m) for m in resumed] == [same(m) for m in whole]
+    assert untimed_metrics(run_dir) == untimed_metrics(whole)
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -395,20 +383,6 @@ def test_options_all_run(tiny, tmp_path):
     _, m = run(tiny, tmp_path, reward_model=tiny["rm_other"], dataset=tiny["jsonl"])  # decode and re-encode
     _, m = run(tiny, tmp_path, reward_model=tiny["rm_two_labels"], reward_label=1, critic="head")
     assert all(isinstance(x["objective/scores"], float) for x in m[1:])
-
-
-def ends_at(generate, positions):
-    """generate(), with response i ending in EOS at positions[i] (None: no EOS at all)."""
-
-    def patched(policy, queries, query_mask):
-        responses = generate(policy, queries, query_mask).clone()
-        responses[responses == policy.config.eos_token_id] = 3  # a character, not an end
-        for i, position in enumerate(positions[: len(responses)]):
-            if position is not None:
-                responses[i, position] = policy.config.eos_token_id
-        return responses
-
-    return patched
 
 
 def test_score_goes_on_the_last_real_token(tiny, tmp_path, monkeypatch):
