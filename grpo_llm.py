@@ -1,115 +1,59 @@
-"""GRPO for language models, and its current variants (Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO, ...), in one file.
+"""GRPO for language models and its current variants (Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO, ...), in one file.
 
 Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath) is PPO without the critic: every prompt gets a
-group of G sampled completions, each completion's advantage is its reward relative to the group's, and a KL term to
-the frozen reference sits in the loss instead of in the reward. `main()` reads in the order of the algorithm: rollout
-(G completions per prompt) -> rewards -> group advantages -> old and reference log-probs -> num-iterations clipped
-updates -> log -> save.
+group of G sampled completions, a completion's advantage is its reward relative to the group's, and the KL to the frozen
+reference is a loss term, not a reward penalty. main() is the loop in the algorithm's order: 1. rollout, G completions a
+prompt, 2. rewards, 3. group advantages, 4. old and reference log-probs, 5. --num-iterations clipped updates; then log.
 
-    python grpo_llm.py                                  # embedded arithmetic SFT model, offline, CPU
-    python grpo_llm.py --reward-model assets/arith-rm   # the same, scored by the learned reward model
+    python grpo_llm.py                                  # the embedded arithmetic SFT policy: offline, CPU, minutes
     python grpo_llm.py --model gpt2 --total-steps 200   # a hub model (a GPU is advisable)
 
-Implementation details (cited as "detail N" in the comments):
-1. Each of the --prompts-per-update prompts gets G = --num-generations completions, contiguous, so a group is a row of
-   rewards.view(-1, G) (TRL counts completions instead).
-2. Completions are cut after the first EOS; later tokens become pad, masked out of every loss and statistic, so the
-   policy is not trained on text it would never show.
-3. Advantage = reward - group mean, divided by the group's std + 1e-4 (Bessel), the batch's, or nothing; one advantage
-   per completion, broadcast to its tokens. No value model, no GAE.
-4. Log-probs divide the logits by the sampling temperature, or the ratio and KL start away from 1 and 0.
-5. With --num-iterations 1 the old log-probs are the current ones detached (ratio exactly 1, one gradient step per
-   batch); with more, they are recomputed after generation in the training's micro-batch shapes.
-6. Dropout is 0 in the config before the model is built (Llama-style attention reads attention_dropout in train mode)
-   and in every nn.Dropout: the ratio and the KL measure policy change and nothing else.
-7. Prompts are left-padded; position ids come from the attention mask, so a padded prompt sees an unpadded one's.
-8. A group whose rewards are all equal gets advantage exactly 0: nothing to prefer, and no 0 / 0.
-9. The LM head runs on completion positions only, in chunks of at most 2^24 logits recomputed in backward, not kept:
-   memory does not grow with length x vocabulary. One fp32 log-sum-exp gives log-probs and entropy.
-10. Loss aggregation by --loss-type: per-completion token mean then mean (grpo), one token mean over the batch (dapo),
-    or the token sum over completions x --max-new-tokens (dr_grpo).
-11. Clipped surrogate per token with asymmetric bounds [1 - epsilon, 1 + epsilon_high]: a higher upper bound lets
-    unlikely tokens with a positive advantage grow (DAPO's clip-higher, against entropy collapse).
-12. Micro-batches weight their loss so that the accumulated gradient is the whole batch's: by completions for grpo, sapo
-    and dr_grpo, by their share of the loss tokens for dapo and cispo (the normalisers are global).
-13. KL to the frozen reference is a loss term beta * k3 (unbiased, >= 0), not a reward penalty, so it stays out of the
-    advantages; beta = 0 loads no reference at all (TRL's default since Dr. GRPO).
-14. Several reward functions are summed with --reward-weights (TRL); a reward model scores alone.
-15. A non-finite gradient stops the run before the optimizer step and saves the last good weights; Ctrl-C saves too.
-16. A completion ends at any EOS id, the tokenizer's and the generation_config's (chat models declare several), in
-    generation, truncation, --mask-truncated-completions, evaluation and the logs.
-17. Embeddings are resized to the tokenizer only to grow: checkpoints carry spare rows the model can sample.
-18. The family's logit post-processing (Gemma's final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling)
-    runs in each head chunk, before the temperature; a model whose logits this does not reproduce is refused.
-19. Dtypes: trained weights are fp32 whatever the checkpoint's (bf16 AdamW updates of lr 1e-5 mostly round away),
-    compute is bf16 autocast on CUDA; the reference, an fp32 copy scored by the same function in the same shapes, starts
-    at KL exactly 0. The frozen reward model and a LoRA base keep their checkpoint dtype (a 7B base in fp32: 28 GB).
-20. Sampling is softmax(logits / temperature), nothing else: the checkpoint's generation_config (repetition_penalty,
-    top_k, min_p, ...), which transformers would apply silently, is replaced; --top-k / --top-p are refused: the ratio
-    and KL need the log-probs of the distribution sampled (a truncated reference gives -inf outside its support).
-21. Prompts are what the model was trained on (TRL's rule: the data decides): a conversation goes through the chat
-    template with the assistant header (--chat-template / --system-prompt for plain strings); no second BOS; a long
-    prompt loses its start, never the header; the end-of-turn token ends a response (detail 16).
-22. --resume RUN_DIR goes on from RUN_DIR/checkpoint.pt, the whole state of the run (weights, AdamW, every rank's RNG
-    states, prompts drawn, wandb id): 2 updates and a resume to 4 log what 4 do. A stop inside an update saves the
-    state after the last finished one with the weights of the moment: the resume redoes that update. Written to a
-    temporary file and renamed: a crash while saving leaves the last one whole. Flags given win.
-23. LoRA (--lora-r, through peft, as TRL): only adapters train, W x + (alpha / r) B A x on the trunk's linear layers. B
-    starts at 0, so the base with its adapters off is the initial policy exactly: the reference, at no memory cost, with
-    a first KL of 0. Adapter dropout is refused (detail 6).
-24. Under torchrun (DDP) each rank rolls out its share of the prompts, groups whole; the update is the one-process
-    update on the union batch: statistics are over all ranks, so they skip together; an empty micro-batch runs with
-    weight 0 (a skipped backward would hang the rest). Gradients are averaged once per step; only rank 0 logs and saves.
-25. --loss-type cispo (MiniMax-M1, 2025): REINFORCE weighted by the capped, detached ratio: no token's gradient is
-    clipped away. The cap is 1 + --epsilon-high (TRL reads its epsilon_high as the cap: TRL's 5 = our 4).
-26. --loss-type sapo (Gao et al. 2025): a sigmoid gate instead of the hard clip: gradient A at rho = 1, fading smoothly
-    off-policy, faster for A <= 0 (--sapo-temperature-neg > -pos).
-27. --delta (INTELLECT-2, 2025): two-sided clipping, the unclipped ratio capped at delta: with A < 0, a token whose
-    probability rose far since sampling gets a bounded push down.
-28. --top-entropy-quantile q (Wang et al. 2025, "Beyond the 80/20 rule"): only tokens whose entropy is in the top q
-    carry the policy gradient (the normaliser counts all); q of the whole batch from the rollout policy (an extra
-    no-grad forward at mu = 1), not of each micro-batch from the current one as in TRL.
-29. --off-policy-mask-threshold t (DeepSeek-V3.2, 2025): completions with A < 0 whose mean k1 KL(old || policy) exceeds
-    t leave the policy-gradient term. At mu = 1 the rollout policy is the current one: a no-op.
-30. --use-bias-correction-kl (DeepSeek-V3.2; on, as TRL): the KL term is rho k3. Tokens come from pi_old, so
-    E_old[rho k3] = E_pi[k3] = KL(pi || ref), with gradient E_pi[(k3 + 1 - ref/pi) grad log pi] = grad KL(pi || ref)
-    even at mu = 1 (rho = 1, grad rho != 0): the KL the objective names and `kl` reports. k3 alone: gradient
-    E_pi[(1 - ref/pi) grad log pi] = -E_ref[grad log pi] = grad KL(ref || pi), the other direction (the GRPO paper's).
-31. --ent-coef c: entropy bonus -c H (detail 9's entropy, with gradient), a token mean over the batch's loss tokens.
+Implementation details, cited "detail N":
+1. Each prompt gets G = --num-generations completions, contiguous: a group is a row of rewards.view(-1, G).
+2. A completion ends at its first EOS (the tokenizer's, the generation_config's, the chat template's end of turn); the
+   tokens after it are pad, masked out of every loss and statistic.
+3. Advantage = (reward - group mean) / (group std + 1e-4), or / the batch's std, or as is; one per completion, broadcast
+   to its tokens; a group of equal rewards gets exactly 0. No value model, no GAE.
+4. Sampling is softmax(logits / temperature) alone (the checkpoint's generation_config is replaced), and log-probs
+   divide by the same temperature.
+5. At --num-iterations 1 the old log-probs are the current ones detached; above, they are recomputed after generation
+   in the training's micro-batch shapes. The reference, the SFT policy in fp32 scored the same way, starts at KL 0.
+6. Dropout is 0, in the config and in every nn.Dropout; prompts are left-padded, position ids come from the mask.
+7. The LM head runs on completion positions only, in chunks recomputed in backward (torch.utils.checkpoint): memory
+   does not grow with length x vocabulary. One fp32 log-softmax gives the log-probs and the entropy.
+8. A clipped surrogate per token in [1 - epsilon, 1 + epsilon_high]: a higher upper bound lets unlikely tokens with a
+   positive advantage grow (DAPO's clip-higher, against entropy collapse).
+9. --loss-type's normaliser: each completion's token mean, then their mean (grpo, sapo); one token mean over the batch
+   (dapo, cispo); completions x --max-new-tokens (dr_grpo). Micro-batches are weighted to give the batch's gradient.
+10. The KL is a loss term beta * k3, out of the advantages (beta 0, TRL's default, loads no reference); with
+    --use-bias-correction-kl (on) it is rho k3, whose gradient is KL(pi || ref)'s even at rho = 1 (k3's: KL(ref || pi)).
+11. Several reward functions are summed with --reward-weights; a reward model scores alone.
+12. cispo (MiniMax-M1): REINFORCE weighted by the detached ratio capped at 1 + --epsilon-high (TRL's 5 is our 4);
+    sapo (Gao et al. 2025): a sigmoid gate instead of the clip; --delta (INTELLECT-2): the unclipped ratio capped.
+13. --top-entropy-quantile q (Wang et al. 2025): the batch's top q of tokens by entropy alone carry the policy gradient
+    and bonus; --off-policy-mask-threshold (DeepSeek-V3.2): completions with A < 0 far from pi_old leave it.
 
-The variants, as differences from GRPO (loss-type grpo, scale-rewards group, epsilon-high = epsilon):
-- Dr. GRPO (Liu et al. 2025): --loss-type dr_grpo --scale-rewards none. Dividing by each completion's length favours
-  long wrong answers and short right ones, by the group std too easy and too hard prompts; both biases go: the sum is
-  divided by a constant (completions x --max-new-tokens).
-- DAPO (Yu et al. 2025): --loss-type dapo --epsilon-high 0.28 --dynamic-sampling --overlong-buffer N. Token-level loss
-  (every token weighs the same, however long its completion); clip-higher; groups with equal rewards leave the loss
-  (dynamic sampling, here without resampling); soft overlong punishment -penalty * (L - (max_new_tokens - N)) / N over
-  the last N lengths; --mask-truncated-completions drops completions without EOS (overlong filtering).
-- GSPO (Zheng et al. 2025): --importance-sampling-level sequence (clip ranges like 3e-4 / 4e-4). One ratio per
-  completion, exp(mean over its tokens of logp - old_logp), clipped as a whole and broadcast.
-- RLOO (Ahmadian et al. 2024): --leave-one-out --scale-rewards none. Baseline = the mean of the other G - 1 rewards of
-  the group, so a completion's own reward does not bias its baseline.
+The variants are flags (docs/grpo_llm.md): Dr. GRPO, DAPO, GSPO, RLOO. Running it for real: any causal LM, chat
+templates, bf16 autocast on CUDA, LoRA, torchrun; nothing is lost when a run stops (checkpoint.pt, --resume).
 """
 
 import contextlib
 import copy
-import functools
-import importlib.util
 import itertools
 import json
-import numbers
 import os
 import random
 import re
 import resource
+import runpy
+import signal
 import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import asdict, dataclass, fields, make_dataclass
+import traceback
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
-import huggingface_hub.constants as hub_constants
+import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -117,193 +61,109 @@ import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 import tyro
+from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    GenerationConfig,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 
 @dataclass
-class Experiment:
-    """seeds, device, tracking, saving and resuming"""
-
-    exp_name: str = "grpo_llm"
-    """name of the experiment: the run directory and the wandb run start with it"""
-    seed: int = 1
-    """seed of python, numpy, torch and the prompt order"""
-    cuda: bool = True
-    """use CUDA when it is available"""
-    mixed_precision: Literal["auto", "bf16", "no"] = "auto"
-    """bf16 autocast over fp32 weights (detail 19); auto: on CUDA, not on CPU"""
-    track: bool = False
-    """log to Weights & Biases (WANDB_MODE=offline works)"""
-    wandb_project_name: str = "rlhf-reference"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team)"""
-    output_dir: str = "runs"
-    """parent of the run directory, which gets metrics.jsonl, samples.jsonl and the saved policy"""
-    save_every: int = 0
-    """also save every N updates (0: only at the end)"""
-    resume: str | None = None
-    """continue the run in this run directory from its checkpoint.pt (detail 22); flags given override the saved ones"""
-
-
-@dataclass
-class Models:
-    """policy, reward model or function, prompts, LoRA"""
-
-    model: str = "assets/arith-sft"
-    """policy and reference: a local directory or a hub id; assets/arith-sft is the embedded arithmetic SFT model"""
-    reward_model: str | None = None
-    """sequence-classification reward model (hub id or directory); it replaces --reward-fn as the reward"""
-    reward_label: int | None = None
-    """which logit of the reward model is the score, when it has several (lvwerra/distilbert-imdb: 1)"""
-    reward_fn: tuple[str, ...] = ("arithmetic",)
-    """reward functions, summed with --reward-weights: arithmetic (exact answer), gsm8k (final answer vs '#### N'),
-    format (an explicit final answer), or your own, path/to/file.py:function or module:function (README)"""
-    reward_weights: tuple[float, ...] | None = None
-    """weight of each reward function (unset: 1 each)"""
-    dataset: str = "arithmetic"
-    """prompts: `arithmetic` (built in, offline), a local .jsonl, .json, .csv or .parquet file, or a hub dataset"""
-    dataset_config: str | None = None
-    """hub dataset configuration (gsm8k: main)"""
-    dataset_split: str = "train"
-    """hub dataset split"""
-    prompt_column: str = "prompt"
-    """column of the prompts: strings, or lists of {"role", "content"} messages (gsm8k: question, imdb: text)"""
-    answer_column: str = "answer"
-    """column that holds the reference answer the reward functions check (compared as text)"""
-    chat_template: bool = False
-    """also put plain-string prompts through the chat template, as one user message (instruct models want it)"""
-    system_prompt: str | None = None
-    """a system message before each conversation (implies --chat-template for plain-string prompts)"""
-    gradient_checkpointing: bool = False
-    """trade compute for memory in the policy"""
-    lora_r: int = 0
-    """LoRA rank (0: off; detail 23); LoRA usually wants ~10x the --learning-rate of full fine-tuning"""
-    lora_alpha: int = 32
-    """LoRA scale numerator: the adapters add (alpha / r) B A x"""
-    lora_dropout: float = 0.0
-    """must stay 0: dropout on the adapters would move the first ratio away from 1 (detail 6)"""
-    lora_target_modules: tuple[str, ...] | None = None
-    """module names to adapt; None: every linear layer of the trunk, not the LM head (peft's all-linear)"""
-    save_merged: bool = False
-    """with --lora-r, also save the base with the adapters merged in, to policy/merged (transformers loads it)"""
-
-
-@dataclass
-class Generation:
-    """sampling the responses"""
-
-    max_new_tokens: int = 8
-    """longest completion (8 fits the arithmetic task; text tasks want 48 or more)"""
-    max_prompt_length: int | None = None
-    """longer prompts lose their start, as in TRL (unset: the model's context minus --max-new-tokens)"""
-    temperature: float = 1.0
-    """sampling temperature; log-probs use the same one (detail 4)"""
-    top_k: int = 0
-    """must stay 0: truncated sampling is refused for training (detail 20)"""
-    top_p: float = 1.0
-    """must stay 1.0: truncated sampling is refused for training (detail 20)"""
-    cast_lm_head_to_fp32: bool = True
-    """the LM head's matmul in fp32 under autocast (TRL's name); the log-sum-exp is fp32 either way"""
+class Args:
+    # ---- experiment
+    exp_name: str = "grpo_llm"  # the run directory and the wandb run start with it
+    seed: int = 1  # seed of python, numpy, torch and the prompt order
+    cuda: bool = True  # use CUDA when it is available
+    mixed_precision: Literal["auto", "bf16", "no"] = "auto"  # bf16 autocast over fp32 weights; auto: on CUDA only
+    track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works)
+    wandb_project_name: str = "rlhf-reference"  # wandb project
+    wandb_entity: str | None = None  # wandb entity (team)
+    output_dir: str = "runs"  # parent of the run directory: metrics.jsonl, samples.jsonl, policy/, checkpoint.pt
+    save_every: int = 20  # write checkpoint.pt and policy/ every N updates (0: only at the end and when stopped)
+    resume: str | None = None  # go on with the run in this directory from its checkpoint.pt; flags given win
+    # ---- models and data
+    model: str = "assets/arith-sft"  # policy and reference: a directory or a hub id (default: the embedded SFT model)
+    reward_model: str | None = None  # a sequence-classification reward model; it replaces --reward-fn as the reward
+    reward_label: int | None = None  # the reward model's logit that is the score, if it has several
+    reward_fn: tuple[str, ...] = ("arithmetic",)  # summed: arithmetic, gsm8k, format, path/to/file.py:fn, module:fn
+    reward_weights: tuple[float, ...] | None = None  # weight of each reward function (unset: 1 each)
+    dataset: str = "assets/arith/train.jsonl"  # prompts: a .jsonl .json .csv .parquet file, or a hub dataset
+    dataset_config: str | None = None  # hub dataset configuration (gsm8k: main)
+    dataset_split: str = "train"  # hub dataset split
+    prompt_column: str = "prompt"  # column of the prompts: strings, or lists of {role, content} messages
+    answer_column: str = "answer"  # column of the reference answers that the reward functions check
+    chat_template: bool = False  # also put plain-string prompts through the chat template (instruct models)
+    system_prompt: str | None = None  # a system message before each prompt (implies --chat-template)
+    gradient_checkpointing: bool = False  # trade compute for memory in the policy
+    lora_r: int = 0  # LoRA rank (0: off); LoRA usually wants ~10x the learning rate of full fine-tuning
+    lora_alpha: int = 32  # the adapters add (alpha / r) B A x
+    lora_target_modules: tuple[str, ...] | None = None  # modules to adapt (unset: every linear layer of the trunk)
+    save_merged: bool = False  # with --lora-r, also save the base with the adapters merged in, to policy/merged
+    # ---- generation
+    max_new_tokens: int | None = None  # longest completion (unset: the checkpoint's generation_config's, else 8)
+    max_prompt_length: int | None = None  # longer prompts lose their start (unset: the context - --max-new-tokens)
+    temperature: float = 1.0  # sampling temperature, also in the log-probs (detail 4)
+    cast_lm_head_to_fp32: bool = True  # the LM head's matmul in fp32 under autocast
+    # ---- GRPO and its variants
+    total_steps: int = 500  # GRPO updates (a generation batch and its --num-iterations each)
+    prompts_per_update: int = 8  # prompts per update, each with --num-generations completions
+    num_generations: int = 8  # G, completions per prompt: the group whose rewards are the baseline
+    micro_batch_size: int = 64  # sequences per forward pass (gradient accumulation, chunks of no-grad passes)
+    num_iterations: int = 1  # mu, optimizer steps on each generation batch (detail 5)
+    learning_rate: float | None = None  # AdamW learning rate (unset: 1e-4 below 50M parameters, else 1e-5)
+    weight_decay: float = 0.0  # AdamW weight decay (0, as TRL; torch's default is 0.01)
+    anneal_lr: bool = False  # decay the learning rate linearly to 0
+    max_grad_norm: float = 1.0  # global gradient-norm clip
+    beta: float = 0.0  # weight of the KL-to-reference loss term (0: no reference model is loaded)
+    epsilon: float = 0.2  # lower clip range of the ratio: 1 - epsilon
+    epsilon_high: float | None = None  # upper clip range, 1 + epsilon_high (unset: epsilon; DAPO: 0.28; cispo's cap)
+    delta: float | None = None  # two-sided clipping: the unclipped ratio capped at delta > 1 + epsilon_high
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "cispo", "sapo"] = "grpo"  # the per-token loss and its normaliser
+    sapo_temperature_pos: float = 1.0  # sapo's gate temperature for positive advantages
+    sapo_temperature_neg: float = 1.05  # sapo's gate temperature for the other advantages
+    top_entropy_quantile: float = 1.0  # only the tokens in this top quantile of entropy carry the gradient (paper: 0.2)
+    off_policy_mask_threshold: float | None = None  # drop completions with A < 0 this far from the sampling policy
+    use_bias_correction_kl: bool = True  # the KL term times the importance ratio: KL(policy || ref)'s gradient
+    ent_coef: float = 0.0  # entropy-bonus weight
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # divide the advantages by the group's or batch's std
+    leave_one_out: bool = False  # RLOO's baseline: the mean of the other G - 1 rewards of the group
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # a ratio per token (GRPO) or completion (GSPO)
+    dynamic_sampling: bool = False  # drop the groups whose rewards are all equal from the loss (no resampling)
+    mask_truncated_completions: bool = False  # drop the completions that never emitted EOS from the loss
+    overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N lengths up to --max-new-tokens (0: off)
+    overlong_penalty: float = 1.0  # reward lost by a completion of --max-new-tokens tokens, with --overlong-buffer
+    # ---- evaluation and logging
+    eval_every: int = 10  # held-out accuracy every N updates (0: off), with the first --reward-fn
+    eval_split: str | None = None  # a split of --dataset, or a prompt file (unset: test.jsonl beside a train.jsonl)
+    eval_size: int = 256  # distinct prompts drawn from --eval-split
+    eval_only: bool = False  # print the accuracy of --model on the evaluation prompts and exit
+    sample_every: int = 10  # print and store a few samples every N updates (0: off)
+    num_samples: int = 3  # samples shown each time
 
 
-@dataclass
-class Algorithm:
-    """the GRPO update, its variants and KL"""
-
-    total_steps: int = 500
-    """number of GRPO updates (one generation batch and its --num-iterations each)"""
-    prompts_per_update: int = 8
-    """prompts per update; each gets --num-generations completions (detail 1)"""
-    num_generations: int = 8
-    """G, completions per prompt: the group whose rewards are the baseline"""
-    micro_batch_size: int = 64
-    """sequences per forward pass: gradient accumulation in training, chunking in no-grad passes"""
-    num_iterations: int = 1
-    """mu, optimizer steps on each generation batch (old log-probs recomputed when > 1, detail 5)"""
-    learning_rate: float | None = None
-    """AdamW learning rate (unset: 1e-4 below 50M parameters, 1e-5 above; printed at start)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay (0, as TRL and the N+ details; torch's own default is 0.01)"""
-    anneal_lr: bool = False
-    """decay the learning rate linearly to 0"""
-    max_grad_norm: float = 1.0
-    """global gradient-norm clip"""
-    beta: float = 0.0
-    """weight of the k3 KL-to-reference loss term (0: no reference model is loaded)"""
-    epsilon: float = 0.2
-    """lower clip range of the ratio: 1 - epsilon"""
-    epsilon_high: float | None = None
-    """upper clip range of the ratio: 1 + epsilon_high (unset: epsilon; DAPO: 0.28; cispo's cap, detail 25)"""
-    delta: float | None = None
-    """two-sided clipping: the unclipped ratio capped at delta > 1 + epsilon_high (INTELLECT-2: 4; detail 27)"""
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "cispo", "sapo"] = "grpo"
-    """per-token loss and its normaliser (details 11, 25, 26): see grpo_loss"""
-    sapo_temperature_pos: float = 1.0
-    """sapo's gate temperature for positive advantages"""
-    sapo_temperature_neg: float = 1.05
-    """sapo's gate temperature for the other advantages"""
-    top_entropy_quantile: float = 1.0
-    """only the tokens in this top quantile of entropy carry the policy gradient (0.2 in the paper; detail 28)"""
-    off_policy_mask_threshold: float | None = None
-    """drop completions with A < 0 whose KL to the sampling policy exceeds it from the loss (detail 29)"""
-    use_bias_correction_kl: bool = True
-    """multiply k3 by the importance ratio: the gradient of KL(policy || ref) itself (detail 30)"""
-    ent_coef: float = 0.0
-    """entropy-bonus weight (token mean over the loss tokens, detail 31)"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide the advantages by the group's std, the batch's std, or nothing (Dr. GRPO)"""
-    leave_one_out: bool = False
-    """RLOO's baseline: the mean of the other G - 1 rewards of the group instead of the group mean"""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """one importance ratio per token (GRPO) or per completion (GSPO)"""
-    dynamic_sampling: bool = False
-    """drop groups whose rewards are all equal from the loss (DAPO's dynamic sampling, without resampling)"""
-    mask_truncated_completions: bool = False
-    """drop completions that never emitted EOS from the loss"""
-    overlong_buffer: int = 0
-    """DAPO's soft overlong punishment over the last N lengths up to --max-new-tokens (0: off)"""
-    overlong_penalty: float = 1.0
-    """reward lost by a completion that reaches --max-new-tokens, with --overlong-buffer"""
+# ALGO LOGIC: the numerics, checked by tests/ against hand-computed values; under torchrun, over every rank's entries.
 
 
-@dataclass
-class Logging:
-    """evaluation and samples"""
-
-    eval_every: int = 10
-    """held-out accuracy on the arithmetic task (or --eval-split) every N updates (0: off)"""
-    eval_split: str | None = None
-    """split of --dataset (gsm8k: test), or a prompt file, evaluated with the reward function every --eval-every"""
-    eval_size: int = 256
-    """distinct prompts drawn from --eval-split (the arithmetic task has its own 256 held-out problems)"""
-    eval_only: bool = False
-    """print the accuracy of --model (runs/<run>/policy) on the eval set (--eval-split or --dataset-split), exit"""
-    sample_every: int = 10
-    """print and store a few decoded samples every N updates (0: off)"""
-    num_samples: int = 3
-    """samples shown each time"""
+def all_reduce(x, op="sum"):
+    """The tensor x summed over the torchrun ranks (or their "min" or "max"); x itself in one process."""
+    if not dist.is_initialized():
+        return x
+    y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
+    return y.to(x.device)
 
 
-@dataclass
-class Args(Logging, Algorithm, Generation, Models, Experiment):
-    """GRPO for language models (and Dr. GRPO, DAPO, GSPO, RLOO): G completions per prompt, each one's advantage
-    its reward relative to its group's, a clipped update without a critic.
-
-    python grpo_llm.py                                        # the embedded arithmetic task: CPU, a few minutes
-
-    python grpo_llm.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward-fn gsm8k format
-    """
+def global_mean(values):
+    """Mean of the scalar tensors in every rank's list, pooled (not a mean of means), NaNs (0 / 0 token means) out."""
+    x = torch.stack(values).double()
+    total, count = all_reduce(torch.stack([x.nansum(), (~x.isnan()).sum().double()])).tolist()
+    return total / count
 
 
-# ALGO LOGIC: the numerics, small pure functions on tensors (checked by tests/ against hand-computed values)
+def global_mean_var(values, mask):
+    """Mean and Bessel-corrected variance of the entries where mask is 1, every rank's: n = sum(m),
+    mean = sum(x * m) / n, var = sum((x - mean)^2 * m) / (n - 1)."""
+    n = all_reduce(mask.sum())
+    mean = all_reduce((values * mask).sum()) / n
+    return mean, all_reduce(((values - mean) ** 2 * mask).sum()) / (n - 1)
 
 
 def masked_mean(values, mask, axis=None):
@@ -314,25 +174,17 @@ def masked_mean(values, mask, axis=None):
 def kl_penalty(logprobs, ref_logprobs, estimator):
     """Per-token estimate of KL(pi || pi_ref) from the sampled token's r = logp - ref_logp (Schulman 2020):
     k1 = r (unbiased, can be < 0); k2 = r^2 / 2 (biased, low variance); k3 = exp(-r) - 1 + r (unbiased, >= 0)."""
-    log_ratio = logprobs - ref_logprobs
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    return torch.expm1(-log_ratio) + log_ratio
+    r = logprobs - ref_logprobs
+    return {"k1": r, "k2": 0.5 * r**2, "k3": torch.expm1(-r) + r}[estimator]
 
 
 def group_advantages(rewards, group_size, scale, leave_one_out=False):
-    """Advantage of each completion relative to its group (detail 3), G contiguous completions a group:
-    A_i = r_i - mean(group), or r_i - mean of the other G - 1 (leave_one_out, RLOO); then divided by std(group) + 1e-4
-    (scale "group"), std(batch) + 1e-4 ("batch", every rank's, detail 24) or nothing ("none"), std Bessel-corrected.
-    rewards (B,) -> advantages (B,), zero_std (P,): the groups of equal rewards, whose advantages are 0 (detail 8)."""
+    """Detail 3: A_i = r_i - mean(group of G contiguous), or - the mean of the other G - 1 (RLOO); then / (std(group) +
+    1e-4), / (std(batch) + 1e-4) or as is, by `scale` (Bessel). rewards (B,) -> advantages (B,), and zero_std (P,):
+    the groups of equal rewards, whose advantages are exactly 0."""
     grouped = rewards.view(-1, group_size)  # (P, G)
-    if leave_one_out:
-        baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
-    else:
-        baseline = grouped.mean(1, keepdim=True)
-    advantages = grouped - baseline
+    others = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)  # RLOO: the mean of the other G - 1
+    advantages = grouped - (others if leave_one_out else grouped.mean(1, keepdim=True))
     if scale == "group":
         advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
     elif scale == "batch":
@@ -342,114 +194,203 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
 
 
 def high_entropy_mask(entropy, mask, quantile):
-    """1 on the real tokens whose entropy is in the top `quantile` of all real tokens' (detail 28), else 0."""
+    """1 on the real tokens whose entropy is in the top `quantile` of every rank's real tokens (detail 13), else 0."""
     values = entropy[mask.bool()].float()
-    if dist.is_initialized():  # of every rank's tokens (detail 24); ranks hold different numbers of them
+    if dist.is_initialized():  # the ranks hold different numbers of tokens
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, values.cpu())
         values = torch.cat(gathered).to(entropy.device)
-    if len(values) == 0:  # no token in the loss (all groups equal under --dynamic-sampling, say)
-        return torch.zeros_like(mask)
     threshold = np.quantile(values.cpu().numpy(), 1 - quantile)  # torch.quantile refuses more than 2^24 values
     return (entropy >= threshold).float() * mask
 
 
-def grpo_loss(
-    logprobs, old_logprobs, ref_logprobs, advantages, mask, *, loss_type="grpo", epsilon=0.2, epsilon_high=None,
-    beta=0.0, max_completion_length=None, importance_sampling_level="token", delta=None,
-    sapo_temperatures=(1.0, 1.05), entropy_mask=1.0, off_policy_mask_threshold=None, use_bias_correction_kl=False,
-):  # fmt: skip
-    """Per-token policy loss by loss_type, plus beta * k3, aggregated by loss_type. Returns (loss, stats).
-
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, entropy_mask=1.0):
+    """Per-token policy loss by args.loss_type, plus beta * KL, aggregated by loss type. Returns (loss, stats).
     rho = exp(logprobs - old_logprobs) (token) or exp(mean over the completion of logprobs - old_logprobs)
     broadcast to its tokens (sequence, GSPO); per token, with A the advantage and sg() stop-gradient:
-      grpo, dapo, dr_grpo: -min(min(rho, delta) A, clip(rho, 1 - epsilon, 1 + epsilon_high) A)    (details 11, 27)
-      cispo: -sg(min(rho, 1 + epsilon_high)) A logprobs;  sapo: -sigmoid(tau (rho - 1)) 4 / tau A   (details 25, 26)
-    times entropy_mask and the off-policy mask (details 28, 29), plus beta k3 (times rho, detail 30), k3 = exp(ref
-    - logp) - (ref - logp) - 1; the masked token sum / (each completion's length x completions) (grpo, sapo), /
-    real tokens (dapo, cispo) or / (completions x max_completion_length) (dr_grpo). logprobs (B, T), advantages
-    (B,) or (B, T); ref_logprobs may be None when beta is 0."""
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+      grpo, dapo, dr_grpo: -min(min(rho, delta) A, clip(rho, 1 - epsilon, 1 + epsilon_high) A)    (details 8, 12)
+      cispo: -sg(min(rho, 1 + epsilon_high)) A logprobs;  sapo: -sigmoid(tau (rho - 1)) 4 / tau A   (detail 12)
+    times entropy_mask and the off-policy mask (detail 13), plus beta k3 (times rho, detail 10), k3 = exp(ref - logp)
+    - (ref - logp) - 1; the masked token sum / (each completion's length x completions) (grpo, sapo), / real tokens
+    (dapo, cispo) or / (completions x max_new_tokens) (dr_grpo). logprobs (B, T), advantages (B,) or (B, T);
+    ref_logprobs may be None when beta is 0."""
+    loss_type, epsilon, delta = args.loss_type, args.epsilon, args.delta
+    epsilon_high = epsilon if args.epsilon_high is None else args.epsilon_high
     log_ratio = logprobs - old_logprobs  # (B, T)
-    if importance_sampling_level == "sequence":
+    if args.importance_sampling_level == "sequence":
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
     ratio = torch.exp(log_ratio)
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
     if loss_type == "cispo":
         per_token_loss = -ratio.clamp(max=1 + epsilon_high).detach() * advantages * logprobs
     elif loss_type == "sapo":
-        tau = torch.where(advantages > 0, *sapo_temperatures)
+        tau = torch.where(advantages > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
     else:
         clipped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high)
         capped_ratio = ratio if delta is None else ratio.clamp(max=delta)
         per_token_loss = -torch.min(capped_ratio * advantages, clipped_ratio * advantages)
     per_token_loss = per_token_loss * entropy_mask
-    if off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
+    if args.off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
         off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
-        per_token_loss = per_token_loss * ~((advantages < 0) & (off_policy_kl > off_policy_mask_threshold))
-    correction = ratio if use_bias_correction_kl else 1  # detail 30: rho k3 has the gradient of KL(pi || ref)
+        per_token_loss = per_token_loss * ~((advantages < 0) & (off_policy_kl > args.off_policy_mask_threshold))
+    correction = ratio if args.use_bias_correction_kl else 1  # detail 10: rho k3 has the gradient of KL(pi || ref)
     kl = kl_penalty(logprobs, ref_logprobs, "k3") * correction if ref_logprobs is not None else None
-    if beta:
-        per_token_loss = per_token_loss + beta * kl
-    lengths, n = mask.sum(1).clamp(min=1), logprobs.shape[0]  # tokens per completion, completions
-    if loss_type in ("grpo", "sapo"):
-        normaliser = lengths * n
-    else:
-        normaliser = n * max_completion_length if loss_type == "dr_grpo" else mask.sum().clamp(min=1)
+    if args.beta:
+        per_token_loss = per_token_loss + args.beta * kl
+    n = logprobs.shape[0]  # completions
+    normaliser = mask.sum(1).clamp(min=1) * n if loss_type in ("grpo", "sapo") else mask.sum().clamp(min=1)
+    normaliser = n * args.max_new_tokens if loss_type == "dr_grpo" else normaliser
     loss = ((per_token_loss * mask).sum(1) / normaliser).sum()
     with torch.no_grad():
-        stats = {"importance_ratio/mean": masked_mean(ratio.expand_as(mask), mask)}
-        high = (ratio > 1 + epsilon_high) & (advantages > 0)  # where the clip (cispo: the cap) acts, as TRL logs it
-        if loss_type == "cispo":
-            stats["cispo_clip_ratio"] = masked_mean(high.float(), mask)
-        elif loss_type != "sapo":  # the hard clip's, where the min picks the clipped term (sapo has none)
-            low = (ratio < 1 - epsilon) & (advantages < 0)
-            stats |= {"clip_ratio/low_mean": masked_mean(low.float(), mask),
-                      "clip_ratio/high_mean": masked_mean(high.float(), mask),
-                      "clip_ratio/region_mean": masked_mean((low | high).float(), mask)}  # fmt: skip
-        if kl is not None:
-            stats["kl"] = masked_mean(kl, mask)
+        low, high = (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
+        clipped = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
+        clipped = {"cispo": {"cispo_clip_ratio": high}, "sapo": {}}.get(loss_type, clipped)  # where it acts, as TRL
+        means = clipped | {"importance_ratio/mean": ratio.expand_as(mask)} | ({} if kl is None else {"kl": kl})
+        stats = {name: masked_mean(x.float(), mask) for name, x in means.items()}
     return loss, stats
 
 
-# TASKS: prompts and reward functions (the arithmetic block is identical in ppo_llm.py and assets/)
+# ALGO LOGIC: the forward pass and its LM head, rollout, the gradient of a minibatch, the optimizer step
 
-ARITH_MAX_OPERAND = 99
-ARITH_EVAL_SEED = 2024
-ARITH_EVAL_SIZE = 256
+LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
 
 
-def arithmetic_problem(rng: random.Random) -> dict:
-    """One addition problem `a+b=` and its answer, a and b uniform in [0, ARITH_MAX_OPERAND]."""
-    a, b = rng.randint(0, ARITH_MAX_OPERAND), rng.randint(0, ARITH_MAX_OPERAND)
-    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+def lm_head_logprobs(hidden, head, labels, temperature, scale=1.0, softcap=None, with_entropy=False, fp32=True):
+    """Log-probs of labels (B, T) and optionally the entropies (B, T) of the next-token distributions, from the last
+    hidden states (B, T, H) and the output embedding `head` (details 4, 7):
+        z = softcap * tanh(scale * head(h) / softcap) / temperature,  log p = log_softmax(z),  H = -sum_v p_v log p_v.
+    In chunks of at most LM_HEAD_CHUNK logits, each under torch.utils.checkpoint: no chunk's logits outlive it, and its
+    backward computes them again. The matmul in fp32 (fp32=True), or where F.linear would run it (autocast's dtype)."""
+    (B, T), device = labels.shape, hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    dtype = torch.float32 if fp32 else dtype  # else as F.linear would run it
+
+    def chunk(h, y):  # (N, H), (N,) -> log p of y (N,), entropy (N,) or None
+        with torch.autocast(device, enabled=False):
+            bias = None if head.bias is None else head.bias.to(dtype)
+            z = F.linear(h.to(dtype), head.weight.to(dtype), bias).float()  # in place where autograd allows
+            if softcap:
+                z = z.mul_(scale / softcap).tanh_() * (softcap / temperature)
+            elif scale != temperature:
+                z = z.mul_(scale / temperature)
+            logp = z.log_softmax(-1)
+            return logp.gather(-1, y[:, None])[:, 0], -(logp.exp() * logp).sum(-1) if with_entropy else None
+
+    n = max(1, LM_HEAD_CHUNK // head.weight.shape[0])  # tokens per chunk
+    hidden, labels = hidden.reshape(B * T, -1), labels.reshape(B * T)
+    chunks = [checkpoint(chunk, hidden[i : i + n], labels[i : i + n], use_reentrant=False) for i in range(0, B * T, n)]
+    logprobs = torch.cat([c[0] for c in chunks]).view(B, T)
+    return logprobs, torch.cat([c[1] for c in chunks]).view(B, T) if with_entropy else None
 
 
-def arithmetic_eval_set() -> list[dict]:
-    """The fixed held-out set: the first ARITH_EVAL_SIZE distinct problems drawn with ARITH_EVAL_SEED."""
-    rng, seen, problems = random.Random(ARITH_EVAL_SEED), set(), []
-    while len(problems) < ARITH_EVAL_SIZE:
-        p = arithmetic_problem(rng)
-        if p["prompt"] not in seen:
-            seen.add(p["prompt"])
-            problems.append(p)
-    return problems
+def response_logprobs(model, hidden, labels, temperature, fp32=True, with_entropy=False):
+    """lm_head_logprobs with the model's output embedding and logit post-processing: logits * scale (Cohere's
+    logit_scale, Granite's 1 / logits_scaling), then Gemma's final_logit_softcapping."""
+    c = model.config
+    scale = (getattr(c, "logit_scale", None) or 1.0) / (getattr(c, "logits_scaling", None) or 1.0)
+    softcap, head = getattr(c, "final_logit_softcapping", None), model.get_output_embeddings()
+    return lm_head_logprobs(hidden, head, labels, temperature, scale, softcap, with_entropy, fp32)
 
 
-def arithmetic_train_problems(seed: int):
-    """An endless stream of training problems; none of them is in the held-out set."""
-    held_out = {p["prompt"] for p in arithmetic_eval_set()}
-    rng = random.Random(seed)
-    while True:
-        p = arithmetic_problem(rng)
-        if p["prompt"] not in held_out:
-            yield p
+def position_ids(attention_mask):
+    """Detail 6: positions that count the real tokens only, so that left padding does not shift them."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
-def arithmetic_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 for exactly the right answer (surrounding whitespace ignored), else 0.0."""
-    return [float(c.strip() == a) for c, a in zip(completions, answers)]
+def hidden_states(model, query_responses, attention_mask, prompt_width):
+    """The trunk's last hidden states (B, R, H) at the positions that predict the response: the state at t predicts
+    token t + 1, so query_responses[:, Q:] comes from positions Q - 1 ... -2 (the off-by-one shift). With LoRA, the
+    trunk under peft's wrapper (whose forward ends in the LM head)."""
+    trunk = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model
+    out = trunk(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                use_cache=False)  # fmt: skip
+    return out.last_hidden_state[:, prompt_width - 1 : -1]
+
+
+def truncate_after_eos(responses, eos_ids, pad_token_id):
+    """Detail 2: keep the tokens up to and including the first EOS (any of eos_ids). Returns (responses, mask)."""
+    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
+    after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # an EOS strictly before this position
+    return responses.masked_fill(after_eos, pad_token_id), ~after_eos
+
+
+@torch.no_grad()
+def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast, stoppable=False):
+    """Step 1: the prompts left-padded (detail 6) and cut on the left, a sampled response each, cut after its first EOS
+    (detail 2). Returns {query_responses, attention_mask (B, Q + R), responses, mask (B, R) float, prompt_width Q}."""
+    enc = tokenize_texts(tokenizer, prompts, max_prompt_length)
+    empty = [prompt for prompt, n in zip(prompts, enc.attention_mask.sum(1).tolist()) if n == 0]
+    if empty:  # generate() would fail deep inside
+        raise SystemExit(f"error: prompt {empty[0]!r} encodes to no tokens with --model's tokenizer (a wrong one?)")
+    enc = enc.to(policy.device)
+    policy.eval()
+    stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)] * stoppable
+    with autocast:  # sampled with the policy's generation_config (detail 4); a signal ends it at the next token
+        out = policy.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, stopping_criteria=stop)
+    responses, mask = truncate_after_eos(out[:, enc.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
+    return dict(
+        query_responses=torch.cat([enc.input_ids, responses], 1), prompt_width=enc.input_ids.shape[1],
+        attention_mask=torch.cat([enc.attention_mask, mask.long()], 1), responses=responses, mask=mask.float(),
+    )  # fmt: skip
+
+
+def training_forward(policy, r, mc, args, with_entropy=True):
+    """Micro-batch mc of the rollout r: the completions' log-probs and entropies (B, R) under `policy`."""
+    hidden = hidden_states(policy, r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"])
+    return response_logprobs(policy, hidden, r["responses"][mc], args.temperature, args.cast_lm_head_to_fp32,
+                             with_entropy)  # fmt: skip
+
+
+def accumulate_gradients(policy, r, args, autocast):
+    """Forward and backward the whole batch, micro-batch by micro-batch, each weighted by its share of the completions
+    or, for dapo and cispo, of the loss tokens (detail 9; per rank); returns (the loss, each micro-batch's stats)."""
+    loss_mask, B = r["loss_mask"], len(r["loss_mask"])
+    bonus_mask = loss_mask * r["entropy_mask"]  # the tokens that carry the policy gradient
+    stats, loss_sum = [], torch.zeros((), device=loss_mask.device)
+    n_tokens, n_bonus = global_mean([loss_mask.sum()]), global_mean([bonus_mask.sum()])
+    for mc in torch.arange(B, device=loss_mask.device).split(args.micro_batch_size):
+        if loss_mask[mc].sum() == 0:
+            continue  # nothing of it is in the loss: its gradient would be 0
+        with autocast:
+            logprobs, entropy = training_forward(policy, r, mc, args)
+        old = logprobs.detach() if r["old_logprobs"] is None else r["old_logprobs"][mc]
+        ref = None if r["ref_logprobs"] is None else r["ref_logprobs"][mc]
+        loss, mc_stats = grpo_loss(logprobs, old, ref, r["advantages"][mc], loss_mask[mc], args, r["entropy_mask"][mc])
+        loss = loss * (loss_mask[mc].sum() / n_tokens if args.loss_type in ("dapo", "cispo") else len(mc) / B)
+        if args.ent_coef:
+            loss = loss - args.ent_coef * (entropy * bonus_mask[mc]).sum() / n_bonus
+        loss.backward()
+        loss_sum += loss.detach()  # no .item() per micro-batch: one sync at logging
+        stats.append(mc_stats | {"entropy": masked_mean(entropy.detach(), loss_mask[mc])})
+    return loss_sum, stats
+
+
+def optimizer_step(optimizer, params, max_grad_norm):
+    """One AdamW step unless a rank has been signalled to stop; under torchrun the gradients are first averaged over
+    the ranks (DDP's all-reduce, by hand). Clipped to a global norm, returned: a non-finite one stops the run."""
+    stop_check()
+    for p in params if dist.is_initialized() else []:  # a rank without a gradient (no loss token) adds zeros
+        p.grad = all_reduce(torch.zeros_like(p) if p.grad is None else p.grad) / dist.get_world_size()
+    grad_norm = nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(f"the gradient norm is {grad_norm.item()}: try a lower --learning-rate")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+# Ctrl-C and SIGTERM (a preemption) only append to STOP: generation ends, and every rank stops at the next stop_check.
+STOP = []
+
+
+def stop_check():
+    """KeyboardInterrupt on every rank at the same point once any of them has been signalled."""
+    if all_reduce(torch.tensor(float(len(STOP)))).item():
+        raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")
+
+
+# TRY NOT TO MODIFY: reward functions, prompts, models (identical in grpo_llm.py)
 
 
 NUMBER = r"[-+]?\$?\s?[-+]?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5
@@ -466,207 +407,116 @@ def final_answer(text, strict=False):
     return float(re.sub(r"[$,\s]", "", found[-1])) if found else None
 
 
-def gsm8k_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 when the completion's final answer (final_answer) equals the reference's ('#### N' in GSM8K)."""
-    return [
-        float(final_answer(c) is not None and final_answer(c) == final_answer(a)) for c, a in zip(completions, answers)
-    ]
+REWARD_FNS = {  # f(completions, reference answers) -> a score per completion
+    "arithmetic": lambda cs, refs: [float(c.strip() == r) for c, r in zip(cs, refs)],  # exactly the answer
+    "gsm8k": lambda cs, refs: [float(final_answer(c) == final_answer(r) is not None) for c, r in zip(cs, refs)],
+    "format": lambda cs, refs: [float(final_answer(c, strict=True) is not None) for c in cs],  # any stated answer
+}
 
 
-def format_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 when the completion states a final answer in so many words ('####', \\boxed{}, 'the answer is'),
-    right or wrong: a second reward that teaches the format the first one reads."""
-    return [float(final_answer(c, strict=True) is not None) for c in completions]
-
-
-REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward, "format": format_reward}
-
-
-@functools.cache
 def load_reward_fn(spec):
-    """--reward-fn as f(completions, rows) -> a float per completion. A name in REWARD_FNS gets (completions, answers);
-    `path/to/file.py:function` or `module:function` is called by keyword, as TRL calls one: fn(completions=[str],
-    prompts=[strings or message lists], **every other column of the dataset by name, a list each; answers as text)."""
+    """--reward-fn as f(completions, rows) -> a float per completion: a name in REWARD_FNS, or `path/to/file.py:fn` or
+    `module:fn`, called by keyword as TRL calls one: fn(completions=[str], prompts=[...], **every other column)."""
     if spec in REWARD_FNS:
         return lambda completions, rows: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
     source, _, name = spec.rpartition(":")
     try:
-        if source.endswith(".py"):
-            module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(source)
-        fn = getattr(module, name)
-    except (OSError, ImportError, ValueError, AttributeError) as e:
+        fn = (runpy.run_path if source.endswith(".py") else runpy.run_module)(source)[name]
+    except Exception as e:  # no such file, module or function, or a file that does not import (a SyntaxError, say)
         why = f" ({type(e).__name__}: {e})" if source else ""
-        raise SystemExit(f"error: --reward-fn {spec}: not one of {sorted(REWARD_FNS)}, nor a path/to/file.py:function "
-                         f"or module:function{why}") from None  # fmt: skip
+        raise SystemExit(f"error: --reward-fn {spec}: not one of {sorted(REWARD_FNS)}, nor a file.py:function or "
+                         f"module:function that loads{why}") from None  # fmt: skip
 
     def user_fn(completions, rows):
-        scores = fn(completions=completions, **{k: [row["columns"][k] for row in rows] for k in rows[0]["columns"]})
-        ok = isinstance(scores, list | tuple) and all(isinstance(x, numbers.Real) for x in scores)
-        if not ok or len(scores) != len(completions):
-            raise SystemExit(f"error: --reward-fn {spec} must return a list of {len(completions)} numbers, one per "
-                             f"completion (got {str(scores)[:60]})")  # fmt: skip
-        return [float(x) for x in scores]
+        columns = {k: [row["columns"][k] for row in rows] for k in rows[0]["columns"]}
+        scores = [float(x) for x in fn(completions=completions, **columns)]
+        if len(scores) != len(completions):
+            raise ValueError(f"--reward-fn {spec} returned {len(scores)} numbers for {len(completions)} completions")
+        return scores
 
     return user_fn
 
 
-def render_prompt(tokenizer, prompt, chat_template, system_prompt, where):
-    """Detail 21: (the text the policy sees, its conversation or None). A list of {"role", "content"} messages goes
-    through the chat template; a plain string too, as one user message, under --chat-template or --system-prompt."""
-    if isinstance(prompt, str) and not chat_template and system_prompt is None:
-        return prompt, None
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and m.get("role") and m.get("content") is not None for m in messages):  # fmt: skip
-        raise SystemExit(f"error: {where}: the prompt is neither a string nor a list of {{role, content}} messages")
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}] + messages
-    if tokenizer.chat_template is None:
-        need = "--chat-template and --system-prompt need" if isinstance(prompt, str) else "conversational prompts need"
-        raise SystemExit(f"error: --model {tokenizer.name_or_path}: its tokenizer has no chat template, which {need}")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), messages
-
-
-def read_dataset(args):
-    """--dataset's rows (dicts), by datasets.load_dataset: a local .jsonl, .json, .csv or .parquet file, or a hub id."""
-    import datasets  # only this path needs it, and it is slow to import
-
+def load_prompts(args, tokenizer, needs_answers):
+    """--dataset's rows: {prompt (the text the policy sees), answer (text or None), messages, columns (reward fns')}."""
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported below, in one line
-    ext = os.path.splitext(args.dataset)[1]
-    fmt = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(ext)
-    if fmt is None:
-        check_hub()
-        datasets.config.HF_HUB_OFFLINE |= hub_constants.HF_HUB_OFFLINE  # datasets keeps its own copy of the switch
-    elif not os.path.isfile(args.dataset) or os.path.getsize(args.dataset) == 0:
-        why = "empty file" if os.path.isfile(args.dataset) else "no such file"
-        raise SystemExit(f"error: --dataset {args.dataset}: {why}")
-    elif args.dataset_split != "train":  # datasets names a file's one split "train"
-        raise SystemExit(
-            f"error: --dataset {args.dataset} is one file, with no split {args.dataset_split!r} "
-            "(--dataset-split, --eval-split); evaluation prompts can be a file: --eval-split FILE"
-        )
+    fmt = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(args.dataset.rpartition(".")[2])
     try:
-        if fmt is None:
-            return list(datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split))
-        return list(datasets.load_dataset(fmt, data_files=args.dataset, split="train"))
-    except Exception as e:
-        if isinstance(e, ConnectionError):
-            raise SystemExit(f"error: --dataset {args.dataset} could not be fetched from the hub ({type(e).__name__}); "
-                             "a local .jsonl, .json, .csv or .parquet file works offline, and HF_HUB_OFFLINE=1 skips "
-                             "the network") from None  # fmt: skip
-        if args.dataset.endswith(".jsonl"):
-            with open(args.dataset) as f:
-                for i, line in enumerate(f, 1):
-                    try:
-                        json.loads(line) if line.strip() else None
-                    except json.JSONDecodeError:
-                        raise SystemExit(f"error: --dataset {args.dataset}: line {i} is not JSON") from None
-        cause = e.__cause__ or e  # datasets wraps the reader's own error
+        if fmt:  # a file
+            data = datasets.load_dataset(fmt, data_files=args.dataset, split="train")
+        else:
+            data = datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split)
+    except Exception as e:  # datasets' own error, often wrapping the reader's
+        cause, hint = e.__cause__ or e, "" if fmt else "; a hub dataset needs the network, a local file does not"
         raise SystemExit(f"error: --dataset {args.dataset} could not be loaded ({type(cause).__name__}: "
-                         f"{(str(cause).strip() or 'no rows').splitlines()[0]})") from None  # fmt: skip
-
-
-def prompt_row(row, where, tokenizer, args):
-    """A dataset row as {"prompt": the text the policy sees, "answer": the reference as text or None, "messages": the
-    conversation (None for a plain prompt), "columns": what a user's reward function gets besides the completions}."""
-    if row.get(args.prompt_column) is None:
-        raise SystemExit(f"error: --dataset {args.dataset}: {where} has no --prompt-column {args.prompt_column} "
-                         f"(columns: {', '.join(k for k, v in row.items() if v is not None)})")  # fmt: skip
-    answer = row.get(args.answer_column)
-    if isinstance(answer, float) and answer.is_integer():
-        answer = int(answer)  # a CSV column with a gap is read as floats: 2.0 must still read "2"
-    answer = None if answer is None else str(answer)
-    text, messages = render_prompt(tokenizer, row[args.prompt_column], args.chat_template, args.system_prompt,
-                                   f"--dataset {args.dataset}, {where}")  # fmt: skip
-    columns = {"prompts": row[args.prompt_column]} | {k: v for k, v in row.items() if k != args.prompt_column}
-    if args.answer_column in row:
-        columns[args.answer_column] = answer
-    return {"prompt": text, "answer": answer, "messages": messages, "columns": columns}
-
-
-def load_prompts(args, tokenizer):
-    """Endless iterator of --dataset's prompt_row()s, reshuffled every pass. Answers are all there or all absent,
-    and there when a built-in reward function reads them (arithmetic, gsm8k; without --reward-model)."""
-    if args.dataset == "arithmetic":
-        return (prompt_row(p, "a problem", tokenizer, args) for p in arithmetic_train_problems(args.seed))
-    rows = [prompt_row(row, f"row {i}", tokenizer, args) for i, row in enumerate(read_dataset(args), 1)]
-    names = [args.reward_fn] if isinstance(args.reward_fn, str) else args.reward_fn
-    needed = args.reward_model is None and {"arithmetic", "gsm8k"} & set(names)
+                         f"{(str(cause).strip() or 'no rows').splitlines()[0]}){hint}") from None  # fmt: skip
+    rows = []
+    for i, row in enumerate(data, 1):
+        if row.get(args.prompt_column) is None:
+            raise SystemExit(f"error: --dataset {args.dataset}: row {i} has no --prompt-column {args.prompt_column} "
+                             f"(columns: {', '.join(k for k, v in row.items() if v is not None)})")  # fmt: skip
+        answer = row.get(args.answer_column)
+        if isinstance(answer, float) and answer.is_integer():
+            answer = int(answer)  # a CSV column with a gap is read as floats: 2.0 must read "2"
+        answer = row[args.answer_column] = None if answer is None else str(answer)
+        prompt = text = row[args.prompt_column]
+        messages = None
+        if not isinstance(prompt, str) or args.chat_template or args.system_prompt is not None:  # the data decides
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            if (
+                not messages
+                or not isinstance(messages, list)
+                or not all({"role", "content"} <= set(m) for m in messages)
+            ):
+                raise SystemExit(f"error: --dataset {args.dataset}, row {i}: the prompt is neither a string nor a list "
+                                 "of {role, content} messages")  # fmt: skip
+            if args.system_prompt is not None and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": args.system_prompt}] + messages
+            if tokenizer.chat_template is None:
+                raise SystemExit(f"error: --model {args.model}: its tokenizer has no chat template, which "
+                                 "conversational prompts, --chat-template and --system-prompt need")  # fmt: skip
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        columns = {"prompts": row[args.prompt_column]} | {k: v for k, v in row.items() if k != args.prompt_column}
+        rows.append({"prompt": text, "answer": answer, "messages": messages, "columns": columns})
     missing = [i for i, row in enumerate(rows, 1) if row["answer"] is None]
-    if missing and (needed or len(missing) < len(rows)):
+    if missing and (needs_answers or len(missing) < len(rows)):
         raise SystemExit(f"error: --dataset {args.dataset}: row {missing[0]} has no --answer-column "
                          f"{args.answer_column}, which the reward function needs")  # fmt: skip
-
-    def cycle(rng=random.Random(args.seed)):
-        while True:
-            rng.shuffle(rows)
-            yield from rows
-
-    return cycle()
+    return rows
 
 
-class PromptStream:
-    """load_prompts' rows for this rank (rows rank, rank + world, ...: detail 24), counted (detail 22): a resumed run
-    re-creates the seeded stream and skips the `cursor` rows it has drawn."""
-
-    def __init__(self, rows, rank, world, cursor):
-        self.rows, self.cursor = itertools.islice(rows, rank + world * cursor, None, world), cursor
-
-    def __next__(self):
-        self.cursor += 1
-        return next(self.rows)
+def prompt_stream(rows, seed, start, rank, world):
+    """The rows reshuffled every pass (seeded), from the start-th (a resumed run's), every world-th from rank's on."""
+    rng = random.Random(seed)
+    stream = (row for _ in itertools.count() for row in rng.sample(rows, len(rows)))
+    return itertools.islice(stream, start + rank, None, world)
 
 
-# MODELS: loading, generation, the forward pass and its head, scores
-
-LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
-
-
-def resolve(path):
-    """A repo-relative asset path (assets/...) also works from another working directory."""
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
-    return here if not os.path.exists(path) and os.path.exists(here) else path
-
-
-@functools.cache
-def check_hub():
-    """Ask the hub once, for 5 s at most; when it does not answer, go offline (as HF_HUB_OFFLINE=1 does), so that a
-    hub id loads from the local cache or fails at once, not after ~50 s of retries."""
-    if hub_constants.HF_HUB_OFFLINE:
-        return
-    try:
-        urllib.request.urlopen(urllib.request.Request(hub_constants.ENDPOINT, method="HEAD"), timeout=5)
-    except urllib.error.HTTPError:
-        pass  # it answered
-    except OSError:
-        hub_constants.HF_HUB_OFFLINE = True
-        print(f"note: {hub_constants.ENDPOINT} does not answer: hub ids load from the local cache only")
+def eval_rows(args, tokenizer):
+    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None."""
+    beside = args.dataset.replace("train.jsonl", "test.jsonl") if args.dataset.endswith("train.jsonl") else None
+    split = args.eval_split or (beside if beside and os.path.isfile(beside) else args.eval_only and args.dataset_split)
+    if not split:
+        return None
+    source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
+    rows = load_prompts(Args(**asdict(args) | source), tokenizer, True)
+    return list({row["prompt"]: row for row in rows}.values())[: args.eval_size]
 
 
 def from_pretrained(cls, name, flag, **kwargs):
-    """cls.from_pretrained(name) with a one-line error for a missing directory or an unreachable hub."""
-    if not os.path.isdir(name):
-        check_hub()
+    """cls.from_pretrained(name), with a one-line error for a directory without a model or an unreachable hub id."""
     try:
         return cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
-        where = "could not be loaded" if os.path.isdir(name) else "is not a local directory, nor reachable on the hub"
-        raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}). A local directory (save_pretrained) "
-                         "works offline, HF_HUB_OFFLINE=1 skips the network; the embedded default: omit --model "
-                         "(assets/arith-sft), --reward-model assets/arith-rm") from None  # fmt: skip
+        where = "holds no model it can load" if os.path.isdir(name) else "is no directory, nor reachable on the hub"
+        raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}); a hub id needs the network (with "
+                         "HF_HUB_OFFLINE=1, the cache alone); offline: assets/arith-sft") from None  # fmt: skip
 
 
 def load_model(cls, name, flag, dtype=torch.float32):
-    """Every dropout zeroed, in the config and in nn.Dropout modules (detail 6); fp32 unless dtype says (detail 19)."""
+    """Every dropout 0, in the config and in the nn.Dropout modules (detail 6); fp32 trained weights unless dtype."""
     config = from_pretrained(AutoConfig, name, flag)
-    for key, value in config.to_dict().items():
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(config, key, 0.0)
+    config.update({k: 0.0 for k, v in config.to_dict().items() if isinstance(v, float) and ("drop" in k)})
     model = from_pretrained(cls, name, flag, config=config, dtype=dtype)
     for module in model.modules():  # for models that hard-code one
         if isinstance(module, nn.Dropout):
@@ -675,246 +525,45 @@ def load_model(cls, name, flag, dtype=torch.float32):
 
 
 def add_lora(model, args):
-    """Detail 23: peft's LoRA on a frozen base, B = 0 at start; fp32 adapters (peft's default) on a base kept as is."""
+    """peft's LoRA: fp32 adapters, B = 0 at start, on the frozen base: with its adapters off, the initial policy."""
     try:
         import peft  # optional: only LoRA runs need it
     except ImportError:
         raise SystemExit("error: --lora-r needs peft, which is not installed: pip install peft") from None
-    config = peft.LoraConfig(
-        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        target_modules=list(args.lora_target_modules or []) or "all-linear",  # all-linear leaves out the LM head
-        task_type="CAUSAL_LM" if model.get_output_embeddings() is not None else None,
-    )  # fmt: skip
-    model = peft.get_peft_model(model, config)
+    targets = list(args.lora_target_modules or []) or "all-linear"  # all-linear leaves out the LM head
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets,
+                             task_type="CAUSAL_LM" if model.get_output_embeddings() is not None else None)  # fmt: skip
+    try:
+        model = peft.get_peft_model(model, config)
+    except ValueError as e:  # no module matches
+        names = {n.rpartition(".")[2] for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
+        raise SystemExit(f"error: --lora-target-modules {' '.join(targets)}: {str(e).splitlines()[0][:80]} (the "
+                         f"model's linear layers: {' '.join(sorted(names))})") from None  # fmt: skip
     if hasattr(model.get_output_embeddings(), "lora_A"):
-        raise SystemExit("error: --lora-target-modules: not the LM head, whose log-probs come from its weight alone "
-                         "(detail 9): its adapters would never train")  # fmt: skip
+        raise SystemExit("error: --lora-target-modules: not the LM head, whose adapters would never train (detail 7)")
     return model
 
 
-def reference_model(policy):
-    """The frozen reference: an fp32 copy of the policy (detail 19), or with LoRA the policy itself (detail 23)."""
-    return policy if hasattr(policy, "disable_adapter") else copy.deepcopy(policy).requires_grad_(False)
-
-
-def adapters_off(model):
-    """A context in which a LoRA model is its frozen base, the reference (peft's disable_adapter); else nothing."""
-    return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
-
-
-def add_pad_token(tokenizer, eos_ids=()):
-    """Give a tokenizer its own pad token unless it has one that ends no response (detail 16; Qwen2.5's pad is one of
-    its EOS ids): a reward model reads the last non-pad token, and a padded end would look like an end."""
+def fit_tokenizer(tokenizer, models, eos_ids=()):
+    """A pad token that ends no response (Qwen2.5's is an EOS id); the embeddings grown to the tokenizer, not shrunk."""
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id in {tokenizer.eos_token_id, *eos_ids}:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
         print(f"note: the tokenizer had no pad token distinct from EOS; added [PAD] (id {tokenizer.pad_token_id})")
-
-
-def fit_embeddings(model, tokenizer):
-    """Grow the embeddings to the tokenizer, never shrink them (detail 17; Qwen2: 151,936 rows for ~151.6k tokens)."""
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
-
-
-def context_window_of(config):
-    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-
-
-def end_of_turn_id(tokenizer):
-    """The special token that the tokenizer's chat template closes an assistant turn with (Qwen's <|im_end|>,
-    Llama-3's <|eot_id|>, Gemma's <end_of_turn>), found by rendering one; None without a template or such a token."""
-    if tokenizer.chat_template is None:
-        return None
-    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ok"}]
-    try:
-        text = tokenizer.apply_chat_template(turns, tokenize=False)
-    except Exception:  # a template may refuse this conversation (one that needs a system turn, say)
-        return None
-    ids = tokenizer(text[text.rindex("Ok") + 2 :], add_special_tokens=False).input_ids
-    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
-    special -= {tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id}  # text unknown, or no end
-    return ids[0] if ids and ids[0] in special else None
-
-
-def eos_token_ids(tokenizer, generation_config):
-    """Every id that ends a response (detail 16): the tokenizer's EOS, the generation_config's (Qwen2.5-Instruct: its
-    <|im_end|> and <|endoftext|>), the chat template's end of turn (detail 21: a base model's config has only EOS)."""
-    ids = generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return sorted({tokenizer.eos_token_id, *ids} | ({end_of_turn_id(tokenizer)} - {None}))
-
-
-def sampling_config(max_new_tokens, temperature, pad_token_id, eos_ids):
-    """What generate() samples with, and the saved policy carries (detail 20): softmax(logits / temperature). It
-    replaces the checkpoint's generation_config, whose fields would fill any left unset here."""
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-        pad_token_id=pad_token_id, eos_token_id=eos_ids,
-    )  # fmt: skip
-
-
-@torch.no_grad()
-def generate(policy, queries, query_mask):
-    """Responses (B, R) to left-padded prompts (B, Q), sampled with sampling_config (position ids from the mask)."""
-    return policy.generate(input_ids=queries, attention_mask=query_mask)[:, queries.shape[1] :]
-
-
-def truncate_after_eos(responses, eos_ids, pad_token_id):
-    """Detail 2: keep the tokens up to and including the first EOS (any of eos_ids). Returns (responses, mask)."""
-    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
-    after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # an EOS strictly before this position
-    return responses.masked_fill(after_eos, pad_token_id), ~after_eos
-
-
-def hidden_states(model, query_responses, attention_mask, prompt_width):
-    """The trunk's last hidden states (B, R, H) at the positions that predict the response: the state at t predicts
-    token t + 1, so query_responses[:, prompt_width:] comes from prompt_width - 1 ... -2 (the off-by-one shift)."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # detail 7
-    # a peft model's .base_model is its LoRA wrapper, whose forward ends in the LM head: take the trunk under it
-    trunk = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model
-    out = trunk(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return out.last_hidden_state[:, prompt_width - 1 : -1]
-
-
-def logit_postprocessing(config):
-    """(scale, softcap) of the family's logits (detail 18): logits * scale (Cohere's logit_scale, Granite's
-    1 / logits_scaling), then softcap * tanh(logits / softcap) (Gemma 2 and 3's final_logit_softcapping)."""
-    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
-    return scale, getattr(config, "final_logit_softcapping", None)
-
-
-def head_chunk(hidden, weight, bias, temperature, scale, softcap):
-    """One chunk's post-processed logits z = softcap(scale * a) / temperature, a = h W^T + b: (N, H) -> (N, V),
-    fp32, the matmul in the dtype that its inputs were cast to. In place after the matmul: every new (N, V) tensor
-    is another pass over memory (and, on a CPU, fresh pages from the kernel)."""
-    z = F.linear(hidden, weight, bias).float()  # the log-sum-exp arithmetic is always fp32
-    if softcap:
-        return z.mul_(scale / softcap).tanh_().mul_(softcap / temperature)
-    return z.mul_(scale / temperature) if scale != temperature else z
-
-
-class ChunkedHead(torch.autograd.Function):
-    """lm_head_logprobs' autograd. Forward keeps no logits, only each token's logsumexp (and entropy); backward
-    recomputes the logits chunk by chunk and adds each chunk's gradient in place to one weight (and bias)
-    gradient, where autograd through the chunks would make and sum a (V, H) weight gradient per chunk."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, scale, softcap, with_entropy, dtype):
-        w, b, n = weight.to(dtype), None if bias is None else bias.to(dtype), max(1, LM_HEAD_CHUNK // len(weight))
-        logsumexp = hidden.new_empty(len(hidden), dtype=torch.float32)
-        logprobs, entropy = torch.empty_like(logsumexp), torch.empty_like(logsumexp) if with_entropy else None
-        with torch.autocast(hidden.device.type, enabled=False):  # the matmul runs in `dtype`
-            for i in range(0, len(hidden), n):
-                s = slice(i, i + n)
-                logp = head_chunk(hidden[s].to(dtype), w, b, temperature, scale, softcap)
-                logsumexp[s] = torch.logsumexp(logp, dim=-1)
-                logp -= logsumexp[s, None]  # log softmax, in place
-                logprobs[s] = logp.gather(-1, labels[s, None])[:, 0]
-                if with_entropy:  # H = -sum_v p_v log p_v
-                    entropy[s] = logp.exp().mul_(logp).sum(-1).neg_()
-                del logp  # before the next chunk's logits exist
-        ctx.save_for_backward(hidden, weight, bias, labels, logsumexp, entropy)
-        ctx.settings = temperature, scale, softcap, dtype, n
-        ctx.set_materialize_grads(False)  # an output that the loss does not use gets None: its terms are skipped
-        return logprobs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
-        """With g = d loss / d log p_y and g_H = d loss / d H: d log p_y / d z_j = δ_jy - p_j and
-        d H / d z_j = -p_j (log p_j + H), so d loss / d z_j = g δ_jy - p_j (g + g_H (log p_j + H))."""
-        hidden, weight, bias, labels, logsumexp, entropy = ctx.saved_tensors
-        temperature, scale, softcap, dtype, n = ctx.settings
-        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = grad_bias = None  # stay None for a frozen head (LoRA); summed in fp32 whatever their dtype
-        with torch.autocast(hidden.device.type, enabled=False):
-            for i in range(0, len(hidden), n):
-                s, h = slice(i, i + n), hidden[i : i + n].to(dtype)
-                logp = head_chunk(h, w, b, temperature, scale, softcap)
-                # d softcap tanh(x / softcap) / d x = 1 - tanh^2 = 1 - (temperature z / softcap)^2
-                d_softcap = (logp * (temperature / softcap)).square_().neg_().add_(1) if softcap else None
-                logp -= logsumexp[s, None]
-                grad = logp.exp()  # p, then d loss / d z = g δ_jy - p_j c_j, c_j = g + g_H (log p_j + H)
-                c = 0.0 if grad_logprobs is None else grad_logprobs[s, None]
-                if grad_entropy is not None:
-                    c = logp.add_(entropy[s, None]).mul_(grad_entropy[s, None]).add_(c)  # in place of logp
-                grad.mul_(c).neg_()
-                if grad_logprobs is not None:
-                    grad[torch.arange(len(h)), labels[s]] += grad_logprobs[s]
-                del logp
-                if softcap:
-                    grad *= d_softcap
-                if scale != temperature:
-                    grad *= scale / temperature  # d loss / d a
-                if grad_hidden is not None:  # d a / d h = W
-                    grad_hidden[s] = grad.to(dtype) @ w
-                if ctx.needs_input_grad[1]:  # d a / d W = h, summed over the chunks in place
-                    grad_weight = grad.T @ h.float() if i == 0 else grad_weight.addmm_(grad.T, h.float())
-                if ctx.needs_input_grad[2]:
-                    grad_bias = grad.sum(0) if i == 0 else grad_bias.add_(grad.sum(0))
-                del grad
-        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
-
-
-def lm_head_logprobs(hidden, head, labels, temperature, scale=1.0, softcap=None, with_entropy=False, fp32=True):
-    """Log-probs of labels (B, T) and, optionally, entropies (B, T) of the next-token distributions, from the last
-    hidden states (B, T, H) and the output embedding `head`, in chunks of tokens (details 4, 9, 18).
-
-    logits = softcap(scale * head(h)) / temperature;  log p = logits - logsumexp(logits);  H = -sum_v p_v log p_v.
-    Two or three tensors the size of one chunk (at most LM_HEAD_CHUNK logits) exist at once."""
-    (B, T), device = labels.shape, hidden.device.type
-    if fp32:  # the matmul in fp32 even under autocast (--cast-lm-head-to-fp32)
-        dtype = torch.float32
-    else:  # where F.linear would run it: in autocast's dtype, or else the weight's
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-    logprobs, entropy = ChunkedHead.apply(
-        hidden.reshape(B * T, -1), head.weight, head.bias, labels.reshape(B * T), temperature, scale, softcap,
-        with_entropy, dtype,
-    )  # fmt: skip
-    return logprobs.view(B, T), entropy.view(B, T) if with_entropy else None
-
-
-def response_logprobs(model, hidden, responses, args, with_entropy=False):
-    """lm_head_logprobs with the model's own output embedding and logit post-processing, at --temperature."""
-    scale, softcap = logit_postprocessing(model.config)
-    return lm_head_logprobs(
-        hidden, model.get_output_embeddings(), responses, args.temperature, scale, softcap, with_entropy,
-        args.cast_lm_head_to_fp32,
-    )  # fmt: skip
-
-
-@torch.no_grad()
-def check_logits(model, flag, name):
-    """Detail 18: the model's own log-softmax and lm_head_logprobs' must agree on a few tokens."""
-    ids = torch.arange(1, 9, device=model.device)[None] % model.get_output_embeddings().weight.shape[0]
-    mask = torch.ones_like(ids)
-    expected = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), dim=-1)
-    expected = expected.gather(-1, ids[:, 1:, None])[..., 0]
-    scale, softcap = logit_postprocessing(model.config)
-    # the head's matmul in the model's own dtype, as its forward does (a LoRA base may be bf16, detail 23)
-    got, _ = lm_head_logprobs(hidden_states(model, ids, mask, 1), model.get_output_embeddings(), ids[:, 1:], 1.0,
-                              scale, softcap, fp32=False)  # fmt: skip
-    error = (got - expected).abs().max().item()
-    if error > 1e-3:
-        raise SystemExit(f"error: {flag} {name}: its forward changes the logits in a way this script does not "
-                         f"reproduce (log-probs {error:.3g} apart); supported: logit_scale, logits_scaling, "
-                         "final_logit_softcapping")  # fmt: skip
+    for model in models:
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(len(tokenizer))
+        model.config.pad_token_id = tokenizer.pad_token_id
 
 
 def tokenize_texts(tokenizer, texts, max_length):
-    """Padded ids of texts, cut to max_length on the tokenizer's truncation side (left keeps a prompt's header, detail
-    21); no special tokens for texts that start with the BOS, as chat templates write them (Llama-3 would see two)."""
+    """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
     special = not (tokenizer.bos_token and all(t.startswith(tokenizer.bos_token) for t in texts))
     return tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length,
                      add_special_tokens=special, return_tensors="pt")  # fmt: skip
 
 
 def rm_text(rm_tokenizer, row, completion):
-    """What a reward model with its own tokenizer reads: the conversation and completion through its own chat template
-    when it has one (detail 21: it scores what it was trained on), else the prompt as the policy saw it + completion."""
+    """What a reward model with a tokenizer of its own reads: the conversation through its own chat template, if any."""
     if rm_tokenizer.chat_template is None:
         return row["prompt"] + completion
     messages = row["messages"] or [{"role": "user", "content": row["prompt"]}]
@@ -922,277 +571,169 @@ def rm_text(rm_tokenizer, row, completion):
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, query_responses, attention_mask, rows, completions, label, chunk):
-    """Score of each sequence (B,), read at its last real token. rm_tokenizer None: the ids are scored as they are;
-    otherwise the reward model reads rm_text, cut on the left to its context (the prompt's start goes first)."""
+def reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args):
+    """Score of each sequence (B,) at its last real token: of the ids (rm_tokenizer None), or of rm_text, cut left."""
     if rm_tokenizer is None:
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids)
+        am = r["attention_mask"]
+        inputs = dict(input_ids=r["query_responses"], attention_mask=am, position_ids=position_ids(am))
     else:
-        context = min(rm_tokenizer.model_max_length, context_window_of(reward_model.config) or 2**31)
+        context = getattr(reward_model.config, "n_positions", 0) or reward_model.config.max_position_embeddings
+        context = min(rm_tokenizer.model_max_length, context)
         texts = [rm_text(rm_tokenizer, row, c) for row, c in zip(rows, completions)]
         inputs = {k: v.to(reward_model.device) for k, v in tokenize_texts(rm_tokenizer, texts, context).items()}
-    n = len(completions)
+    n, chunk = len(completions), args.micro_batch_size
     logits = [reward_model(**{k: v[i : i + chunk] for k, v in inputs.items()}).logits for i in range(0, n, chunk)]
-    return torch.cat(logits)[:, label].float()
+    return torch.cat(logits)[:, args.reward_label or 0].float()
 
 
 def load_models(args, device):
-    """(tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids): the policy on the CPU (details 18
-    to 20, 23), the frozen reward model on `device` in its checkpoint dtype; each failure a one-line error."""
-    args.model = resolve(args.model)
+    """(tokenizer, policy in fp32, frozen reward model, its tokenizer, max_prompt_length, eos_ids), on `device`."""
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
     policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
-    check_logits(policy, "--model", args.model)
-    context = context_window_of(policy.config)
-    if context is not None and args.max_new_tokens >= context:
-        raise SystemExit(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
-                         f"context of {context} tokens")  # fmt: skip
+    with torch.no_grad():  # refuse a model whose logits response_logprobs does not reproduce (an unknown family)
+        ids = torch.arange(1, 9)[None] % policy.get_output_embeddings().weight.shape[0]  # matmul in the model's dtype:
+        got, _ = response_logprobs(policy, hidden_states(policy, ids, torch.ones_like(ids), 1), ids[:, 1:], 1.0, False)
+        want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
+    if (error := (got[0] - want).abs().max().item()) > 1e-3:
+        raise SystemExit(f"error: --model {args.model}: its forward changes the logits in a way this script does not "
+                         f"reproduce (log-probs {error:.3g} apart)")  # fmt: skip
+    args.max_new_tokens = args.max_new_tokens or policy.generation_config.max_new_tokens or 8
+    context = getattr(policy.config, "n_positions", 0) or getattr(policy.config, "max_position_embeddings", 0)
     max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
-    if context is not None and max_prompt_length + args.max_new_tokens > context:
-        raise SystemExit(f"error: --max-prompt-length {max_prompt_length} + --max-new-tokens {args.max_new_tokens} "
-                         f"exceeds the model's context of {context} tokens")  # fmt: skip
+    if context and (args.max_new_tokens >= context or max_prompt_length + args.max_new_tokens > context):
+        raise SystemExit(f"error: --max-new-tokens {args.max_new_tokens} and a prompt (--max-prompt-length "
+                         f"{args.max_prompt_length}) do not fit the model's context of {context} tokens")  # fmt: skip
     reward_model = rm_tokenizer = None
     if args.reward_model is not None:
-        args.reward_model = resolve(args.reward_model)
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
-        num_labels = reward_model.config.num_labels
-        if num_labels != 1 and args.reward_label is None:
-            raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={num_labels}; "
-                             "a reward model gives one score: pass --reward-label to choose the logit")  # fmt: skip
-        if args.reward_label is not None and not 0 <= args.reward_label < num_labels:
-            raise SystemExit(f"error: --reward-label {args.reward_label} is not a logit of --reward-model "
-                             f"{args.reward_model} (num_labels={num_labels}: 0 to {num_labels - 1})")  # fmt: skip
+        n = reward_model.config.num_labels
+        if args.reward_label not in (range(n) if args.reward_label is not None or n > 1 else [None]):
+            raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={n}: --reward-label (0 to "
+                             f"{n - 1}) chooses the logit that is the score (got {args.reward_label})")  # fmt: skip
         rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model", truncation_side="left")
         if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
-            rm_tokenizer = None  # same tokens: score the ids directly, no decode / re-encode
+            rm_tokenizer = None  # the same tokens: score the ids themselves, no decode and encode
         else:
-            add_pad_token(rm_tokenizer)
-            fit_embeddings(reward_model, rm_tokenizer)
+            fit_tokenizer(rm_tokenizer, [reward_model])
         reward_model.to(device).eval().requires_grad_(False)
-    eos_ids = eos_token_ids(tokenizer, policy.generation_config)
-    add_pad_token(tokenizer, eos_ids)
-    for model in [policy] + ([reward_model] if reward_model is not None and rm_tokenizer is None else []):
-        fit_embeddings(model, tokenizer)
-    policy.generation_config = sampling_config(args.max_new_tokens, args.temperature, tokenizer.pad_token_id, eos_ids)
-    if args.lora_r:
-        policy = add_lora(policy, args)
+    # detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
+    # the chat template writes between turns (its end of turn: a base model's config names its EOS alone)
+    ids = policy.generation_config.eos_token_id
+    turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
+    turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
+    eos_ids = sorted({tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])} | set(
+        tokenizer.convert_tokens_to_ids(sorted(turns))))  # fmt: skip
+    fit_tokenizer(tokenizer, [m for m in (policy, reward_model) if m is not None and rm_tokenizer is None], eos_ids)
+    policy.generation_config = transformers.GenerationConfig(  # detail 4: every field set, none left to the checkpoint
+        max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
+    )  # fmt: skip
+    policy = (add_lora(policy, args) if args.lora_r else policy).to(device)
     return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
 
 
-# PLUMBING: set-up, the run directory, the rollout, timing (identical in ppo_llm.py)
+# TRY NOT TO MODIFY: set-up, the run directory and logging, evaluation, checkpoints (identical in grpo_llm.py)
 
 
 def setup(args):
-    """Seeds, device and autocast (detail 19). Returns (device, autocast, a line saying which)."""
+    """torchrun's process group (rank 0 alone prints), seeds, device, autocast: ((rank, world), device, autocast)."""
+    cuda = args.cuda and torch.cuda.is_available()
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        sys.stdout = open(os.devnull, "w") if dist.get_rank() else sys.stdout
     transformers.utils.logging.disable_progress_bar()
     transformers.set_seed(args.seed)  # python's random, numpy, torch
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and device.type == "cuda")
-    precision = "fp32 weights, bf16 autocast" if bf16 else "fp32 weights and compute"
-    print(f"device: {device}, {precision}")
-    return device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), precision
+    args.mixed_precision = ("bf16" if cuda else "no") if args.mixed_precision == "auto" else args.mixed_precision
+    device, bf16 = torch.device("cuda" if cuda else "cpu"), args.mixed_precision == "bf16"
+    print(f"device: {device}, fp32 weights" + ", bf16 autocast" * bf16)
+    rank_world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return rank_world, device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
-class RunLogger:
-    """runs/<exp-name>__<seed>__<ms>/ (or --resume's): args.json (and the device and precision), metrics.jsonl (a line
-    per update) and TensorBoard's events, samples.jsonl, the saved policy, checkpoint.pt; wandb with --track."""
+def parse_args(argv=None):
+    """The flags; with --resume RUN_DIR the run's args.json gives the defaults: only the flags given change."""
+    if (args := tyro.cli(Args, args=argv)).resume is None:
+        return args
+    try:
+        with open(os.path.join(args.resume, "args.json")) as f:
+            saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()}
+    except (OSError, ValueError) as e:  # no such file, or a damaged one
+        raise SystemExit(f"error: --resume {args.resume}: args.json unreadable ({type(e).__name__}: {e})") from None
+    saved = {f.name: saved[f.name] for f in fields(Args) if f.name in saved} | {"resume": args.resume}
+    return tyro.cli(Args, args=argv, default=Args(**saved))
 
-    def __init__(self, args, device, precision, wandb_id=None):
-        name = f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}"  # ms: runs started together stay apart
-        self.run_dir = args.resume or os.path.join(args.output_dir, name)  # a resumed run appends to its own
-        os.makedirs(self.run_dir, exist_ok=True)
-        config = asdict(args) | {"device": str(device), "precision": precision}
-        with open(os.path.join(self.run_dir, "args.json"), "w") as f:
-            json.dump(config, f, indent=1)
-        # line-buffered: each line is on disk as soon as it is written (tail -f)
-        self.metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1)
-        self.samples = open(os.path.join(self.run_dir, "samples.jsonl"), "a", buffering=1)
-        self.tensorboard = SummaryWriter(self.run_dir)
-        self.wandb = None
-        if args.track:
-            import wandb
 
-            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=config,
-                                    name=os.path.basename(os.path.normpath(self.run_dir)), dir=self.run_dir,
-                                    save_code=True, id=wandb_id, resume="allow" if wandb_id else None)  # fmt: skip
+def open_run(args, rank, wandb_id):
+    """The run directory, the same on every rank; rank 0's args.json and TensorBoard writer (wandb syncs it)."""
+    names = [args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")]
+    if dist.is_initialized():
+        dist.broadcast_object_list(names)  # any rank may have to save: an error stops it alone
+    if rank:
+        return names[0], None
+    os.makedirs(names[0], exist_ok=True)
+    with open(os.path.join(names[0], "args.json"), "w") as f:
+        json.dump(asdict(args), f, indent=1)
+    if args.track:  # wandb imported only here: it is slow to import
+        __import__("wandb").init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                                 name=os.path.basename(os.path.normpath(names[0])), dir=names[0], id=wandb_id,
+                                 sync_tensorboard=True, resume="allow" if wandb_id else None)  # fmt: skip
+    return names[0], SummaryWriter(names[0])
 
-    def log(self, metrics):
-        self.metrics.write(json.dumps(metrics) + "\n")
-        for key in metrics.keys() - {"update"}:  # the same names as metrics.jsonl (`tensorboard --logdir runs`)
-            self.tensorboard.add_scalar(key, metrics[key], metrics["update"])
-        self.tensorboard.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=metrics["update"])
 
-    def log_samples(self, samples):
+def log(writer, metrics, samples=()):
+    """A line of metrics.jsonl and the same scalars to TensorBoard at step `update`; samples to samples.jsonl."""
+    with open(os.path.join(writer.log_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    for key in metrics.keys() - {"update"}:
+        writer.add_scalar(key, metrics[key], metrics["update"])
+    with open(os.path.join(writer.log_dir, "samples.jsonl"), "a") as f:
         for sample in samples:
-            self.samples.write(json.dumps(sample) + "\n")
+            f.write(json.dumps(sample) + "\n")
             values = "  ".join(f"{k} {v:.2f}" for k, v in sample.items() if isinstance(v, float))
             print(f"  {sample['prompt']!r} -> {sample['completion']!r}  {values}")
 
-    def close(self):
-        for f in [self.metrics, self.samples, self.tensorboard]:
-            f.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+
+def global_metrics(metrics, ops):
+    """Each metric over every rank: the mean of the ranks' values (each has as many sequences), or ops[key]'s."""
+    if not dist.is_initialized():
+        return metrics
+    reduced = {k: all_reduce(torch.tensor(float(v), dtype=torch.float64), ops.get(k, "sum")).item() for k, v in
+               metrics.items()}  # fmt: skip
+    return {k: type(v)(reduced[k] if k in ops else reduced[k] / dist.get_world_size()) for k, v in metrics.items()}
 
 
-@torch.no_grad()
-def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast):
-    """Step 1: the prompts left-padded (detail 7) and cut on the left, a sampled response each, cut after its first EOS
-    (detail 2). Returns {query_responses, attention_mask (B, Q + R), responses, mask (B, R) float, prompt_width Q}."""
-    enc = tokenize_texts(tokenizer, prompts, max_prompt_length)
-    empty = [prompt for prompt, n in zip(prompts, enc.attention_mask.sum(1).tolist()) if n == 0]
-    if empty:  # generate() would fail deep inside
-        raise SystemExit(f"error: prompt {empty[0]!r} encodes to no tokens with --model's tokenizer (a wrong one?)")
-    enc = enc.to(policy.device)
-    policy.eval()
-    with autocast:
-        responses = generate(policy, enc.input_ids, enc.attention_mask)
-    responses, mask = truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
-    return dict(
-        query_responses=torch.cat([enc.input_ids, responses], 1), prompt_width=enc.input_ids.shape[1],
-        attention_mask=torch.cat([enc.attention_mask, mask.long()], 1), responses=responses, mask=mask.float(),
-    )  # fmt: skip
-
-
-def evaluate(policy, tokenizer, problems, reward_fn, eos_ids, max_prompt_length, chunk, autocast):
-    """Held-out accuracy: mean reward-function score over `problems`, sampling as in training, and its standard error
-    std / sqrt(n) (sqrt(p (1 - p) / n) for a 0/1 reward): evaluations of one policy differ by chance by ~1.4x that."""
-    correct = []
-    for i in range(0, len(problems), chunk):
-        batch = problems[i : i + chunk]
-        r = rollout(policy, tokenizer, [p["prompt"] for p in batch], max_prompt_length, eos_ids, autocast)
-        completions = tokenizer.batch_decode(r["responses"], skip_special_tokens=True)
-        correct += reward_fn(completions, batch)
-    stderr = torch.tensor(correct, dtype=torch.float64).std(correction=0).item() / len(correct) ** 0.5
-    return {"eval/accuracy": sum(correct) / len(correct), "eval/accuracy_stderr": stderr}
+def evaluate(policy, tokenizer, rows, reward_fn, eos_ids, max_prompt_length, autocast, chunk):
+    """Held-out accuracy: the reward function's mean over `rows`, sampled as in training, its standard error
+    std / sqrt(n) (95% of two evaluations differ by < 1.96 sqrt 2 of it), the mean length of right (> 0) and wrong."""
+    scores, lengths = [], []
+    for i in range(0, len(rows), chunk):
+        batch = rows[i : i + chunk]
+        r = rollout(policy, tokenizer, [row["prompt"] for row in batch], max_prompt_length, eos_ids, autocast)
+        scores += reward_fn(tokenizer.batch_decode(r["responses"], skip_special_tokens=True), batch)
+        lengths += r["mask"].sum(1).tolist()
+    scores, lengths = torch.tensor(scores, dtype=torch.float64), torch.tensor(lengths)
+    stderr = scores.std(correction=0).item() / len(scores) ** 0.5
+    metrics = {"eval/accuracy": scores.mean().item(), "eval/accuracy_stderr": stderr}
+    for name, chosen in [("right", scores > 0), ("wrong", scores <= 0)]:
+        metrics |= {f"eval/mean_length_{name}": lengths[chosen].mean().item()} if chosen.any() else {}
+    return metrics
 
 
 def eval_line(metrics):
     return f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
 
 
-def eval_rows(args, tokenizer):
-    """What evaluate() scores: the arithmetic task's held-out set, or up to --eval-size distinct prompts of --dataset's
-    --eval-split or of the --eval-split file (--eval-only: default --dataset-split); None when there is neither. The
-    same prompts whatever --seed, so that runs of different seeds compare."""
-    if args.dataset == "arithmetic":
-        if args.eval_split is not None:
-            raise SystemExit(f"error: --eval-split {args.eval_split} goes with --dataset: the arithmetic task has its "
-                             "own held-out set")  # fmt: skip
-        return [prompt_row(p, "a problem", tokenizer, args) for p in arithmetic_eval_set()]
-    split = args.eval_split or (args.dataset_split if args.eval_only else None)
-    if split is None:
-        return None
-    source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
-    prompts = load_prompts(Args(**asdict(args) | source | {"seed": 0}), tokenizer)
-    rows = list({row["prompt"]: row for row in (next(prompts) for _ in range(args.eval_size))}.values())
-    if rows[0]["answer"] is None:  # the reward function checks answers, even beside a reward model
-        raise SystemExit(f"error: evaluation needs --answer-column {args.answer_column} in --dataset {args.dataset}")
-    return rows
-
-
-def eval_only(args, policy, tokenizer, reward_fn, eos_ids, max_prompt_length, autocast):
-    """--eval-only, no run directory. Evaluations of a policy differ by < 1.96 sqrt(2) = 2.8 stderr 95% of the time."""
-    problems = eval_rows(args, tokenizer)
-    result = evaluate(
-        policy, tokenizer, problems, reward_fn, eos_ids, max_prompt_length, args.micro_batch_size, autocast
-    )
-    print(f"{eval_line(result)} (n={len(problems)}; two evaluations differing by up to "
-          f"{2.8 * result['eval/accuracy_stderr']:.3f} are noise)")  # fmt: skip
-    return result
-
-
-def eta(start_time, first, done, total):
-    """'(seconds so far, ETA hh:mm:ss)': the time left at this run's pace since update `first` (0, or the resumed)."""
-    elapsed = time.time() - start_time
-    return f"({elapsed:.0f}s, ETA {time.strftime('%H:%M:%S', time.gmtime(elapsed * (total - done) / (done - first)))})"
-
-
-def check_finite(grad_norm, update, save):
-    """Detail 15: stop before the optimizer step, so that save() writes the last good weights."""
-    if not torch.isfinite(grad_norm):
-        raise SystemExit(f"error: the loss became non-finite at update {update}; the last good weights are in {save()} "
-                         "(try a lower --learning-rate)")  # fmt: skip
-
-
-def wall_clock(device):
-    """time.perf_counter() once the GPU's queued work is done, so that each step is timed by its own work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
-def parse_args(argv=None):
-    """The flags of Args, one --help section per group (tyro shows a dataclass field as a section; the prefix of its
-    flags is omitted). With --resume RUN_DIR the run's args.json gives the defaults, so that only the flags on the
-    command line change (detail 22: a larger --total-steps, say, which the --anneal-lr schedule then follows)."""
-    groups = Args.__mro__[-2:0:-1]  # Experiment, Models, ..., in the order of the source
-    named_groups = [(group.__name__.lower(), group) for group in groups]
-    Sections = make_dataclass("Sections", named_groups, namespace={"__doc__": Args.__doc__})
-
-    def cli(defaults):  # an Args, split into its groups for tyro
-        split = Sections(*[group(**{f.name: getattr(defaults, f.name) for f in fields(group)}) for group in groups])
-        sections = tyro.cli(Sections, args=argv, default=split, config=(tyro.conf.OmitArgPrefixes,))
-        return Args(**{k: v for section in asdict(sections).values() for k, v in section.items()})
-
-    args = cli(Args())
-    if args.resume is None:
-        return args
-    path = os.path.join(args.resume, "args.json")
-    if not os.path.isfile(path) or not os.path.isfile(os.path.join(args.resume, "checkpoint.pt")):
-        raise SystemExit(f"error: --resume {args.resume}: no args.json and checkpoint.pt there (a run writes them)")
-    with open(path) as f:
-        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items() if hasattr(Args, k)}
-    return cli(Args(**saved | {"resume": args.resume}))
-
-
-def train_state(update, prompts, **state):
-    """What a resume restores besides the weights and AdamW, taken between updates (detail 22): the update, the prompts
-    drawn, python's, numpy's, torch's and CUDA's RNG states (a list, one per rank), and `state` (PPO's beta)."""
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
-    states = [rng]
-    if dist.is_initialized():  # every rank's: each goes on with its own on resuming (detail 24)
-        states = [None] * dist.get_world_size()
-        dist.all_gather_object(states, rng)
-    return dict(update=update, prompt_cursor=prompts.cursor, rng=states, **state)
-
-
-def save_checkpoint(logger, models, optimizer, state):
-    """Detail 22: checkpoint.pt gets `state` (train_state's), the weights of `models` (None skipped), AdamW's state and
-    the wandb id."""
-    weights = {name: model.state_dict() for name, model in models.items() if model is not None}
-    wandb_id = getattr(logger.wandb, "id", None)
-    state = state | dict(weights=weights, optimizer=optimizer.state_dict(), wandb_id=wandb_id)
-    path = os.path.join(logger.run_dir, "checkpoint.pt")
-    with open(path + ".tmp", "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename
-    os.replace(path + ".tmp", path)  # atomic
-
-
-def load_checkpoint(run_dir):
-    """The dict save_checkpoint wrote in run_dir; {} for a new run (run_dir None)."""
-    path = run_dir and os.path.join(run_dir, "checkpoint.pt")
-    return torch.load(path, map_location="cpu", weights_only=False) if path else {}  # (not only tensors)
-
-
-def build_optimizer(args, device, trained, frozen, world):
-    """The models onto the device, activation checkpointing (HF's works in train mode only: step 5), defaults for the
-    policy's size. Returns (trainable parameters, with LoRA the adapters; AdamW; DDP of the trained models or None)."""
-    trained = [model.to(device) for model in trained if model is not None]
-    for model in frozen:
-        if model is not None:
-            model.to(device)
-    for model in trained if args.gradient_checkpointing else []:
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable()
+def build_optimizer(args, device, trained, frozen):
+    """The models onto the device, activation checkpointing, the learning rate: (trainable parameters, AdamW)."""
+    trained = [m for m in trained if m is not None]
+    for model in trained + [m for m in frozen if m is not None]:
+        model.to(device)
+        if args.gradient_checkpointing and model in trained and hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable()  # HF's, in train mode only
     n_params = sum(p.numel() for p in trained[0].parameters())
     if device.type == "cpu" and n_params < 50e6:
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
@@ -1202,368 +743,256 @@ def build_optimizer(args, device, trained, frozen, world):
     params = [p for m in trained for p in m.parameters() if p.requires_grad]
     # fused: one kernel over all parameters (~0.05 s a step at 124M on a CPU, ~0.6 s as torch's default loop)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
-    return params, optimizer, nn.parallel.DistributedDataParallel(TrainedModels(trained)) if world > 1 else None
+    return params, optimizer
 
 
-def start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, world):
-    """The update to start after: the checkpoint's, with its weights, AdamW and RNG states back last before the loop
-    so that sampling goes on where the saved run stopped (detail 22); or 0 after evaluating the initial policy."""
+def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
+    """checkpoint.pt (state, weights but a LoRA base's, AdamW, wandb id), written whole or not at all; then policy/."""
+    weights = {name: {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
+                      if v.requires_grad or not hasattr(model, "disable_adapter")}
+               for name, model in models.items() if model is not None}  # fmt: skip
+    wandb_id = getattr(getattr(sys.modules.get("wandb"), "run", None), "id", None)
+    path, tmp = os.path.join(run_dir, "checkpoint.pt"), os.path.join(run_dir, f"checkpoint.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:  # a file per process: two ranks stopped by errors may both save
+        torch.save(state | dict(weights=weights, optimizer=optimizer.state_dict(), wandb_id=wandb_id), f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename
+    os.replace(tmp, path)  # atomic
+    save(os.path.join(run_dir, "policy"), models, tokenizer, merged)
+
+
+def start(args, models, optimizer):
+    """--resume's checkpoint.pt with its weights and AdamW back ({} for a new run); each update seeds its own RNG."""
+    try:
+        checkpoint = args.resume and torch.load(f"{args.resume}/checkpoint.pt", map_location="cpu", weights_only=False)
+    except Exception as e:  # none (a run killed before its first save), or a truncated or damaged one
+        raise SystemExit(f"error: --resume {args.resume}: checkpoint.pt unreadable ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:100]})") from None  # fmt: skip
+    for name, weights in (checkpoint or {}).get("weights", {}).items():
+        if models.get(name) is not None:
+            models[name].load_state_dict(weights, strict=not hasattr(models[name], "disable_adapter"))
     if checkpoint:
-        for name, weights in checkpoint["weights"].items():
-            if models.get(name) is not None:
-                models[name].load_state_dict(weights)
         print(f"resuming after update {checkpoint['update']} of the saved run")
         optimizer.load_state_dict(checkpoint["optimizer"])
         optimizer.param_groups[0]["lr"] = args.learning_rate  # a flag given on resuming wins
-        rng = checkpoint["rng"][rank if len(checkpoint["rng"]) == world else 0]  # this rank's, if it ran
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-    elif evaluate_policy:
-        evaluation = evaluate_policy()
-        logger.log({"update": 0, "episode": 0} | evaluation)
-        print(f"update 0: {eval_line(evaluation)}")
-    update = checkpoint.get("update", 0)
-    if world > 1 and len(checkpoint.get("rng", [])) != world:  # a new run (or world size): each rank its own samples
-        torch.manual_seed(args.seed + rank + world * update)
-    return update
+    return checkpoint or {}
 
 
-def timing_metrics(t, start_time, n_tokens, device):
-    """time/* and perf/* of one update, from its wall-clock marks t = (t0, t1, t2, t3); ru_maxrss is in KiB."""
-    return {"time/generation": t[1] - t[0], "time/scoring": t[2] - t[1], "time/update": t[3] - t[2],
-            "time/elapsed": time.time() - start_time, "perf/tokens_per_sec": n_tokens / (t[3] - t[0]),
-            "perf/peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}  # fmt: skip
+def stopped(error, update, state, run_dir, rank, save):
+    """A stop in the loop saves, shows an error's traceback, says where the checkpoint is and how to go on, and exits
+    non-zero. A signal or a non-finite loss stops every rank at once, and rank 0 saves; an error, its rank alone."""
+    if rank == 0 or not isinstance(error, KeyboardInterrupt | FloatingPointError):
+        save()
+    if not isinstance(error, KeyboardInterrupt | FloatingPointError):
+        traceback.print_exc()
+    print(f"stopped in update {update} ({str(error) or type(error).__name__}); the state after update "
+          f"{state['update']} is in {run_dir}/checkpoint.pt: python {os.path.basename(__file__)} --resume "
+          f"{run_dir} goes on", file=sys.stderr)  # fmt: skip
+    raise SystemExit(128 + STOP[0] if STOP else 1) from None
 
 
-# DISTRIBUTED: torchrun's data parallelism (detail 24), identical in ppo_llm.py; without torchrun each is a no-op
+def timing(t, start_time, first, update, total, n_tokens, device):
+    """time/* and perf/* of one update from its marks t, and the progress line's '(seconds so far, ETA hh:mm:ss)'."""
+    elapsed = time.time() - start_time
+    left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (total - update) / (update - first)))
+    metrics = {"time/generation": t[1] - t[0], "time/scoring": t[2] - t[1], "time/update": t[3] - t[2],
+               "time/elapsed": elapsed, "perf/tokens_per_sec": n_tokens / (t[3] - t[0]),
+               "perf/peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
+               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}  # fmt: skip
+    return metrics, f"{t[3] - t[0]:.2f}s  ({elapsed:.0f}s, ETA {left})"
 
 
-def setup_distributed(args):
-    """(rank, world size) after joining torchrun's process group (NCCL on GPUs, gloo on CPU); (0, 1) without."""
-    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        return 0, 1
-    if args.cuda and torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if args.cuda and torch.cuda.is_available() else "gloo")
-    if dist.get_rank():  # only rank 0 prints
-        sys.stdout = open(os.devnull, "w")
-    return dist.get_rank(), dist.get_world_size()
+def wall_clock(device):
+    """time.perf_counter() once the GPU's queued work is done: each step is timed by its own work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
-def all_reduce(x, op="sum"):
-    """The tensor x summed over the ranks (or their "min", "max"); x itself in one process."""
-    if not dist.is_initialized():
-        return x
-    y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
-    dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
-    return y.to(x.device)
+# GRPO: its flags, saving
 
 
-def global_mean(values):
-    """Mean of the scalar tensors in every rank's list, pooled (not a mean of means), NaNs (0 / 0 token means) out."""
-    x = torch.stack(values).double()
-    total, count = all_reduce(torch.stack([x.nansum(), (~x.isnan()).sum().double()])).tolist()
-    return total / count
-
-
-def global_mean_var(values, mask):
-    """Mean and variance of the entries where mask is 1, over every rank's: n = sum(m), mean = sum(x * m) / n,
-    var = sum((x - mean)^2 * m) / (n - 1) (Bessel), each sum over the ranks."""
-    n = all_reduce(mask.sum())
-    mean = all_reduce((values * mask).sum()) / n
-    return mean, all_reduce(((values - mean) ** 2 * mask).sum()) / (n - 1)
-
-
-def global_metrics(metrics, ops):
-    """The metrics over every rank's sequences: each rank has as many, so their mean is the mean of the ranks' means
-    (a value equal on every rank stays as it is); the keys of ops are reduced by "sum", "min" or "max" instead."""
-    if not dist.is_initialized():
-        return metrics
-    reduced = {
-        k: all_reduce(torch.tensor(float(v), dtype=torch.float64), ops.get(k, "sum")).item() for k, v in metrics.items()
-    }
-    return {k: type(v)(reduced[k] if k in ops else reduced[k] / dist.get_world_size()) for k, v in metrics.items()}
-
-
-class TrainedModels(nn.ModuleList):
-    """The trained models as one module for DistributedDataParallel: forward(fn, *inputs) is fn(*inputs)."""
-
-    def forward(self, fn, *inputs):
-        return fn(*inputs)
-
-
-def ddp_forward(ddp, sync, fn, *inputs):
-    """fn(*inputs); under torchrun through DDP(TrainedModels), whose backward averages the gradients over the ranks
-    only where sync (the last micro-batch; the others accumulate locally). No-grad passes run the bare models."""
-    if ddp is None:
-        return fn(*inputs)
-    with contextlib.nullcontext() if sync else ddp.no_sync():
-        return ddp(fn, *inputs)
-
-
-class Silent:
-    """The logger of ranks other than 0: every call does nothing."""
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-
-# GRPO: arguments, scores
-
-
-def check_args(args):
-    """Every bad combination of flags, as one line each, before anything is loaded."""
-    if args.lora_dropout:  # detail 23
-        raise SystemExit(f"error: --lora-dropout must be 0, or the first ratio is not 1 (got {args.lora_dropout})")
-    if args.save_merged and not args.lora_r:
-        raise SystemExit("error: --save-merged needs --lora-r: without LoRA the saved policy is already a full model")
-    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's processes, each with its share (detail 24)
-    if args.prompts_per_update % world:
-        raise SystemExit(f"error: {world} processes must divide --prompts-per-update (got {args.prompts_per_update})")
-    G, B = args.num_generations, args.prompts_per_update // world * args.num_generations
-    if world > 1 and args.micro_batch_size > B:  # the default 64 must not refuse 8 GPUs
-        args.micro_batch_size = B
-        print(f"--micro-batch-size {B}: each of the {world} processes' batch")
-    if G < 2:
-        raise SystemExit(f"error: --num-generations must be at least 2: the group is the baseline (got {G})")
-    if B % args.micro_batch_size:
-        raise SystemExit(f"error: --micro-batch-size must divide the completions per update, --prompts-per-update "
-                         f"x --num-generations (got {args.micro_batch_size} and {B}"
-                         f"{' per process' if world > 1 else ''})")  # fmt: skip
-    if args.num_iterations < 1:
-        raise SystemExit(f"error: --num-iterations must be at least 1 (got {args.num_iterations})")
-    if args.epsilon_high is not None and args.epsilon_high < args.epsilon:
-        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high} and {args.epsilon})")
-    upper = 1 + (args.epsilon if args.epsilon_high is None else args.epsilon_high)
-    if args.delta is not None and args.delta <= upper:  # below, it would cap the clip's upper bound too (detail 27)
-        raise SystemExit(f"error: --delta must be > 1 + --epsilon-high = {upper:g} (got {args.delta})")
-    if not 0 < args.top_entropy_quantile <= 1 or min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
-        raise SystemExit("error: --top-entropy-quantile must be in (0, 1] and the --sapo-temperature-* > 0")
-    if args.temperature <= 0:
-        raise SystemExit(f"error: --temperature must be > 0: log-probs divide by it (got {args.temperature})")
-    if args.top_k or args.top_p < 1.0:
-        raise SystemExit(f"error: --top-k {args.top_k} / --top-p {args.top_p} would sample from a truncated "
-                         "distribution whose log-probs the update never sees (detail 20); train with --temperature "
-                         "alone")  # fmt: skip
-    if not args.reward_fn:
-        raise SystemExit(f"error: --reward-fn needs at least one of {sorted(REWARD_FNS)} or file.py:function")
-    for name in args.reward_fn:
-        load_reward_fn(name)  # a bad name or file fails here, before anything is loaded
+def check_args(args, world):
+    """Every bad combination of flags, one line each, before anything is loaded."""
+    G, B = args.num_generations, args.prompts_per_update // world * args.num_generations  # each process's share
+    args.micro_batch_size = min(args.micro_batch_size, B) if world > 1 else args.micro_batch_size  # 8 GPUs: no refusal
+    high = 1 + (args.epsilon if args.epsilon_high is None else args.epsilon_high)
+    split = args.eval_split if args.dataset_split == "train" and args.eval_split else args.dataset_split
     n_rewards = 1 if args.reward_model else len(args.reward_fn)
-    if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
-        names = os.path.basename(args.reward_model) if args.reward_model else ", ".join(args.reward_fn)
-        raise SystemExit(f"error: --reward-weights needs one weight per reward ({names}), "
-                         f"got {len(args.reward_weights)}")  # fmt: skip
+    for bad, message in [
+        (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
+        (G < 2, f"--num-generations must be 2 or more: the group is the baseline (got {G})"),
+        (args.micro_batch_size < 1 or B % args.micro_batch_size,
+         f"--micro-batch-size ({args.micro_batch_size}) must divide the completions per update ({B} a process)"),
+        (args.temperature <= 0, f"--temperature must be > 0: log-probs divide by it (got {args.temperature})"),
+        (args.num_iterations < 1, f"--num-iterations must be at least 1 (got {args.num_iterations})"),
+        (high < 1 + args.epsilon, f"--epsilon-high must be >= --epsilon (got {args.epsilon_high}, {args.epsilon})"),
+        (args.delta is not None and args.delta <= high, f"--delta must be > 1 + --epsilon-high = {high:g}"),
+        (not 0 < args.top_entropy_quantile <= 1, "--top-entropy-quantile must be in (0, 1]"),
+        (min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0, "the --sapo-temperature-* must be > 0"),
+        (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
+        (os.path.isfile(args.dataset) and split != "train" and not os.path.isfile(split),
+         f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
+        (not args.reward_fn or args.reward_weights is not None and len(args.reward_weights) != n_rewards,
+         f"--reward-weights needs one weight per reward ({n_rewards}), not {len(args.reward_weights or [])}"),
+    ]:  # fmt: skip
+        if bad:
+            raise SystemExit(f"error: {message}")
 
 
-@torch.no_grad()
-def score(r, completions, rows, reward_model, rm_tokenizer, args):
-    """Step 2's scores (B, number of rewards): the reward model's, or each reward function's (detail 14)."""
-    if reward_model is not None:
-        return reward_model_scores(reward_model, rm_tokenizer, r["query_responses"], r["attention_mask"], rows,
-                                   completions, args.reward_label or 0, args.micro_batch_size)[:, None]  # fmt: skip
-    return torch.tensor([load_reward_fn(name)(completions, rows) for name in args.reward_fn], dtype=torch.float).T
-
-
-def training_forward(policy, r, mc, args):
-    """The training forward of micro-batch mc: log-probs and entropies (B, R) of its completions."""
-    hidden = hidden_states(policy, r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"])
-    return response_logprobs(policy, hidden, r["responses"][mc], args, with_entropy=True)
-
-
-def accumulate_gradients(policy, r, args, autocast, ddp=None):
-    """Forward and backward the whole batch, micro-batch by micro-batch; returns (the weighted loss, each micro-batch's
-    stats). Under torchrun n_tokens is the union batch's loss tokens per rank, as DDP averages the ranks' gradients."""
-    loss_mask, B = r["loss_mask"], r["loss_mask"].shape[0]
-    stats, loss_sum, n_tokens = [], torch.zeros((), device=loss_mask.device), global_mean([loss_mask.sum()])
-    micro_batches = torch.arange(B, device=loss_mask.device).split(args.micro_batch_size)
-    for mc in micro_batches:
-        mc_mask = loss_mask[mc]
-        if mc_mask.sum() == 0 and ddp is None:
-            continue  # nothing of it is in the loss: its gradient would be 0 (under DDP it runs, detail 24)
-        with autocast:
-            logprobs, entropy = ddp_forward(ddp, mc is micro_batches[-1], training_forward, policy, r, mc, args)
-        loss, mc_stats = grpo_loss(
-            logprobs, logprobs.detach() if r["old_logprobs"] is None else r["old_logprobs"][mc],
-            None if r["ref_logprobs"] is None else r["ref_logprobs"][mc], r["advantages"][mc], mc_mask,
-            loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high, beta=args.beta,
-            max_completion_length=args.max_new_tokens, importance_sampling_level=args.importance_sampling_level,
-            delta=args.delta, sapo_temperatures=(args.sapo_temperature_pos, args.sapo_temperature_neg),
-            entropy_mask=1.0 if r.get("entropy_mask") is None else r["entropy_mask"][mc],
-            off_policy_mask_threshold=args.off_policy_mask_threshold,
-            use_bias_correction_kl=args.use_bias_correction_kl,
-        )  # fmt: skip
-        loss = loss * (mc_mask.sum() / n_tokens if args.loss_type in ("dapo", "cispo") else len(mc) / B)  # detail 12
-        if args.ent_coef:  # detail 31: a token mean over the batch, whatever the loss type
-            loss = loss - args.ent_coef * (entropy * mc_mask).sum() / n_tokens
-        loss.backward()
-        loss_sum += loss.detach()  # no .item() per micro-batch: one sync at logging
-        stats.append(mc_stats | {"entropy": masked_mean(entropy.detach(), mc_mask)})
-    return loss_sum, stats
-
-
-def save(path, policy, tokenizer, merged=False):
-    """save_pretrained of the policy and its tokenizer (with LoRA the adapter, which peft loads on the base; with
-    merged=True also the merged model in path/merged)."""
-    policy.save_pretrained(path)
+def save(path, models, tokenizer, merged=False):
+    """save_pretrained of the policy and its tokenizer (with LoRA the adapter; merged=True also the merged model)."""
+    models["policy"].save_pretrained(path)
     tokenizer.save_pretrained(path)
     if merged:  # W + (alpha / r) B A, in a copy (one more base in memory, while saving): training keeps its adapters
-        copy.deepcopy(policy).merge_and_unload().save_pretrained(os.path.join(path, "merged"))
+        copy.deepcopy(models["policy"]).merge_and_unload().save_pretrained(os.path.join(path, "merged"))
         tokenizer.save_pretrained(os.path.join(path, "merged"))
-    return path
 
 
 def main(args: Args | None = None):
     args = parse_args() if args is None else args
     # TRY NOT TO MODIFY: set-up
-    rank, world = setup_distributed(args)  # detail 24
-    check_args(args)
-    G, B = args.num_generations, args.prompts_per_update // world * args.num_generations  # this rank's share
-    reward_names = (
+    (rank, world), device, autocast = setup(args)
+    check_args(args, world)
+    reward_fns = [load_reward_fn(name) for name in args.reward_fn]  # a bad name or file fails here, before loading
+    tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
+    G, B = args.num_generations, args.prompts_per_update // world * args.num_generations  # this process's share
+    eval_problems = eval_rows(args, tokenizer) if (args.eval_every or args.eval_only) and rank == 0 else None
+    evaluation = eval_problems and (lambda: evaluate(policy, tokenizer, eval_problems, reward_fns[0], eos_ids,
+                                                     max_prompt_length, autocast, B))  # fmt: skip
+    if args.eval_only:  # no training, no run directory; 95% of two evaluations differ by < 1.96 sqrt 2 stderr
+        print(f"{eval_line(result := evaluation())} (n={len(eval_problems)}; two evaluations of one policy differ by < "
+              f"{2.8 * result['eval/accuracy_stderr']:.3f})")  # fmt: skip
+        return result
+    ref_policy = None if not args.beta else policy if args.lora_r else copy.deepcopy(policy)  # details 5, 10
+    params, optimizer = build_optimizer(args, device, [policy], [ref_policy])
+    names = (
         [os.path.basename(args.reward_model)] if args.reward_model else [n.rpartition(":")[2] for n in args.reward_fn]
     )
-    device, autocast, precision = setup(args)
-    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names), device=device)
-    tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
-    if args.eval_only:  # no training, no run directory
-        reward_fn = load_reward_fn(args.reward_fn[0])
-        return eval_only(args, policy.to(device), tokenizer, reward_fn, eos_ids, max_prompt_length, autocast)
-    ref_policy = reference_model(policy) if args.beta else None  # details 13, 19, 23
-    params, optimizer, ddp = build_optimizer(args, device, [policy], [ref_policy], world)
-    checkpoint = load_checkpoint(args.resume)  # detail 22; {} for a new run
-    prompts = PromptStream(load_prompts(args, tokenizer), rank, world, checkpoint.get("prompt_cursor", 0))
-    eval_problems = eval_rows(args, tokenizer) if args.eval_every and rank == 0 else None
-    logger = RunLogger(args, device, precision, checkpoint.get("wandb_id")) if rank == 0 else Silent()
-    models = dict(policy=policy)  # what --resume restores (detail 22); the reference is re-derived from --model
-    evaluate_policy = eval_problems and functools.partial(
-        evaluate, policy, tokenizer, eval_problems, load_reward_fn(args.reward_fn[0]), eos_ids, max_prompt_length, B,
-        autocast,
-    )  # fmt: skip
-
-    def save_all():
-        if rank:  # only rank 0 writes (detail 24)
-            return "rank 0's run directory"
-        save_checkpoint(logger, models, optimizer, state)
-        return save(os.path.join(logger.run_dir, "policy"), policy, tokenizer, args.save_merged)
-
-    first_update = update = start(args, checkpoint, models, optimizer, logger, evaluate_policy, rank, world)
-    state = train_state(update, prompts)  # what a resume restores (detail 22)
-    start_time = time.time()
+    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(names), device=device)
+    rows = load_prompts(args, tokenizer, reward_model is None and {"arithmetic", "gsm8k"} & set(args.reward_fn))
+    models = dict(policy=policy)  # what checkpoint.pt and policy/ hold; the reference is --model's
+    checkpoint = start(args, models, optimizer)  # {} for a new run
+    run_dir, writer = open_run(args, rank, checkpoint.get("wandb_id"))
+    if evaluation and not checkpoint:  # the initial policy, at update 0
+        log(writer, {"update": 0, "episode": 0} | (initial := evaluation()))
+        print(f"update 0: {eval_line(initial)}")
+    first_update = update = checkpoint.get("update", 0)
+    prompts = prompt_stream(rows, args.seed, update * args.prompts_per_update, rank, world)
+    state, start_time = dict(update=update), time.time()  # what a resume restores besides the weights and AdamW
+    print(f"checkpoint.pt every {args.save_every or args.total_steps} updates (--save-every) and on any stop")
+    STOP.clear()
+    handlers = {s: signal.signal(s, lambda signum, frame: STOP.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for update in range(update + 1, args.total_steps + 1):
+            torch.manual_seed(hash((args.seed, update, rank)))  # each update's own random numbers: exact resumes
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
             # ALGO LOGIC: 1. rollout -- G completions of each prompt, contiguous (detail 1)
             t0 = wall_clock(device)
             rows = [row for row in (next(prompts) for _ in range(B // G)) for _ in range(G)]
-            r = rollout(policy, tokenizer, [row["prompt"] for row in rows], max_prompt_length, eos_ids, autocast)
+            r = rollout(policy, tokenizer, [row["prompt"] for row in rows], max_prompt_length, eos_ids, autocast, True)
+            stop_check()  # a signal on any rank: every rank stops here, before the update changes anything
             responses, mask = r["responses"], r["mask"]  # (B, R)
             t1 = wall_clock(device)
 
-            # 2. rewards: weighted reward functions or the reward model (detail 14), overlong punishment
+            # 2. rewards: the weighted reward functions, or the reward model (detail 11); DAPO's overlong penalty
             completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            scores = score(r, completions, rows, reward_model, rm_tokenizer, args).to(device)
-            rewards = scores @ reward_weights  # (B,)
-            lengths = mask.sum(1)
-            if args.overlong_buffer:  # DAPO: linear from 0 to -penalty over the last --overlong-buffer lengths
-                over = (lengths - (args.max_new_tokens - args.overlong_buffer)).clamp(min=0) / args.overlong_buffer
-                rewards = rewards - args.overlong_penalty * over
+            if reward_model is None:
+                scores = torch.tensor([fn(completions, rows) for fn in reward_fns], dtype=torch.float, device=device).T
+            else:
+                scores = reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args)[:, None]
+            rewards, lengths = scores @ reward_weights, mask.sum(1)  # (B,)
+            over = (lengths - args.max_new_tokens + args.overlong_buffer).clamp(min=0) / max(args.overlong_buffer, 1)
+            rewards = rewards - args.overlong_penalty * over  # 0 to -penalty over the last --overlong-buffer lengths
 
-            # 3. advantages relative to the group (details 3, 8); which completions the loss sees
+            # 3. advantages relative to the group (detail 3); which completions the loss sees
             advantages, zero_std = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)
             truncated = ~torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
-            loss_mask = mask.clone()
-            if args.dynamic_sampling:
-                loss_mask *= ~zero_std.repeat_interleave(G)[:, None]
-            if args.mask_truncated_completions:
-                loss_mask *= ~truncated[:, None]
-            r |= dict(loss_mask=loss_mask, advantages=advantages)
+            dropped = (
+                zero_std.repeat_interleave(G) & args.dynamic_sampling | truncated & args.mask_truncated_completions
+            )
+            loss_mask = mask * ~dropped[:, None]  # DAPO's dynamic sampling (without resampling), overlong filtering
 
-            # 4. old log-probs (mu > 1) and reference log-probs, in the training's micro-batch shapes (detail 5)
-            old_logprobs, ref_logprobs, entropies, by_entropy = [], [], [], args.top_entropy_quantile < 1
+            # 4. old log-probs (mu > 1), entropies (detail 13) and reference log-probs: the training forward (detail 5)
+            micro_batches, q = torch.arange(B, device=device).split(args.micro_batch_size), args.top_entropy_quantile
+            r |= dict(loss_mask=loss_mask, advantages=advantages, entropy_mask=torch.ones_like(mask), old_logprobs=None)
+            trains = all_reduce(loss_mask.sum()) > 0  # else no token is in the loss on any rank: no update
             with torch.no_grad(), autocast:
-                for mc in torch.arange(B, device=device).split(args.micro_batch_size):
-                    qr, am, Q = r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"]
-                    if args.num_iterations > 1 or by_entropy:  # detail 28: the whole batch's entropy first
-                        hidden = hidden_states(policy, qr, am, Q)
-                        mc_old_logprobs, mc_entropy = response_logprobs(policy, hidden, responses[mc], args, by_entropy)
-                        old_logprobs.append(mc_old_logprobs)
-                        entropies.append(mc_entropy)
-                    if ref_policy is not None:
-                        with adapters_off(ref_policy):  # LoRA: the base is the reference (detail 23)
-                            hidden = hidden_states(ref_policy, qr, am, Q)
-                        ref_logprobs.append(response_logprobs(ref_policy, hidden, responses[mc], args)[0])
-            r["old_logprobs"] = torch.cat(old_logprobs) if args.num_iterations > 1 else None
-            r["ref_logprobs"] = torch.cat(ref_logprobs) if ref_logprobs else None
-            if by_entropy:
-                r["entropy_mask"] = high_entropy_mask(torch.cat(entropies), loss_mask, args.top_entropy_quantile)
+                if trains and (args.num_iterations > 1 or q < 1):
+                    out = [training_forward(policy, r, mc, args, q < 1) for mc in micro_batches]
+                    if args.num_iterations > 1:
+                        r["old_logprobs"] = torch.cat([o[0] for o in out])
+                    if q < 1:  # the whole batch's entropies, from the rollout policy
+                        r["entropy_mask"] = high_entropy_mask(torch.cat([o[1] for o in out]), loss_mask, q)
+                r["ref_logprobs"] = None
+                if ref_policy is not None:
+                    with ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext():  # LoRA: the base
+                        out = [training_forward(ref_policy, r, mc, args, False) for mc in micro_batches]
+                    r["ref_logprobs"] = torch.cat([o[0] for o in out])
             t2 = wall_clock(device)
 
-            # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 12)
+            # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 9)
             policy.train()
             stats, losses, grad_norms = [], [], []
-            # no token in the loss on any rank (all groups equal under --dynamic-sampling, ...): no update, no loss
-            if all_reduce(loss_mask.sum()) > 0:
-                for _ in range(args.num_iterations):
-                    loss_sum, mb_stats = accumulate_gradients(policy, r, args, autocast, ddp)
-                    stats += mb_stats
-                    grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                    check_finite(grad_norm, update, save_all)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    losses.append(loss_sum)
-                    grad_norms.append(grad_norm)
+            for _ in range(args.num_iterations if trains else 0):
+                loss_sum, mb_stats = accumulate_gradients(policy, r, args, autocast)
+                grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
+                stats, losses = stats + mb_stats, losses + [loss_sum]
             t3 = wall_clock(device)
 
             # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
-            metrics = {"update": update, "episode": update * B * world, "reward": rewards.mean().item(),
-                       "reward_std": rewards.view(-1, G).std(1).mean().item(),
-                       "frac_reward_zero_std": zero_std.float().mean().item(),
+            metrics = {"update": update, "episode": update * B * world, "reward": rewards.mean().item(), "reward_std":
+                       rewards.view(-1, G).std(1).mean().item(), "frac_reward_zero_std": zero_std.float().mean().item(),
                        "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-                       "completions/max_length": lengths.max().item(),
-                       "completions/clipped_ratio": truncated.float().mean().item(),
-                       "learning_rate": optimizer.param_groups[0]["lr"]}  # fmt: skip
-            metrics |= timing_metrics((t0, t1, t2, t3), start_time, mask.sum().item(), device)
-            for name, s in zip(reward_names, scores.T):
+                       "completions/max_length": lengths.max().item(), "completions/clipped_ratio":
+                       truncated.float().mean().item(), "learning_rate": optimizer.param_groups[0]["lr"]}  # fmt: skip
+            times, progress = timing((t0, t1, t2, t3), start_time, first_update, update, args.total_steps,
+                                     mask.sum().item(), device)  # fmt: skip
+            metrics |= times
+            for name, s in zip(names, scores.T):
                 metrics[f"rewards/{name}/mean"] = s.mean().item()
                 metrics[f"rewards/{name}/std"] = global_mean_var(s, torch.ones_like(s))[1].sqrt().item()
             if losses:  # grpo_loss's stats (importance_ratio/mean, clip_ratio/* or cispo_clip_ratio, kl) and entropy
-                metrics["loss"] = global_mean(losses)
-                metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
+                metrics |= {"loss": global_mean(losses), "grad_norm": torch.stack(grad_norms).mean().item()}
                 metrics |= {k: global_mean([s[k] for s in stats]) for k in stats[0]}
             metrics = global_metrics(metrics, {"completions/min_length": "min", "completions/max_length": "max",
                                                "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"})  # fmt: skip
-            if eval_problems and (update % args.eval_every == 0 or update == args.total_steps):
-                metrics |= evaluate_policy()
-            logger.log(metrics)
-            state = train_state(update, prompts)  # update done: a stop from here on resumes after it
-            print(
-                f"update {update}/{args.total_steps}: reward {metrics['reward']:.3f}  "
-                + (f"kl {metrics['kl']:.4f}  " if "kl" in metrics else "")
-                + (f"clip {metrics['clip_ratio/region_mean']:.3f}  " if "clip_ratio/region_mean" in metrics else "")
-                + ("" if losses else "(no loss tokens)  ")
-                + (f"{eval_line(metrics)}  " if "eval/accuracy" in metrics else "")
-                + f"{t3 - t0:.2f}s  {eta(start_time, first_update, update, args.total_steps)}"
+            if evaluation and (update % args.eval_every == 0 or update == args.total_steps):
+                metrics |= evaluation()
+            state = dict(update=update)  # update done: a stop from here on resumes after it
+            shown = (
+                range(0, min(args.num_samples * G, B), G)
+                if args.sample_every and not update % args.sample_every
+                else []
             )
-            if args.sample_every and update % args.sample_every == 0:
-                shown = range(0, min(args.num_samples * G, B), G)  # one per group
-                logger.log_samples([{"update": update, "prompt": rows[j]["prompt"], "completion": completions[j],
-                                     "reward": rewards[j].item(), "advantage": advantages[j].item()}
-                                    for j in shown])  # fmt: skip
-            if args.save_every and update % args.save_every == 0:
-                save_all()
-    except KeyboardInterrupt:
-        print(f"interrupted at update {update}: saving")
-    print(f"saved the policy to {save_all()}")
-    logger.close()
+            if rank == 0:  # samples: one completion per group
+                line = f"reward {metrics['reward']:.3f}  " + (f"kl {metrics['kl']:.4f}  " if "kl" in metrics else "")
+                line += ("" if losses else "(no loss tokens)  ") + (
+                    f"{eval_line(metrics)}  " if "eval/accuracy" in metrics else ""
+                )
+                print(f"update {update}/{args.total_steps}: {line}{progress}")
+                samples = [{"update": update, "prompt": rows[j]["prompt"], "completion": completions[j],
+                            "reward": rewards[j].item(), "advantage": advantages[j].item()} for j in shown]  # fmt: skip
+                log(writer, metrics, samples)
+                if args.save_every and update % args.save_every == 0:
+                    save_checkpoint(run_dir, models, optimizer, state, tokenizer)
+    except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss or an error: nothing is lost
+        stopped(e, update, state, run_dir, rank, lambda: save_checkpoint(run_dir, models, optimizer, state, tokenizer))
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        if writer is not None:
+            writer.close()
+    if rank == 0:
+        save_checkpoint(run_dir, models, optimizer, state, tokenizer, args.save_merged)
+        print(f"saved the policy to {run_dir}/policy")
+        if args.track:
+            sys.modules["wandb"].finish()
     if dist.is_initialized():
-        dist.barrier()  # the other ranks wait while rank 0 saves: one that tears gloo down first can abort at exit
+        dist.barrier()  # the other ranks wait while rank 0 saves
         dist.destroy_process_group()
-    return logger.run_dir
+    return run_dir
 
 
 if __name__ == "__main__":

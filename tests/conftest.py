@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -59,15 +60,30 @@ def untimed_metrics(run_dir):
         return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))} for line in f]
 
 
-def ends_at(generate, positions):
-    """generate(), with response i ending in EOS at positions[i] (None: no EOS at all)."""
+def ends_at(monkeypatch, positions):
+    """Every generate() afterwards: response i ends in EOS at positions[i] (None: no EOS at all), other EOS made text."""
+    real = transformers.GenerationMixin.generate
 
-    def patched(policy, queries, query_mask):
-        responses = generate(policy, queries, query_mask).clone()
-        responses[responses == policy.config.eos_token_id] = 3  # a character, not an end
+    def patched(self, input_ids=None, **kwargs):
+        out = real(self, input_ids=input_ids, **kwargs).clone()
+        responses = out[:, input_ids.shape[1] :]  # a view: edited in place
+        responses[responses == self.config.eos_token_id] = 3  # a character, not an end
         for i, position in enumerate(positions[: len(responses)]):
             if position is not None:
-                responses[i, position] = policy.config.eos_token_id
-        return responses
+                responses[i, position] = self.config.eos_token_id
+        return out
 
-    return patched
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", patched)
+
+
+def interrupt_generation(monkeypatch, call, error=KeyboardInterrupt):
+    """generate() raises `error` at its `call`-th call (counting from 1), as a Ctrl-C or a crash at that moment would."""
+    real, calls = transformers.GenerationMixin.generate, []
+
+    def patched(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise error("interrupted by the test")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", patched)

@@ -31,7 +31,8 @@ def union_batch():
     mask = (torch.arange(R)[None] < torch.tensor([1, 6, 3, 6, 2, 5, 6, 4])[:, None]).float()
     loss_mask = mask * torch.tensor([1, 1, 1, 0, 0, 0, 1, 1.0])[:, None]
     batch = dict(query_responses=qr, attention_mask=torch.cat([torch.ones(B, Q), mask], 1).long(),
-                 responses=qr[:, Q:], mask=mask, loss_mask=loss_mask, old_logprobs=-3 * torch.rand(B, R, generator=g),
+                 responses=qr[:, Q:], mask=mask, loss_mask=loss_mask, entropy_mask=torch.ones(B, R),
+                 old_logprobs=-3 * torch.rand(B, R, generator=g),
                  ref_logprobs=-3 * torch.rand(B, R, generator=g), values=torch.randn(B, R, generator=g),
                  advantages=torch.randn(B, R, generator=g), returns=torch.randn(B, R, generator=g))  # fmt: skip
     return batch | dict(prompt_width=Q)
@@ -45,32 +46,30 @@ def ppo_models(critic):
     return [policy, critic_model, value_head]
 
 
-def update(case, r, ddp_on):
-    """One optimizer step of `case` on the rollout r, through the scripts' own accumulate_gradients; returns the
-    gradients, the weights after the step and the logged loss stats, pooled over the ranks."""
+def update(case, r):
+    """One optimizer step of `case` on the rollout r, through the scripts' own accumulate_gradients and optimizer_step
+    (which averages the gradients over the ranks); returns the gradients the step used, the weights after it and the
+    logged loss stats, pooled over the ranks."""
     script, variant = case
     if script == "ppo":
         models = ppo_models(variant)
-        trained = [m for m in models if m is not None]
         args = types.SimpleNamespace(micro_batch_size=2, temperature=1.0, cast_lm_head_to_fp32=True, cliprange=0.2,
                                      cliprange_value=0.2, vf_coef=0.1, ent_coef=0.01)  # fmt: skip
-        ddp = torch.nn.parallel.DistributedDataParallel(ppo_llm.TrainedModels(trained)) if ddp_on else None
-        n = r["mask"].shape[0]
-        stats = ppo_llm.accumulate_gradients(*models, r, torch.arange(n), args, nullcontext(), ddp)
+        stats = ppo_llm.accumulate_gradients(*models, r, torch.arange(r["mask"].shape[0]), args, nullcontext())
         stats = {k: ppo_llm.global_mean([s[k] for s in stats]) for k in stats[0]}
     else:
         torch.manual_seed(0)
-        trained = [grpo_llm.load_model(AutoModelForCausalLM, SFT, "--model")]
+        models = [grpo_llm.load_model(AutoModelForCausalLM, SFT, "--model")]
         args = grpo_llm.Args(micro_batch_size=2, epsilon_high=0.28, beta=0.04, loss_type=variant, max_new_tokens=R)
-        ddp = torch.nn.parallel.DistributedDataParallel(grpo_llm.TrainedModels(trained)) if ddp_on else None
-        loss, stats = grpo_llm.accumulate_gradients(trained[0], r, args, nullcontext(), ddp)
+        loss, stats = grpo_llm.accumulate_gradients(models[0], r, args, nullcontext())
         stats = {k: grpo_llm.global_mean([s[k] for s in stats]) for k in stats[0]} | {
             "loss": grpo_llm.global_mean([loss])
         }
-    params = [p for m in trained for p in m.parameters()]
-    grads = [p.grad.clone() for p in params]
-    torch.nn.utils.clip_grad_norm_(params, 0.5)
-    torch.optim.AdamW(params, lr=1e-3, eps=1e-5).step()
+    params = [p for m in models if m is not None for p in m.parameters()]
+    optimizer, grads = torch.optim.AdamW(params, lr=1e-3, eps=1e-5), []
+    step = optimizer.step
+    optimizer.step = lambda: grads.extend(p.grad.clone() for p in params) or step()  # the gradients it steps with
+    ppo_llm.optimizer_step(optimizer, params, 0.5)
     return grads, [p.detach().clone() for p in params], stats
 
 
@@ -88,7 +87,7 @@ CASES = [
 def worker(rank, world, init_file):
     torch.set_num_threads(1)
     full = union_batch()
-    expected = {case: update(case, full, ddp_on=False) for case in CASES}  # one process, the whole batch
+    expected = {case: update(case, full) for case in CASES}  # one process, the whole batch
     rewards = full["values"][:, 0]
     whitened = ppo_llm.masked_whiten(full["advantages"], full["mask"])
     group_advantages = grpo_llm.group_advantages(rewards, 2, "batch")[0]
@@ -97,7 +96,7 @@ def worker(rank, world, init_file):
     mine = slice(rank * B // world, (rank + 1) * B // world)
     r = {k: v[mine] if torch.is_tensor(v) else v for k, v in full.items()}
     for case in CASES:
-        grads, weights, stats = update(case, r, ddp_on=True)
+        grads, weights, stats = update(case, r)
         for got, want in zip(grads, expected[case][0]):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7, msg=lambda m: f"{case} gradient: {m}")
         for got, want in zip(weights, expected[case][1]):
@@ -117,7 +116,7 @@ def worker(rank, world, init_file):
 
 
 def test_two_ranks_update_equals_one_process_on_the_union_batch(tmp_path):
-    # PPO (separate critic, head) and GRPO (each loss type; rank 1 has an empty micro-batch), gloo on CPU
+    # PPO (separate critic, head) and GRPO (each loss type; rank 1 has an empty micro-batch, which it skips), gloo
     mp.spawn(worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2)
 
 
@@ -160,8 +159,7 @@ def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
 
 
 @pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
-def test_processes_must_divide_the_prompts(script, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun --nproc_per_node 3 sets it
+def test_processes_must_divide_the_prompts(script):
     with pytest.raises(SystemExit) as e:
-        script.check_args(script.Args(prompts_per_update=8))
-    assert str(e.value) == "error: 3 processes must divide --prompts-per-update (got 8)"
+        script.check_args(script.Args(prompts_per_update=8), 3)  # torchrun --nproc_per_node 3
+    assert str(e.value) == "error: 3 processes must divide --prompts-per-update"

@@ -7,7 +7,7 @@ import os
 import huggingface_hub
 import pytest
 import torch
-from conftest import ends_at, untimed_metrics
+from conftest import ends_at, interrupt_generation, untimed_metrics
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
@@ -16,6 +16,13 @@ import grpo_llm
 
 def t(rows):
     return torch.tensor(rows, dtype=torch.float32)
+
+
+def grpo_loss(logprobs, old, ref, advantages, mask, entropy_mask=1.0, **flags):
+    """grpo_llm.grpo_loss with these flags and Args' defaults otherwise, but for --max-new-tokens 4 (dr_grpo's
+    normaliser) and the plain k3 term (--no-use-bias-correction-kl) that the hand computations below assume."""
+    args = grpo_llm.Args(**({"max_new_tokens": 4, "use_bias_correction_kl": False} | flags))
+    return grpo_llm.grpo_loss(logprobs, old, ref, advantages, mask, args, entropy_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -89,9 +96,7 @@ def loss_inputs(ratios):
 )
 def test_grpo_loss_types_with_clip_higher(loss_type, expected):
     logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.7, 1.1, 2.0]])
-    loss, stats = grpo_llm.grpo_loss(
-        logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type=loss_type, max_completion_length=4
-    )
+    loss, stats = grpo_loss(logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type=loss_type)
     torch.testing.assert_close(loss, torch.tensor(expected))
     # 1 high-clipped and 1 low-clipped token of 5 real ones
     torch.testing.assert_close(stats["clip_ratio/high_mean"], torch.tensor(0.2))
@@ -104,7 +109,7 @@ def test_grpo_loss_symmetric_clip_and_per_token_advantages():
     # epsilon_high = epsilon = 0.2: the first token is clipped at 1.2, row 0 mean (-1.2 - 1 - 0.5) / 3 = -0.9,
     # loss = (-0.9 + 0.95) / 2 = 0.025; advantages given per token (B, T) give the same
     logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.7, 1.1, 2.0]])
-    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV[:, None].expand(2, 3), MASK, loss_type="grpo")
+    loss, _ = grpo_loss(logprobs, old, None, ADV[:, None].expand(2, 3), MASK, loss_type="grpo")
     torch.testing.assert_close(loss, torch.tensor(0.025))
 
 
@@ -120,9 +125,7 @@ def test_grpo_loss_k3_term(loss_type, expected):
     # ref = logp + ln 2 everywhere: k3 = exp(ln 2) - ln 2 - 1 = 1 - ln 2 = 0.306853; beta = 0.1
     logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.7, 1.1, 2.0]])
     ref = logprobs + math.log(2)
-    loss, stats = grpo_llm.grpo_loss(
-        logprobs, old, ref, ADV, MASK, epsilon_high=0.28, beta=0.1, loss_type=loss_type, max_completion_length=4
-    )
+    loss, stats = grpo_loss(logprobs, old, ref, ADV, MASK, epsilon_high=0.28, beta=0.1, loss_type=loss_type)
     torch.testing.assert_close(loss, torch.tensor(expected))
     torch.testing.assert_close(stats["kl"], torch.tensor(1 - math.log(2)))
 
@@ -133,7 +136,7 @@ def test_grpo_loss_sequence_level_importance_ratio():
     #   row 1 (A = -1): (0.5 * 0.8)^(1/2) = 0.4^(1/2) = 0.6324555 (the masked 2.0 is ignored), low-clipped: 0.8
     # grpo: (-0.9085603 + 0.8) / 2 = -0.0542802; 2 of 5 tokens low-clipped
     logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.5, 0.8, 2.0]])
-    loss, stats = grpo_llm.grpo_loss(
+    loss, stats = grpo_loss(
         logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="grpo", importance_sampling_level="sequence"
     )
     torch.testing.assert_close(loss, torch.tensor((-(0.75 ** (1 / 3)) + 0.8) / 2))
@@ -146,11 +149,11 @@ def test_grpo_loss_sequence_level_importance_ratio():
 def test_grpo_loss_gradient_at_ratio_one_is_the_policy_gradient():
     # old = logprobs detached: rho = 1, d loss / d logp_t = -A_i / |o_i| / B (grpo), -A_i / tokens (dapo)
     logprobs = torch.zeros(2, 3, requires_grad=True)
-    loss, _ = grpo_llm.grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, loss_type="grpo")
+    loss, _ = grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, loss_type="grpo")
     loss.backward()
     torch.testing.assert_close(logprobs.grad, t([[-1 / 6, -1 / 6, -1 / 6], [1 / 4, 1 / 4, 0.0]]))
     logprobs.grad = None
-    loss, _ = grpo_llm.grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, loss_type="dapo")
+    loss, _ = grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, loss_type="dapo")
     loss.backward()
     torch.testing.assert_close(logprobs.grad, t([[-1 / 5, -1 / 5, -1 / 5], [1 / 5, 1 / 5, 0.0]]))
 
@@ -167,7 +170,7 @@ def test_cispo_weights_log_probs_by_the_capped_detached_ratio():
     #   row 1, A = -1: +0.7 * ln 0.7 = -0.2496725, +1.1 * ln 1.1 = +0.1048412
     logprobs, old = loss_inputs(RATIOS)
     logprobs.requires_grad_(True)
-    loss, stats = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="cispo")
+    loss, stats = grpo_loss(logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="cispo")
     expected = (-1.28 * math.log(1.5) - 0.5 * math.log(0.5) + 0.7 * math.log(0.7) + 1.1 * math.log(1.1)) / 5
     torch.testing.assert_close(loss, torch.tensor(expected))
     loss.backward()  # d/d logp = -sg(w) * A / 5: the weight carries no gradient
@@ -183,7 +186,9 @@ def test_sapo_soft_gate_with_two_temperatures():
         return 1 / (1 + math.exp(-x))
 
     logprobs, old = loss_inputs(RATIOS)
-    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, loss_type="sapo", sapo_temperatures=(1, 1.05))
+    loss, _ = grpo_loss(
+        logprobs, old, None, ADV, MASK, loss_type="sapo", sapo_temperature_pos=1, sapo_temperature_neg=1.05
+    )
     expected = (-4 * (s(0.5) + s(0) + s(-0.5)) / 3 + 4 / 1.05 * (s(-0.315) + s(0.105)) / 2) / 2
     torch.testing.assert_close(loss, torch.tensor(expected))
     torch.testing.assert_close(loss, torch.tensor((-2 + 1.8059440) / 2))
@@ -194,11 +199,11 @@ def test_two_sided_clipping_caps_the_ratio_of_negative_advantages():
     # row 0 as before (-2.78: min(min(rho, 2), clip) is unchanged for A > 0). dapo: (-2.78 + 0.8 + 2) / 5 = 0.004
     logprobs, old = loss_inputs([[1.5, 1.0, 0.5], [0.7, 3.0, 2.0]])
     logprobs.requires_grad_(True)
-    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo", delta=2.0)
+    loss, _ = grpo_loss(logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo", delta=2.0)
     torch.testing.assert_close(loss, torch.tensor(0.004))
     loss.backward()  # the capped token has no gradient; the clipped ones neither
     torch.testing.assert_close(logprobs.grad, t([[0.0, -1.0, -0.5], [0.0, 0.0, 0.0]]) / 5)
-    loss, _ = grpo_llm.grpo_loss(logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo")
+    loss, _ = grpo_loss(logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo")
     torch.testing.assert_close(loss, torch.tensor((-2.78 + 0.8 + 3.0) / 5))
 
 
@@ -208,7 +213,7 @@ def test_off_policy_mask_drops_negative_completions_far_from_the_rollout_policy(
     # row 1 -(ln 0.7 + ln 1.1) / 2 = 0.1306822: dropped at 0.1 (its +1.9 goes; the normaliser stays 5), kept at 0.2;
     # at 0.05 both are past the threshold, and only row 1 (A < 0) is dropped: the same loss as at 0.1
     logprobs, old = loss_inputs(RATIOS)
-    loss, _ = grpo_llm.grpo_loss(
+    loss, _ = grpo_loss(
         logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo", off_policy_mask_threshold=threshold
     )
     torch.testing.assert_close(loss, torch.tensor(expected))
@@ -222,9 +227,7 @@ def test_high_entropy_mask_and_loss():
     torch.testing.assert_close(entropy_mask, t([[0, 0, 1], [0, 1, 0]]))
     # dapo: only -0.5 (row 0, rho 0.5) and +1.1 (row 1, rho 1.1) remain, over all 5 tokens: 0.6 / 5 = 0.12
     logprobs, old = loss_inputs(RATIOS)
-    loss, _ = grpo_llm.grpo_loss(
-        logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo", entropy_mask=entropy_mask
-    )
+    loss, _ = grpo_loss(logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo", entropy_mask=entropy_mask)
     torch.testing.assert_close(loss, torch.tensor(0.12))
 
 
@@ -232,7 +235,7 @@ def test_bias_corrected_kl_value_and_gradient():
     # ref = logp + ln 2: k3 = 1 - ln 2 per token; corrected, rho k3: sum of real rho 1.5 + 1 + 0.5 + 0.7 + 1.1 = 4.8
     logprobs, old = loss_inputs(RATIOS)
     ref = logprobs + math.log(2)
-    loss, stats = grpo_llm.grpo_loss(
+    loss, stats = grpo_loss(
         logprobs, old, ref, ADV, MASK, epsilon_high=0.28, beta=0.1, loss_type="dapo", use_bias_correction_kl=True
     )
     torch.testing.assert_close(loss, torch.tensor((-0.88 + 0.1 * 4.8 * (1 - math.log(2))) / 5))
@@ -241,7 +244,7 @@ def test_bias_corrected_kl_value_and_gradient():
     # (1 - ln 2) + (1 - exp(ref - logp)) = (1 - ln 2) - 1 = -ln 2, against -1 without the ratio; A = 0, beta 1, dapo
     for corrected, per_token in [(True, -math.log(2)), (False, -1.0)]:
         logprobs = torch.zeros(2, 3, requires_grad=True)
-        loss, _ = grpo_llm.grpo_loss(
+        loss, _ = grpo_loss(
             logprobs,
             logprobs.detach(),
             logprobs.detach() + math.log(2),
@@ -261,9 +264,7 @@ def test_at_ratio_one_cispo_and_sapo_have_the_gradient_of_their_base(loss_type, 
     grads = []
     for name in [loss_type, base]:
         logprobs = torch.zeros(2, 3, requires_grad=True)
-        grpo_llm.grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, loss_type=name, max_completion_length=4)[
-            0
-        ].backward()
+        grpo_loss(logprobs, logprobs.detach(), None, ADV, MASK, loss_type=name)[0].backward()
         grads.append(logprobs.grad)
     torch.testing.assert_close(grads[0], grads[1])
 
@@ -295,8 +296,16 @@ def test_default_variant_with_kl_eval_samples_and_saving(tiny, tmp_path, capsys)
         tiny, tmp_path, beta=0.1, num_iterations=2, eval_every=2, prompts_per_update=8, num_generations=8,
         micro_batch_size=16, total_steps=2, save_every=1,
     )  # fmt: skip
-    # random policy, held-out at start: accuracy 0, standard error sqrt(0 * 1 / 256) = 0
-    assert records[0] == {"update": 0, "episode": 0, "eval/accuracy": 0.0, "eval/accuracy_stderr": 0.0}
+    # random policy, held-out at start: accuracy 0, standard error sqrt(0 * 1 / 256) = 0; every response wrong
+    wrong = records[0]["eval/mean_length_wrong"]
+    assert records[0] == {
+        "update": 0,
+        "episode": 0,
+        "eval/accuracy": 0.0,
+        "eval/accuracy_stderr": 0.0,
+        "eval/mean_length_wrong": wrong,
+    }
+    assert 1 <= records[0]["eval/mean_length_wrong"] <= 4  # tokens, at most --max-new-tokens
     assert [r["update"] for r in records[1:]] == [1, 2] and records[-1]["episode"] == 128
     assert TRL_NAMES | {"kl", "eval/accuracy", "rewards/arithmetic/mean"} <= set(records[-1])
     assert 0 <= records[1]["kl"] < 1e-6  # the reference is the initial policy (2nd iteration: one step away)
@@ -320,13 +329,15 @@ def test_eval_only_on_a_dataset_and_eval_split_during_training(tiny, tmp_path, c
                          eval_only=True, output_dir=str(tmp_path / "runs"))  # fmt: skip
     result = grpo_llm.main(args)
     assert "(n=20; two evaluations" in capsys.readouterr().out and not os.path.exists(tmp_path / "runs")
-    assert set(result) == {"eval/accuracy", "eval/accuracy_stderr"}
+    assert set(result) == {"eval/accuracy", "eval/accuracy_stderr", "eval/mean_length_wrong"}  # nothing right
     # --eval-split FILE: the periodic evaluation of a prompt file; a local --dataset has no split to name
     _, records = run(
         tiny, tmp_path, dataset=tiny["jsonl"], reward_fn=("gsm8k",), eval_split=tiny["jsonl"], eval_every=1
     )
     assert [("eval/accuracy_stderr" in r) for r in records] == [True, True, True]
-    with pytest.raises(SystemExit, match=r"^error: --dataset .*prompts.jsonl is one file, with no split 'test' \("):
+    with pytest.raises(
+        SystemExit, match=r"^error: --dataset .*prompts.jsonl is a file, with no split test: --eval-split"
+    ):
         run(tiny, tmp_path, dataset=tiny["jsonl"], reward_fn=("gsm8k",), eval_split="test", eval_every=1)
     (tmp_path / "no_answers.jsonl").write_text('{"prompt": "1+1="}\n')
     with pytest.raises(SystemExit, match=r"^error: --dataset .*no_answers.jsonl: row 1 has no --answer-column answer"):
@@ -413,7 +424,7 @@ def test_a_group_is_one_prompts_completions(tiny, tmp_path, monkeypatch):
 
 def test_mask_truncated_completions_leaves_out_responses_without_eos(tiny, tmp_path, monkeypatch, capsys):
     # no completion ends (its EOS turned into a character): --mask-truncated-completions leaves no token in the loss
-    monkeypatch.setattr(grpo_llm, "generate", ends_at(grpo_llm.generate, [None] * 8))
+    ends_at(monkeypatch, [None] * 8)
     options = dict(reward_model=tiny["rm"], dataset=tiny["jsonl"], mask_truncated_completions=True)
     _, records = run(tiny, tmp_path, **options)
     assert all(r["completions/clipped_ratio"] == 1.0 and "loss" not in r for r in records)
@@ -429,7 +440,8 @@ def test_entropy_bonus_raises_the_entropy(tiny):
     B, Q, R = 4, 3, 4
     qr, mask = torch.randint(3, 20, (B, Q + R)), torch.ones(B, R)
     r = dict(query_responses=qr, attention_mask=torch.ones_like(qr), responses=qr[:, Q:], loss_mask=mask,
-             prompt_width=Q, advantages=torch.zeros(B), old_logprobs=None, ref_logprobs=None)  # fmt: skip
+             prompt_width=Q, advantages=torch.zeros(B), old_logprobs=None, ref_logprobs=None,
+             entropy_mask=torch.ones_like(mask))  # fmt: skip
     args = grpo_llm.Args(micro_batch_size=4, ent_coef=1.0, max_new_tokens=R)
     grpo_llm.accumulate_gradients(policy, r, args, torch.autocast("cpu", enabled=False))
     got = [p.grad.clone() for p in policy.parameters()]
@@ -467,22 +479,14 @@ def test_ratio_is_exactly_one_at_unchanged_weights(tiny, tmp_path, num_iteration
         dict(loss_type="sapo"),
         dict(top_entropy_quantile=0.3),
         # grpo, and rewards all 0 (arithmetic, random policy): the gradient is the bonus alone, a token mean
-        dict(ent_coef=0.1, reward_model=None, dataset="arithmetic"),
+        dict(ent_coef=0.1, reward_model=None, dataset="assets/arith/train.jsonl"),
         dict(beta=0.1, delta=2.0, off_policy_mask_threshold=0.0, num_iterations=2),
     ],
 )
 def test_new_variants_accumulate_the_whole_batch_gradient(tiny, tmp_path, monkeypatch, options):
     # lr 0: the weights never change, so one micro-batch of 8 and two of 4 must give the same gradient; EOS
     # after 1, 2, 3, 1, 2, ... tokens, so that the micro-batches hold 7 and 8 tokens and the weights differ
-    real_generate = grpo_llm.generate
-
-    def uneven(policy, queries, query_mask):
-        responses = real_generate(policy, queries, query_mask).clone()
-        for i in range(len(responses)):
-            responses[i, min(i % 3, responses.shape[1] - 1)] = policy.config.eos_token_id
-        return responses
-
-    monkeypatch.setattr(grpo_llm, "generate", uneven)
+    ends_at(monkeypatch, [i % 3 for i in range(8)])
     grad_norms = []
     for micro_batch_size in [8, 4]:
         _, records = run(
@@ -524,7 +528,7 @@ def test_learning_raises_the_reward(tiny, tmp_path):
     assert last > first + 0.05, rewards
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_weights(tiny, tmp_path, monkeypatch):
+def test_non_finite_loss_stops_and_keeps_the_last_good_weights(tiny, tmp_path, monkeypatch, capsys):
     real_loss, calls = grpo_llm.grpo_loss, []
 
     def loss_turning_nan(*args, **kwargs):
@@ -533,26 +537,23 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_weights(tiny, tmp_path, m
         return (loss * float("nan") if len(calls) > 2 else loss), stats  # 2 micro-batches: update 2 turns NaN
 
     monkeypatch.setattr(grpo_llm, "grpo_loss", loss_turning_nan)
-    with pytest.raises(SystemExit, match="non-finite at update 2; the last good weights are in"):
+    with pytest.raises(SystemExit) as e:
         run(tiny, tmp_path, reward_model=tiny["rm"], dataset=tiny["jsonl"], learning_rate=1e-2)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "stopped in update 2 (the gradient norm is nan" in err and "Traceback" not in err
     (run_dir,) = os.listdir(tmp_path / "runs")
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / run_dir / "policy")
     assert all(torch.isfinite(p).all() for p in saved.parameters())
+    assert torch.load(tmp_path / "runs" / run_dir / "checkpoint.pt", weights_only=False)["update"] == 1
 
 
 def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
-    real_generate, calls = grpo_llm.generate, []
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_generate(*args, **kwargs)
-
-    monkeypatch.setattr(grpo_llm, "generate", interrupted)
-    run_dir, records = run(tiny, tmp_path, total_steps=5)
-    assert [r["update"] for r in records] == [1]
-    assert os.path.isfile(os.path.join(run_dir, "policy", "config.json"))
+    interrupt_generation(monkeypatch, 2)  # in update 2's generation
+    with pytest.raises(SystemExit):
+        run(tiny, tmp_path, total_steps=5)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert [r["update"] for r in untimed_metrics(run_dir)] == [1]
+    assert os.path.isfile(run_dir / "policy" / "config.json")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -561,27 +562,25 @@ def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(num_generations=1), "error: --num-generations must be at least 2: the group is the baseline (got 1)"),
-        (dict(num_generations=3), "error: --micro-batch-size must divide the completions per update, "
-         "--prompts-per-update x --num-generations (got 4 and 6)"),
-        (dict(micro_batch_size=3), "(got 3 and 8)"),
+        (dict(num_generations=1), "error: --num-generations must be 2 or more: the group is the baseline (got 1)"),
+        (dict(num_generations=3), "error: --micro-batch-size (4) must divide the completions per update (6 a process)"),
+        (dict(micro_batch_size=3), "--micro-batch-size (3) must divide the completions per update (8 a process)"),
         (dict(num_iterations=0), "error: --num-iterations must be at least 1 (got 0)"),
-        (dict(epsilon=0.2, epsilon_high=0.1), "error: --epsilon-high must be >= --epsilon (got 0.1 and 0.2)"),
-        (dict(epsilon_high=0.28, delta=1.2), "error: --delta must be > 1 + --epsilon-high = 1.28 (got 1.2)"),
+        (dict(epsilon=0.2, epsilon_high=0.1), "error: --epsilon-high must be >= --epsilon (got 0.1, 0.2)"),
+        (dict(epsilon_high=0.28, delta=1.2), "error: --delta must be > 1 + --epsilon-high = 1.28"),
         (dict(reward_fn=("arithmetic", "nope")), "error: --reward-fn nope: not one of ['arithmetic', 'format', "
-         "'gsm8k'], nor a path/to/file.py:function or module:function"),
-        (dict(reward_weights=(1.0, 2.0)), "error: --reward-weights needs one weight per reward (arithmetic), got 2"),
+         "'gsm8k'], nor a file.py:function or module:function that loads"),
+        (dict(reward_weights=(1.0, 2.0)), "error: --reward-weights needs one weight per reward (1), not 2"),
         (dict(temperature=0.0), "error: --temperature must be > 0"),
         (dict(top_entropy_quantile=0.0), "error: --top-entropy-quantile must be in (0, 1]"),
-        (dict(sapo_temperature_neg=0.0), "and the --sapo-temperature-* > 0"),
-        (dict(model="/no/such/dir"), "error: --model /no/such/dir is not a local directory, nor reachable on the hub"),
-        (dict(max_new_tokens=40), "error: --max-new-tokens 40 leaves no room for a prompt in the "
-         "model's context of 32"),
-        (dict(max_prompt_length=30), "error: --max-prompt-length 30 + --max-new-tokens 4 exceeds the "
-         "model's context of 32"),
-        (dict(dataset="/no/such.jsonl"), "error: --dataset /no/such.jsonl: no such file"),
+        (dict(sapo_temperature_neg=0.0), "error: the --sapo-temperature-* must be > 0"),
+        (dict(model="/no/such/dir"), "error: --model /no/such/dir is no directory, nor reachable on the hub"),
+        (dict(max_new_tokens=40), "error: --max-new-tokens 40 and a prompt (--max-prompt-length None) do not fit the "
+         "model's context of 32 tokens"),
+        (dict(max_prompt_length=30), "error: --max-new-tokens 4 and a prompt (--max-prompt-length 30) do not fit"),
+        (dict(dataset="/no/such.jsonl"), "error: --dataset /no/such.jsonl could not be loaded (FileNotFoundError"),
         (dict(dataset="JSONL", prompt_column="question"), "row 1 has no --prompt-column question (columns: prompt"),
-        (dict(reward_model="RM2"), "has num_labels=2; a reward model gives one score: pass --reward-label"),
+        (dict(reward_model="RM2"), "has num_labels=2: --reward-label (0 to 1) chooses the logit that is the score"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line(tiny, tmp_path, options, message):
@@ -596,5 +595,7 @@ def test_bad_input_is_one_line(tiny, tmp_path, options, message):
 def test_unreachable_hub_id_names_the_default(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(SystemExit, match="no-such-org/no-such-model is not a local directory.*assets/arith-sft"):
+    with pytest.raises(
+        SystemExit, match="no-such-org/no-such-model is no directory, nor reachable on the hub.*arith-sft"
+    ):
         run(tiny, tmp_path, model="no-such-org/no-such-model")

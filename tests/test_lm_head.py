@@ -1,5 +1,7 @@
-"""lm_head_logprobs' hand-written backward (ChunkedHead) against autograd through the full (B, T, V) logits in
+"""lm_head_logprobs (chunks under torch.utils.checkpoint) against autograd through the full (B, T, V) logits in
 float64: values, and gradients into the hidden states, the head weight and its bias, for a loss of both outputs."""
+
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -33,11 +35,13 @@ def inputs(bias=True, weight_grad=True, seed=0):
     return hidden, head, labels, coefs
 
 
-def values_and_grads(fn, hidden, head, coefs, use=(0, 1)):
+def values_and_grads(fn, hidden, head, coefs, use=(0, 1), context=nullcontext()):
+    """fn() under `context` (autocast), its backward outside it, as the scripts call backward."""
     hidden.grad = head.weight.grad = None
     if head.bias is not None:
         head.bias.grad = None
-    outs = fn()
+    with context:
+        outs = fn()
     sum(coefs[i] * outs[i] for i in use).sum().backward()
     grads = [hidden.grad, head.weight.grad, None if head.bias is None else head.bias.grad]
     return [x.detach().clone() for x in outs], [None if x is None else x.clone() for x in grads]
@@ -61,11 +65,13 @@ def expected(hidden, head, labels, coefs, temperature, scale, softcap, use=(0, 1
     return [x.float() for x in outs], [None if x is None else x.to(d) for x, d in zip(grads, dtypes)]
 
 
-def check(hidden, head, labels, coefs, temperature, scale, softcap, fp32=True, use=(0, 1), tol=1e-5):
+def check(
+    hidden, head, labels, coefs, temperature, scale, softcap, fp32=True, use=(0, 1), tol=1e-5, context=nullcontext()
+):
     def fn():
         return ppo_llm.lm_head_logprobs(hidden, head, labels, temperature, scale, softcap, True, fp32)
 
-    got, got_grads = values_and_grads(fn, hidden, head, coefs, use)
+    got, got_grads = values_and_grads(fn, hidden, head, coefs, use, context)
     want, want_grads = expected(hidden, head, labels, coefs, temperature, scale, softcap, use)
     for a, b in zip(got + got_grads, want + want_grads):
         if b is None:
@@ -94,9 +100,10 @@ def test_one_output_in_the_loss(monkeypatch, use):
 
 
 def test_bf16_weight(monkeypatch):
-    # the matmul in fp32 (fp32=True) or in bf16 (fp32=False, bf16 hidden states); gradients in the inputs' dtypes
+    # a frozen bf16 head, as a LoRA base keeps it (trained weights are fp32): the matmul in fp32 (fp32=True) or in bf16
+    # (fp32=False, bf16 hidden states); the hidden states' gradient in their dtype
     monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", 2 * V)
-    hidden, head, labels, coefs = inputs()
+    hidden, head, labels, coefs = inputs(weight_grad=False)
     head.to(torch.bfloat16)
     check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=True, tol=1e-4)
     bf16_hidden = hidden.detach().bfloat16().requires_grad_()  # a bf16 matmul: errors up to 0.034 seen (tol 0.05)
@@ -107,9 +114,9 @@ def test_autocast(monkeypatch):
     # fp32=True: the same numbers as without autocast; fp32=False: a bf16 matmul, the fp32 weight's gradient fp32
     monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", 2 * V)
     hidden, head, labels, coefs = inputs()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=True)
-        check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=False, tol=0.05)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=True, context=autocast)
+    check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=False, tol=0.05, context=autocast)
 
 
 def test_no_grad_is_the_same_forward(monkeypatch):

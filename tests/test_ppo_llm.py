@@ -3,11 +3,13 @@
 import json
 import math
 import os
-import types
+import re
+import signal
 
 import pytest
 import torch
-from conftest import char_tokenizer, ends_at, tiny_config, untimed_metrics
+import transformers
+from conftest import char_tokenizer, ends_at, interrupt_generation, tiny_config, untimed_metrics
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
@@ -179,21 +181,23 @@ def test_truncate_after_eos():
 
 
 def test_reward_functions():
-    assert ppo_llm.arithmetic_reward([" 522", "5220", "52"], ["522"] * 3) == [1.0, 0.0, 0.0]
+    assert ppo_llm.REWARD_FNS["arithmetic"]([" 522", "5220", "52"], ["522"] * 3) == [1.0, 0.0, 0.0]
     answer = "48 / 2 = 24 clips in May.\n#### 1234"
-    got = ppo_llm.gsm8k_reward(["So the total is 1,234.", "1234 or maybe 43", "no number"], [answer] * 3)
+    got = ppo_llm.REWARD_FNS["gsm8k"](["So the total is 1,234.", "1234 or maybe 43", "no number"], [answer] * 3)
     assert got == [1.0, 0.0, 0.0]
 
 
-def test_arithmetic_held_out_set_is_fixed_and_unseen():
-    held_out = ppo_llm.arithmetic_eval_set()
-    assert len(held_out) == ppo_llm.ARITH_EVAL_SIZE == len({p["prompt"] for p in held_out})
-    assert held_out == ppo_llm.arithmetic_eval_set()
-    stream = ppo_llm.arithmetic_train_problems(seed=0)
-    train = {next(stream)["prompt"] for _ in range(20000)}
-    assert not train & {p["prompt"] for p in held_out}
-    a, b = map(int, held_out[0]["prompt"][:-1].split("+"))
-    assert held_out[0]["answer"] == str(a + b)
+def test_embedded_task_files():
+    # the embedded task is two files of the general data path: 256 held-out problems, none of them in the training file
+    tokenizer = AutoTokenizer.from_pretrained("assets/arith-sft")
+    train = ppo_llm.load_prompts(ppo_llm.Args(), tokenizer, True)
+    test = ppo_llm.eval_rows(ppo_llm.Args(), tokenizer)  # test.jsonl beside train.jsonl, found without --eval-split
+    assert len(test) == 256 and not {r["prompt"] for r in test} & {r["prompt"] for r in train}
+    # 100 x 100 problems a+b with a, b in 0..99, less the 256 held out: 10,000 - 256 = 9,744
+    assert len(train) == 9744 and len({r["prompt"] for r in train}) == 9744
+    for row in train[:50] + test[:50]:
+        a, b = map(int, row["prompt"][:-1].split("+"))
+        assert row["answer"] == str(a + b) and 0 <= a <= 99 and 0 <= b <= 99
 
 
 def test_padded_prompt_sees_unpadded_positions(tiny):
@@ -234,7 +238,19 @@ def test_first_ratio_is_exactly_one(tiny, tmp_path):
 
 def test_run_logs_saves_and_loads_back(tiny, tmp_path, capsys):
     run_dir, metrics = run(tiny, tmp_path, eval_every=1, save_every=1, critic="separate")
-    assert set(metrics[0]) == {"update", "episode", "eval/accuracy", "eval/accuracy_stderr"}
+    assert (
+        {"update", "episode", "eval/accuracy", "eval/accuracy_stderr"}
+        <= set(metrics[0])
+        <= {
+            "update",
+            "episode",
+            "eval/accuracy",
+            "eval/accuracy_stderr",
+            "eval/mean_length_right",
+            "eval/mean_length_wrong",
+        }
+    )
+    assert "eval/mean_length_wrong" in metrics[0]  # the random tiny policy is wrong on most problems
     p = metrics[0]["eval/accuracy"]  # 256 held-out problems scored 0 or 1: standard error sqrt(p (1 - p) / 256)
     assert metrics[0]["eval/accuracy_stderr"] == pytest.approx((p * (1 - p) / 256) ** 0.5)
     assert "ETA 00:00:" in capsys.readouterr().out
@@ -253,32 +269,34 @@ def test_run_logs_saves_and_loads_back(tiny, tmp_path, capsys):
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "policy"))
     assert policy.config.vocab_size == GPT2LMHeadModel.from_pretrained(tiny["policy"]).config.vocab_size
     assert set(torch.load(os.path.join(run_dir, "policy", "critic", "value_head.pt"))) == {"weight", "bias"}
-    assert os.path.isfile(os.path.join(run_dir, "checkpoint.pt")) and not os.path.exists(
-        os.path.join(run_dir, "checkpoint.pt.tmp")
-    )
+    assert os.path.isfile(os.path.join(run_dir, "checkpoint.pt"))
+    assert not [name for name in os.listdir(run_dir) if name.endswith(".tmp")]
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         assert {"prompt", "completion", "score"} <= set(json.loads(f.readline()))
 
 
 @pytest.mark.parametrize("critic", ["head", "separate"])
 def test_value_model_reloads_in_the_documented_lines(tiny, tmp_path, critic):
-    # save() and the reload lines of its docstring give the values the script computes, the head's bias included.
+    # save() and the reload lines of docs/ppo_llm.md give the values the script computes, the head's bias included
     policy = ppo_llm.load_model(AutoModelForCausalLM, tiny["policy"], "--model")
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     trunk = ppo_llm.load_model(AutoModel, tiny["rm"], "--model") if critic == "separate" else None
     value_head = torch.nn.Linear(32, 1)
     torch.nn.init.constant_(value_head.bias, 0.5)  # HF's score layers have no bias to carry it
     ids = T([[20, 21, 22, 23, 24]])
+    r = dict(query_responses=ids, attention_mask=torch.ones_like(ids), responses=ids[:, 1:], prompt_width=1)
+    args = ppo_llm.Args()
     with torch.no_grad():
-        expected = ppo_llm.values_of(value_head, ppo_llm.hidden_states(trunk or policy, ids, torch.ones_like(ids), 1))
-    path = ppo_llm.save(str(tmp_path / "policy"), policy, tokenizer, value_head, trunk)
+        _, _, expected = ppo_llm.training_forward(policy, trunk, value_head, r, torch.arange(1), args, False)
+    path = str(tmp_path / "policy")
+    ppo_llm.save(path, dict(policy=policy, critic=trunk, value_head=value_head), tokenizer)
     critic_dir = os.path.join(path, "critic") if critic == "separate" else path
-    critic_model = AutoModel.from_pretrained(critic_dir)
-    reloaded_head = torch.nn.Linear(critic_model.config.hidden_size, 1)
-    reloaded_head.load_state_dict(torch.load(os.path.join(critic_dir, "value_head.pt")))
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "ppo_llm.md")) as f:
+        recipe = re.search(r"```python\n(# reload the value model\n.*?)```", f.read(), re.S).group(1)
+    names = dict(critic_dir=critic_dir, input_ids=ids, AutoModel=AutoModel, torch=torch, os=os)
     with torch.no_grad():
-        values = reloaded_head(critic_model(ids).last_hidden_state).squeeze(-1)
-    torch.testing.assert_close(values[:, :-1], expected)  # hidden_states(..., 1): the states at positions 0 .. T-2
+        exec(recipe, names)  # the lines as a reader copies them
+    torch.testing.assert_close(names["values"][:, :-1], expected)  # the states at positions 0 .. T-2 predict 1 .. T-1
     assert AutoTokenizer.from_pretrained(critic_dir).get_vocab() == tokenizer.get_vocab()
 
 
@@ -294,30 +312,27 @@ def test_resume_logs_what_one_run_logs(tiny, tmp_path):
     assert json.load(open(os.path.join(run_dir, "args.json")))["total_steps"] == 4
 
 
-def test_a_stop_inside_an_update_resumes_by_redoing_it(tiny, tmp_path, monkeypatch):
-    # Ctrl-C in update 2's generation: the checkpoint holds the state after update 1 (its prompts and RNG), so the
-    # resume runs update 2 again, and as the weights had not moved yet, it logs what one run logs.
+def test_a_stop_inside_an_update_resumes_by_redoing_it(tiny, tmp_path, monkeypatch, capsys):
+    # Ctrl-C in update 2's generation: the checkpoint holds the state after update 1, so the resume runs update 2
+    # again; as the weights had not moved yet and each update seeds its own random numbers, it logs what one run logs
     whole, _ = run(tiny, tmp_path / "whole", total_steps=3)
-    real_generate, calls = ppo_llm.generate, []
-
-    def interrupted(*a):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_generate(*a)
-
-    monkeypatch.setattr(ppo_llm, "generate", interrupted)
-    run_dir, first = run(tiny, tmp_path / "split", total_steps=3)
-    monkeypatch.setattr(ppo_llm, "generate", real_generate)
-    assert [m["update"] for m in first] == [1] and ppo_llm.load_checkpoint(run_dir)["update"] == 1
-    ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir]))
+    interrupt_generation(monkeypatch, 2)
+    with pytest.raises(SystemExit) as stop:
+        run(tiny, tmp_path / "split", total_steps=3)
+    monkeypatch.undo()
+    (run_dir,) = (tmp_path / "split").iterdir()
+    assert stop.value.code == 1 and [m["update"] for m in untimed_metrics(run_dir)] == [1]
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["update"] == 1
+    assert f"python ppo_llm.py --resume {run_dir} goes on" in capsys.readouterr().err
+    ppo_llm.main(ppo_llm.parse_args(["--resume", str(run_dir)]))
     assert untimed_metrics(run_dir) == untimed_metrics(whole)
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
-    logger, model = types.SimpleNamespace(run_dir=str(tmp_path), wandb=None), torch.nn.Linear(2, 1)
+    model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(model.parameters())
-    ppo_llm.save_checkpoint(logger, {"policy": model}, optimizer, {"update": 1})
+    monkeypatch.setattr(ppo_llm, "save", lambda *args: None)  # checkpoint.pt alone
+    ppo_llm.save_checkpoint(str(tmp_path), {"policy": model}, optimizer, {"update": 1}, None)
     real_save = torch.save
 
     def crash(obj, f):
@@ -327,26 +342,29 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
 
     monkeypatch.setattr(ppo_llm.torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        ppo_llm.save_checkpoint(logger, {"policy": model}, optimizer, {"update": 2})
-    checkpoint = ppo_llm.load_checkpoint(str(tmp_path))
+        ppo_llm.save_checkpoint(str(tmp_path), {"policy": model}, optimizer, {"update": 2}, None)
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert checkpoint["update"] == 1 and torch.equal(checkpoint["weights"]["policy"]["weight"], model.weight)
 
 
 def test_prompt_stream_shards_and_resumes():
-    # rank 1 of 2 draws rows 1, 3, 5, ...; having drawn 3 of them (1, 3, 5), a resumed stream goes on at 7, then 9
-    stream = ppo_llm.PromptStream(iter(range(100)), 1, 2, 3)
-    assert [next(stream), next(stream)] == [7, 9] and stream.cursor == 5
-    fresh = ppo_llm.PromptStream(iter(range(100)), 0, 1, 0)
-    assert [next(fresh) for _ in range(3)] == [0, 1, 2] and fresh.cursor == 3
+    # one process draws the seeded stream s0, s1, s2, ...; two ranks draw s0, s2, s4 ... and s1, s3, s5 ...; a stream
+    # resumed after 6 prompts goes on at s6 (the rows reshuffle every pass: 10 rows, 3 passes drawn here)
+    rows = list(range(10))
+    one = list(ppo_llm.itertools.islice(ppo_llm.prompt_stream(rows, 3, 0, 0, 1), 30))
+    assert sorted(one[:10]) == sorted(one[10:20]) == rows and one[:10] != one[10:20]
+    two = [list(ppo_llm.itertools.islice(ppo_llm.prompt_stream(rows, 3, 0, rank, 2), 15)) for rank in (0, 1)]
+    assert two[0] == one[0::2] and two[1] == one[1::2]
+    assert list(ppo_llm.itertools.islice(ppo_llm.prompt_stream(rows, 3, 6, 0, 1), 24)) == one[6:]
 
 
 def test_pad_token_never_ends_a_response():
     # Qwen2.5-Instruct's pad <|endoftext|> is one of its EOS ids: a reward model would read a padded end as padding
     tokenizer = char_tokenizer("ab")  # <pad> 0, <eos> 1
-    ppo_llm.add_pad_token(tokenizer, [1, 0])
+    ppo_llm.fit_tokenizer(tokenizer, [], [1, 0])
     assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == 5
     tokenizer = char_tokenizer("ab")
-    ppo_llm.add_pad_token(tokenizer, [1])
+    ppo_llm.fit_tokenizer(tokenizer, [], [1])
     assert tokenizer.pad_token_id == 0  # a pad that ends nothing stays
 
 
@@ -362,12 +380,25 @@ def test_evaluation_prompts_are_fixed_and_cut_as_in_training(tiny, tmp_path):
     assert [("eval/accuracy" in x) for x in m] == [True, True, True]
 
 
-def test_resume_needs_a_run_with_a_checkpoint(tmp_path):
-    (tmp_path / "args.json").write_text("{}")  # a run killed before its first save
-    for run_dir in ["/no/such/run", str(tmp_path)]:
+def test_resume_needs_a_readable_run(tiny, tmp_path):
+    # no args.json, a truncated one, no checkpoint.pt (killed before its first save), a truncated one: one line each
+    with pytest.raises(SystemExit, match=r"^error: --resume /no/such/run: args.json unreadable \(FileNotFoundError"):
+        ppo_llm.parse_args(["--resume", "/no/such/run"])
+    (tmp_path / "args.json").write_text('{"seed": 1, "mod')
+    with pytest.raises(SystemExit, match=r"^error: --resume .*: args.json unreadable \(JSONDecodeError"):
+        ppo_llm.parse_args(["--resume", str(tmp_path)])
+    run_dir, _ = run(tiny, tmp_path / "runs", total_steps=1)
+    (tmp_path / "runs" / "no_checkpoint").mkdir()
+    (tmp_path / "runs" / "no_checkpoint" / "args.json").write_text(open(os.path.join(run_dir, "args.json")).read())
+    checkpoint = os.path.join(run_dir, "checkpoint.pt")
+    with open(checkpoint, "r+b") as f:
+        f.truncate(os.path.getsize(checkpoint) // 2)  # a disk that filled up, a copy cut short
+    for bad in [str(tmp_path / "runs" / "no_checkpoint"), run_dir]:
         with pytest.raises(SystemExit) as e:
-            ppo_llm.parse_args(["--resume", run_dir])
-        assert str(e.value) == f"error: --resume {run_dir}: no args.json and checkpoint.pt there (a run writes them)"
+            ppo_llm.main(ppo_llm.parse_args(["--resume", bad]))
+        assert str(e.value).startswith(f"error: --resume {bad}: checkpoint.pt unreadable (") and "\n" not in str(
+            e.value
+        )
 
 
 def test_options_all_run(tiny, tmp_path):
@@ -387,7 +418,7 @@ def test_options_all_run(tiny, tmp_path):
 
 def test_score_goes_on_the_last_real_token(tiny, tmp_path, monkeypatch):
     # detail 3: response i (EOS at i % 3) gets score i + 1 at its last real token, and beta 0 leaves no other reward
-    monkeypatch.setattr(ppo_llm, "generate", ends_at(ppo_llm.generate, [i % 3 for i in range(8)]))
+    ends_at(monkeypatch, [i % 3 for i in range(8)])
     monkeypatch.setitem(ppo_llm.REWARD_FNS, "gsm8k", lambda completions, answers: [i + 1.0 for i in range(8)])
     seen, real_gae = [], ppo_llm.compute_gae
     monkeypatch.setattr(ppo_llm, "compute_gae", lambda r, v, m, *a: seen.append((r, m)) or real_gae(r, v, m, *a))
@@ -401,7 +432,7 @@ def test_score_goes_on_the_last_real_token(tiny, tmp_path, monkeypatch):
 
 def test_missing_eos_penalty_early_stop_and_whitened_advantages(tiny, tmp_path, monkeypatch):
     # the even responses end (EOS first), the odd ones never do: reward 0 - 1 = -1 for 4 of 8, mean score -0.5
-    monkeypatch.setattr(ppo_llm, "generate", ends_at(ppo_llm.generate, [0, None] * 4))
+    ends_at(monkeypatch, [0, None] * 4)
     monkeypatch.setitem(ppo_llm.REWARD_FNS, "gsm8k", lambda completions, answers: [0.0] * len(completions))
     seen, real = [], ppo_llm.accumulate_gradients
     monkeypatch.setattr(ppo_llm, "accumulate_gradients", lambda *a: seen.append(a[3]) or real(*a))
@@ -473,9 +504,8 @@ def test_eval_only_prints_accuracy_and_its_stderr_and_writes_nothing(tmp_path, c
     p, stderr = result["eval/accuracy"], result["eval/accuracy_stderr"]
     # the SFT model's sampled accuracy, 56.6% over its build's evaluation (assets/README), within 3 standard errors
     assert p == pytest.approx(0.566, abs=3 * 0.031) and stderr == pytest.approx((p * (1 - p) / 256) ** 0.5)
-    assert (
-        f"held-out accuracy {p:.3f} ± {stderr:.3f} (n=256; two evaluations differing by up to"
-        in capsys.readouterr().out
+    assert f"held-out accuracy {p:.3f} ± {stderr:.3f} (n=256; two evaluations of one policy differ by <" in (
+        capsys.readouterr().out
     )
     assert not os.path.exists(tmp_path / "runs")
 
@@ -500,13 +530,29 @@ def test_tokenizer_without_pad_gets_its_own(tmp_path):
     assert saved.pad_token == "[PAD]" and saved.pad_token_id != saved.eos_token_id
 
 
-def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
-    def interrupt(*args, **kwargs):
-        raise KeyboardInterrupt
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_after_saving_and_resume_goes_on(tiny, tmp_path, monkeypatch, capsys, signum):
+    # Ctrl-C or SIGTERM (a preemption) in update 2's generation: the run stops at the next check, saves the state after
+    # update 1, exits with 128 + the signal, and --resume logs what a run that never stopped logs
+    whole, _ = run(tiny, tmp_path / "whole", total_steps=3)
+    real, calls = transformers.GenerationMixin.generate, []
 
-    monkeypatch.setattr(ppo_llm, "compute_gae", interrupt)
-    run_dir, _ = run(tiny, tmp_path)
-    assert os.path.isfile(os.path.join(run_dir, "policy", "model.safetensors"))
+    def signalled(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signum)  # delivered to the script's handler, in the middle of generation
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", signalled)
+    with pytest.raises(SystemExit) as stop:
+        run(tiny, tmp_path / "split", total_steps=3)
+    monkeypatch.undo()
+    (run_dir,) = (tmp_path / "split").iterdir()
+    assert stop.value.code == 128 + signum and "Traceback" not in capsys.readouterr().err
+    assert os.path.isfile(run_dir / "policy" / "model.safetensors")
+    ppo_llm.main(ppo_llm.parse_args(["--resume", str(run_dir)]))
+    assert untimed_metrics(run_dir) == untimed_metrics(whole)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # main() gives the handlers back
 
 
 def test_nan_loss_stops_with_last_good_weights(tiny, tmp_path, monkeypatch, capsys):
@@ -517,8 +563,11 @@ def test_nan_loss_stops_with_last_good_weights(tiny, tmp_path, monkeypatch, caps
         return (loss * float("nan"), *extras)
 
     monkeypatch.setattr(ppo_llm, "policy_loss", nan_loss)
-    with pytest.raises(SystemExit, match="non-finite at update 1"):
+    with pytest.raises(SystemExit) as e:
         run(tiny, tmp_path)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "stopped in update 1 (the gradient norm is nan: try a lower --learning-rate)" in err
+    assert "Traceback" not in err  # a non-finite loss is no bug of the user's: one line
     (saved,) = tmp_path.glob("*/policy")
     reloaded = AutoModelForCausalLM.from_pretrained(saved)
     original = AutoModelForCausalLM.from_pretrained(tiny["policy"])
@@ -539,18 +588,20 @@ def test_reward_rises(tiny, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(model="/no/such/dir"), "--model /no/such/dir is not a local directory"),
-        (dict(model="no-such-org/no-such-model"), "HF_HUB_OFFLINE=1 skips the network; the embedded default"),
+        (dict(model="/no/such/dir"), "--model /no/such/dir is no directory, nor reachable on the hub"),
+        (
+            dict(model="no-such-org/no-such-model"),
+            "a hub id needs the network (with HF_HUB_OFFLINE=1, the cache alone)",
+        ),
         (dict(num_mini_batches=3), "--num-mini-batches must divide --prompts-per-update"),
-        (dict(micro_batch_size=3), "and --micro-batch-size the minibatch (got 8, 2 and 3)"),
-        (dict(max_new_tokens=32), "--max-new-tokens 32 leaves no room"),
-        (dict(max_prompt_length=30), "exceeds the model's context of 32"),
+        (dict(micro_batch_size=3), "and --micro-batch-size (3) the minibatch"),
+        (dict(max_new_tokens=32), "--max-new-tokens 32 and a prompt (--max-prompt-length None) do not fit"),
+        (dict(max_prompt_length=30), "(--max-prompt-length 30) do not fit the model's context of 32 tokens"),
         (dict(temperature=0.0), "--temperature must be > 0"),
-        (dict(top_p=0.9), "--top-k 0 / --top-p 0.9 would sample from a truncated distribution"),
-        (dict(dataset="/no/such.jsonl"), "--dataset /no/such.jsonl: no such file"),
+        (dict(dataset="/no/such.jsonl"), "--dataset /no/such.jsonl could not be loaded (FileNotFoundError"),
         (dict(prompts_per_update=1, score_norm="on", num_mini_batches=1, micro_batch_size=1), "needs --prompts-per"),
-        (dict(kl_target=1.0, kl_coef=0.0), "--kl-target scales --kl-coef up or down by a factor: start it above 0"),
-        (dict(eval_split="test", eval_every=1), "--eval-split test goes with --dataset: the arithmetic task has its"),
+        (dict(kl_target=1.0, kl_coef=0.0), "--kl-target scales --kl-coef up or down: start it above 0"),
+        (dict(eval_split="test", eval_every=1), "--dataset assets/arith/train.jsonl is a file, with no split test"),
     ],
 )
 def test_bad_input_one_line(tiny, tmp_path, monkeypatch, kwargs, message):
@@ -561,5 +612,5 @@ def test_bad_input_one_line(tiny, tmp_path, monkeypatch, kwargs, message):
 
 
 def test_bad_reward_model_labels(tiny, tmp_path):
-    with pytest.raises(SystemExit, match="num_labels=2; a reward model gives one score"):
+    with pytest.raises(SystemExit, match="has num_labels=2: --reward-label \\(0 to 1\\) chooses the logit that is the"):
         run(tiny, tmp_path, reward_model=tiny["rm_two_labels"])
