@@ -53,6 +53,7 @@ import importlib.util
 import json
 import os
 import random
+import signal
 import time
 from dataclasses import asdict, dataclass
 
@@ -62,6 +63,7 @@ import torch
 import torch.nn as nn
 import tyro
 from torch.distributions import Categorical, Normal
+from torch.utils.tensorboard import SummaryWriter
 
 
 @dataclass
@@ -282,8 +284,6 @@ def log(metrics, step, metrics_file, wandb_run):
     metrics_file.write(json.dumps({"global_step": step, **metrics}) + "\n")
     run_dir = os.path.abspath(os.path.dirname(metrics_file.name))
     if run_dir not in TENSORBOARD:
-        from torch.utils.tensorboard import SummaryWriter  # imported here: log() is its only user
-
         TENSORBOARD[run_dir] = SummaryWriter(run_dir)
     for key, value in metrics.items():
         TENSORBOARD[run_dir].add_scalar(key, value, step)
@@ -294,7 +294,10 @@ def log(metrics, step, metrics_file, wandb_run):
 
 def evaluate(checkpoint_path, eval_episodes, seed, device):
     """Runs the saved agent for eval_episodes episodes with greedy actions; returns the episode returns."""
-    checkpoint = torch.load(checkpoint_path, map_location=device)
+    try:
+        checkpoint = torch.load(checkpoint_path, map_location=device)
+    except Exception as e:  # no such file, a truncated one, or no agent
+        raise SystemExit(f"error: --eval-checkpoint {checkpoint_path} cannot be read ({type(e).__name__})") from None
     env = gym.wrappers.FlattenObservation(gym.make(checkpoint["env_id"]))
     if isinstance(env.action_space, gym.spaces.Box):
         env = gym.wrappers.ClipAction(env)
@@ -322,8 +325,6 @@ def main():
     torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     if args.eval_checkpoint is not None:
-        if not os.path.isfile(args.eval_checkpoint):
-            raise SystemExit(f"error: --eval-checkpoint {args.eval_checkpoint} is not a file")
         returns = evaluate(args.eval_checkpoint, args.eval_episodes, args.seed + 10_000, device)
         print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
         return
@@ -351,7 +352,7 @@ def main():
     os.makedirs(run_dir, exist_ok=True)
     with open(f"{run_dir}/args.json", "w") as f:
         json.dump(asdict(args) | {"device": str(device)}, f, indent=1)
-    metrics_file = open(f"{run_dir}/metrics.jsonl", "w")
+    metrics_file = open(f"{run_dir}/metrics.jsonl", "w", buffering=1)  # line-buffered: each line on disk at once
     print(f"run directory: {run_dir}")
     wandb_run = None
     if args.track:
@@ -404,12 +405,12 @@ def main():
     start_time = time.time()
     next_obs, _ = envs.reset(seed=args.seed)
     next_obs = agent.normalize(torch.as_tensor(next_obs, dtype=torch.float32, device=device), update=True)
-    interrupted = False
+    stopped = None  # Ctrl-C, SIGTERM (a preemption stops as Ctrl-C does) or an error: saves what there is first
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         for iteration in range(1, num_iterations + 1):
             if args.anneal_lr:
-                frac = 1.0 - (iteration - 1.0) / num_iterations
-                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
 
             episode_returns = []
             for step in range(T):
@@ -528,7 +529,6 @@ def main():
                 "losses/explained_variance": float(explained_var),
             }
             log(metrics, global_step, metrics_file, wandb_run)
-            metrics_file.flush()
             ret = f"{np.mean(episode_returns):.1f}" if episode_returns else "-"
             eta = (num_iterations - iteration) * batch_size / max(sps, 1)  # seconds left at this pace
             print(
@@ -536,16 +536,16 @@ def main():
                 f"value_loss={vl:.3f} policy_loss={pg:.4f} entropy={ent:.3f} approx_kl={kl:.4f} SPS={sps} "
                 f"ETA={time.strftime('%H:%M:%S', time.gmtime(eta))}"
             )
-    except KeyboardInterrupt:
-        interrupted = True
-        print(f"interrupted at global_step={global_step}; saving what we have")
+    except BaseException as e:
+        stopped = e
+        print(f"stopped at global_step={global_step} ({type(e).__name__}); saving what we have")
 
     envs.close()
     if args.save_model:
         model_path = f"{run_dir}/{args.exp_name}.cleanrl_model"
         torch.save({"env_id": args.env_id, "norm_obs": args.norm_obs, "state_dict": agent.state_dict()}, model_path)
         print(f"model saved to {model_path}")
-        if not interrupted:
+        if stopped is None:
             returns = evaluate(model_path, args.eval_episodes, args.seed + 10_000, device)
             for r in returns:
                 log({"eval/episodic_return": r}, global_step, metrics_file, wandb_run)
@@ -553,8 +553,8 @@ def main():
     metrics_file.close()
     if wandb_run is not None:
         wandb_run.finish()
-    if interrupted:
-        raise SystemExit(130)
+    if stopped is not None:  # an error's own traceback, after the save
+        raise SystemExit(130) if isinstance(stopped, KeyboardInterrupt) else stopped
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ class Args:
     save_every: int = 20  # write checkpoint.pt and policy/ every N updates (0: only at the end and when stopped)
     resume: str | None = None  # go on with the run in this directory from its checkpoint.pt; flags given win
     # ---- models and data
-    model: str = "assets/arith-sft"  # policy and reference: a directory or a hub id (default: the embedded SFT model)
+    model: str = "assets/arith-sft"  # policy and reference: a directory (as the embedded SFT model) or a hub id
     reward_model: str | None = None  # a sequence-classification reward model; without one, --reward-fn scores
     reward_label: int | None = None  # the reward model's logit that is the score, if it has several
     reward_fn: str = "arithmetic"  # arithmetic (exact), gsm8k ('#### N'), format, path/to/file.py:fn, or module:fn
@@ -517,8 +517,8 @@ def add_lora(model, args):
         model = peft.get_peft_model(model, config)
     except ValueError as e:  # no module matches
         names = {n.rpartition(".")[2] for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
-        raise SystemExit(f"error: --lora-target-modules {' '.join(targets)}: {str(e).splitlines()[0][:80]} (the "
-                         f"model's linear layers: {' '.join(sorted(names))})") from None  # fmt: skip
+        raise SystemExit(f"error: --lora-target-modules {' '.join(targets)}: {str(e).split('. ')[0]} (the model's "
+                         f"linear layers: {' '.join(sorted(names - {'lm_head'}))})") from None  # fmt: skip
     if hasattr(model.get_output_embeddings(), "lora_A"):
         raise SystemExit("error: --lora-target-modules: not the LM head, whose adapters would never train (detail 7)")
     return model
@@ -975,7 +975,7 @@ def main(args: Args | None = None):
                                        "score": scores[j].item()} for j in shown])  # fmt: skip
                 if args.save_every and update % args.save_every == 0:
                     save_checkpoint(run_dir, models, optimizer, state, tokenizer)
-    except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss or an error: nothing is lost
+    except (KeyboardInterrupt, Exception) as e:  # Ctrl-C, SIGTERM, a non-finite loss, an error: nothing lost
         stopped(e, update, state, run_dir, rank, lambda: save_checkpoint(run_dir, models, optimizer, state, tokenizer))
     finally:
         for s, handler in handlers.items():

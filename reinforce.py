@@ -47,6 +47,7 @@ import importlib.util
 import json
 import os
 import random
+import signal
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -57,6 +58,7 @@ import torch
 import torch.nn as nn
 import tyro
 from torch.distributions import Categorical, Normal
+from torch.utils.tensorboard import SummaryWriter
 
 
 @dataclass
@@ -262,8 +264,6 @@ def log(metrics, step, metrics_file, wandb_run):
     metrics_file.write(json.dumps({"global_step": step, **metrics}) + "\n")
     run_dir = os.path.abspath(os.path.dirname(metrics_file.name))
     if run_dir not in TENSORBOARD:
-        from torch.utils.tensorboard import SummaryWriter  # imported here: log() is its only user
-
         TENSORBOARD[run_dir] = SummaryWriter(run_dir)
     for key, value in metrics.items():
         TENSORBOARD[run_dir].add_scalar(key, value, step)
@@ -274,7 +274,10 @@ def log(metrics, step, metrics_file, wandb_run):
 
 def evaluate(checkpoint_path, eval_episodes, seed, device):
     """Runs the saved agent for eval_episodes episodes with greedy actions; returns the episode returns."""
-    checkpoint = torch.load(checkpoint_path, map_location=device)
+    try:
+        checkpoint = torch.load(checkpoint_path, map_location=device)
+    except Exception as e:  # no such file, a truncated one, or no agent
+        raise SystemExit(f"error: --eval-checkpoint {checkpoint_path} cannot be read ({type(e).__name__})") from None
     env = gym.wrappers.FlattenObservation(gym.make(checkpoint["env_id"]))
     if isinstance(env.action_space, gym.spaces.Box):
         env = gym.wrappers.ClipAction(env)
@@ -332,8 +335,6 @@ def main():
     torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     if args.eval_checkpoint is not None:
-        if not os.path.isfile(args.eval_checkpoint):
-            raise SystemExit(f"error: --eval-checkpoint {args.eval_checkpoint} is not a file")
         returns = evaluate(args.eval_checkpoint, args.eval_episodes, args.seed + 10_000, device)
         print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
         return
@@ -346,7 +347,7 @@ def main():
     os.makedirs(run_dir, exist_ok=True)
     with open(f"{run_dir}/args.json", "w") as f:
         json.dump(asdict(args) | {"device": str(device)}, f, indent=1)
-    metrics_file = open(f"{run_dir}/metrics.jsonl", "w")
+    metrics_file = open(f"{run_dir}/metrics.jsonl", "w", buffering=1)  # line-buffered: each line on disk at once
     print(f"run directory: {run_dir}")
     wandb_run = None
     if args.track:
@@ -386,7 +387,8 @@ def main():
     global_step, iteration = 0, 0
     start_time = time.time()
     envs.reset(seed=args.seed)
-    interrupted = False
+    stopped = None  # Ctrl-C, SIGTERM (a preemption stops as Ctrl-C does) or an error: saves what there is first
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         while global_step < args.total_timesteps:
             iteration += 1
@@ -436,31 +438,24 @@ def main():
 
             # TRY NOT TO MODIFY: record losses and speed
             sps = int(global_step / (time.time() - start_time))
-            metrics.update(
-                {
-                    "charts/SPS": sps,
-                    "losses/policy_loss": pg_loss.item(),
-                    "losses/entropy": entropy_loss.item(),
-                }
-            )
+            metrics |= {"charts/SPS": sps, "losses/policy_loss": pg_loss.item(), "losses/entropy": entropy_loss.item()}
             log(metrics, global_step, metrics_file, wandb_run)
-            metrics_file.flush()
             eta = max(args.total_timesteps - global_step, 0) / max(sps, 1)  # seconds left at this pace
             print(
                 f"iter={iteration} global_step={global_step} episodic_return={np.mean(episodic_returns):.1f} "
                 f"policy_loss={pg_loss.item():.4f} entropy={entropy_loss.item():.3f} SPS={sps} "
                 f"ETA={time.strftime('%H:%M:%S', time.gmtime(eta))}"
             )
-    except KeyboardInterrupt:
-        interrupted = True
-        print(f"interrupted at global_step={global_step}; saving what we have")
+    except BaseException as e:
+        stopped = e
+        print(f"stopped at global_step={global_step} ({type(e).__name__}); saving what we have")
 
     envs.close()
     if args.save_model:
         model_path = f"{run_dir}/{args.exp_name}.cleanrl_model"
         torch.save({"env_id": args.env_id, "baseline": baseline, "state_dict": agent.state_dict()}, model_path)
         print(f"model saved to {model_path}")
-        if not interrupted:
+        if stopped is None:
             returns = evaluate(model_path, args.eval_episodes, args.seed + 10_000, device)
             for r in returns:
                 log({"eval/episodic_return": r}, global_step, metrics_file, wandb_run)
@@ -468,8 +463,8 @@ def main():
     metrics_file.close()
     if wandb_run is not None:
         wandb_run.finish()
-    if interrupted:
-        raise SystemExit(130)
+    if stopped is not None:  # an error's own traceback, after the save
+        raise SystemExit(130) if isinstance(stopped, KeyboardInterrupt) else stopped
 
 
 if __name__ == "__main__":

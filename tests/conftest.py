@@ -61,7 +61,7 @@ def untimed_metrics(run_dir):
 
 
 def ends_at(monkeypatch, positions):
-    """Every generate() afterwards: response i ends in EOS at positions[i] (None: no EOS at all), other EOS made text."""
+    """Every generate() afterwards: response i ends in EOS at positions[i] (None: no EOS), other EOS made text."""
     real = transformers.GenerationMixin.generate
 
     def patched(self, input_ids=None, **kwargs):
@@ -77,7 +77,7 @@ def ends_at(monkeypatch, positions):
 
 
 def interrupt_generation(monkeypatch, call, error=KeyboardInterrupt):
-    """generate() raises `error` at its `call`-th call (counting from 1), as a Ctrl-C or a crash at that moment would."""
+    """generate() raises `error` at its `call`-th call (from 1), as a Ctrl-C or a crash at that moment would."""
     real, calls = transformers.GenerationMixin.generate, []
 
     def patched(self, *args, **kwargs):

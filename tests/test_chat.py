@@ -1,14 +1,19 @@
 """Both LLM scripts: conversational prompts through the chat template, reward functions from a file, the GSM8K and
 format rewards, reward models with their own tokenizer, prompt files of every format, and their one-line errors."""
 
+import glob
+import inspect
 import json
 import math
 import os
 import re
-from dataclasses import asdict
+import socket
+from dataclasses import asdict, fields
 
+import huggingface_hub
 import pytest
 import torch
+import transformers
 from conftest import tiny_config
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, GPT2LMHeadModel, PreTrainedTokenizerFast
@@ -104,25 +109,40 @@ def test_final_answer(text, number, strict):
 def test_gsm8k_and_format_rewards():
     gold = "Natalia sold 48/2 = 24 clips in May.\n#### 1234"
     completions = ["So the total is 1,234.", "1234 or maybe 43", "The answer is 1234.0", "\\boxed{1233}", "none"]
-    assert ppo_llm.gsm8k_reward(completions, [gold] * 5) == [1.0, 0.0, 1.0, 0.0, 0.0]
-    assert ppo_llm.format_reward(completions, [gold] * 5) == [0.0, 0.0, 1.0, 1.0, 0.0]
-    assert ppo_llm.gsm8k_reward(["it is 2"], ["2"]) == [1.0]  # a bare reference answer (a CSV column, say)
+    gsm8k, format_reward = ppo_llm.REWARD_FNS["gsm8k"], ppo_llm.REWARD_FNS["format"]
+    assert gsm8k(completions, [gold] * 5) == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert format_reward(completions, [gold] * 5) == [0.0, 0.0, 1.0, 1.0, 0.0]
+    assert gsm8k(["it is 2"], ["2"]) == [1.0]  # a bare reference answer (a CSV column, say)
+    # --reward-fn NAME reads each row's answer
+    rows = [{"answer": gold}, {"answer": "2"}]
+    assert ppo_llm.load_reward_fn("gsm8k")(["#### 1,234", "2.0"], rows) == [1.0, 1.0]
 
 
 # ---- the chat template -----------------------------------------------------------------------------------------
 
 
-def test_render_prompt_and_tokenize_texts(chat):
+def test_load_prompts_renders_the_template_and_tokenize_texts(chat, tmp_path):
     tok = AutoTokenizer.from_pretrained(chat["policy"], padding_side="left", truncation_side="left")
     messages = [{"role": "user", "content": "2+3="}]
-    text, rendered = ppo_llm.render_prompt(tok, messages, False, "Add.", "row 1")
-    assert text == "<s><|system|>Add.<|end|><|user|>2+3=<|end|><|assistant|>"
-    assert rendered == [{"role": "system", "content": "Add."}] + messages
+    (tmp_path / "conv.jsonl").write_text(json.dumps({"prompt": messages, "answer": 5}) + "\n")
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"prompt": "2+3=", "answer": "5"}) + "\n")
+    conv, plain = str(tmp_path / "conv.jsonl"), str(tmp_path / "plain.jsonl")
+
+    def row(dataset, **kwargs):
+        (only,) = ppo_llm.load_prompts(ppo_llm.Args(model=chat["policy"], dataset=dataset, **kwargs), tok, True)
+        return only
+
+    got = row(conv, system_prompt="Add.")
+    text = "<s><|system|>Add.<|end|><|user|>2+3=<|end|><|assistant|>"
+    assert got["prompt"] == text and got["answer"] == "5"  # the answer as text
+    assert got["messages"] == [{"role": "system", "content": "Add."}] + messages
+    assert got["columns"] == {"prompts": messages, "answer": "5"}  # what a reward function from a file receives
     ids = ppo_llm.tokenize_texts(tok, [text], None).input_ids[0].tolist()
-    assert ids == tok.apply_chat_template(rendered, add_generation_prompt=True)["input_ids"] and ids.count(3) == 1
+    assert ids == tok.apply_chat_template(got["messages"], add_generation_prompt=True)["input_ids"]
+    assert ids.count(3) == 1  # one BOS (id 3): the template's, none added on top
     assert tok("2+3=").input_ids[0] == 3  # a plain string keeps the BOS its tokenizer adds
-    assert ppo_llm.render_prompt(tok, "2+3=", False, None, "row 1") == ("2+3=", None)
-    assert ppo_llm.render_prompt(tok, "2+3=", True, None, "row 1")[0] == "<s><|user|>2+3=<|end|><|assistant|>"
+    assert (row(plain)["prompt"], row(plain)["messages"]) == ("2+3=", None)
+    assert row(plain, chat_template=True)["prompt"] == "<s><|user|>2+3=<|end|><|assistant|>"
     assert ppo_llm.tokenize_texts(tok, ["2+3="], None).input_ids[0].tolist() == tok("2+3=").input_ids
     # too long: the start goes, the assistant header stays (as in TRL)
     cut = ppo_llm.tokenize_texts(tok, [text], 5).input_ids[0].tolist()
@@ -130,39 +150,56 @@ def test_render_prompt_and_tokenize_texts(chat):
 
 
 def test_end_of_turn_token_ends_a_response(chat):
-    tok = chat["tokenizer"]
-    end = tok.convert_tokens_to_ids("<|end|>")
-    assert ppo_llm.end_of_turn_id(tok) == end
-    assert ppo_llm.eos_token_ids(tok, ppo_llm.GenerationConfig(eos_token_id=1)) == [1, end]
-    assert ppo_llm.end_of_turn_id(AutoTokenizer.from_pretrained(chat["rm_other"])) is None  # no template
+    # ids: <pad> 0, <eos> 1, <unk> 2, <s> 3, <|system|> 4, <|user|> 5, <|assistant|> 6, <|end|> 7. The template's text
+    # writes <|assistant|> and <|end|> literally (the role headers come from '<|' + role + '|>'), so the response
+    # ends at the EOS 1 (the tokenizer's and the generation_config's), at 6 or at 7: [1, 6, 7]
+    tokenizer, policy, *_, eos_ids = ppo_llm.load_models(ppo_llm.Args(model=chat["policy"]), torch.device("cpu"))
+    assert eos_ids == [1, 6, 7] and tokenizer.convert_tokens_to_ids("<|end|>") == 7
+    assert policy.generation_config.eos_token_id == eos_ids  # generate() stops there too
+    assert tokenizer.pad_token_id == 0  # <pad> ends nothing: kept
+    # no chat template: the EOS alone
+    *_, eos_ids = ppo_llm.load_models(ppo_llm.Args(model=chat["tiny_policy"]), torch.device("cpu"))
+    assert eos_ids == [1]
 
 
 @pytest.mark.parametrize(
-    "specials, template, end",
+    "specials, template, ends",
     [
         (["<|im_start|>", "<|im_end|>"], "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content']"
          " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-         "{% endif %}", "<|im_end|>"),  # ChatML, as Qwen2.5's template writes it
+         "{% endif %}", [1, 4, 5]),  # ChatML, as Qwen2.5's template writes it: <|im_start|> 4, <|im_end|> 5
         (["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "{{ bos_token }}{% for m in messages %}"
          "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}",
-         "<|eot_id|>"),  # Llama 3
+         [1, 4, 5, 6]),  # Llama 3: the headers 4 and 5, <|eot_id|> 6
         (["<start_of_turn>", "<end_of_turn>"], "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if "
-         "m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}", "<end_of_turn>"),
-        ([], "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", None),  # no special token
-        ([], "{{ raise_exception('only user turns') if messages[-1]['role'] == 'assistant' }}", None),  # refuses
+         "m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}", [1, 4, 5]),
+        ([], "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", [1]),  # no special token
+        ([], "{{ raise_exception('only user turns') if messages[-1]['role'] == 'assistant' }}", [1]),  # refuses
+        # the BOS, unk and pad tokens written in the text end nothing
+        (["<|end|>"], "<s>{% for m in messages %}{{ m['content'] }}<|end|><unk><pad>{% endfor %}", [1, 4]),
     ],
 )  # fmt: skip
-def test_end_of_turn_of_family_templates(specials, template, end):
-    tok = chat_tokenizer(specials, template)  # "\n" is not in its vocabulary: <unk>, special, must not count
-    assert ppo_llm.end_of_turn_id(tok) == (None if end is None else tok.convert_tokens_to_ids(end))
+def test_end_of_turn_of_family_templates(specials, template, ends, tmp_path):
+    # a response ends at the tokenizer's EOS (1, also the generation_config's) and at every special token that the
+    # chat template's text writes (the ids after <pad> 0, <eos> 1, <unk> 2, <s> 3: the specials in their order)
+    tok = chat_tokenizer(specials, template)
+    GPT2LMHeadModel(tiny_config(tok)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    *_, eos_ids = ppo_llm.load_models(ppo_llm.Args(model=str(tmp_path)), torch.device("cpu"))
+    assert eos_ids == ends
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=["ppo", "grpo"])
 def test_conversational_prompts_run_through_the_template(script, chat, tmp_path, monkeypatch):
     # the prompt ids the policy generates from are the template's rendering with one BOS; it says <|end|> at once,
     # which ends every response (1 token, not 4); samples.jsonl shows the rendered prompt
-    queries, real_generate, adamw, real_adamw = [], script.generate, [], torch.optim.AdamW
-    monkeypatch.setattr(script, "generate", lambda p, q, m: queries.append(q[0][m[0].bool()]) or real_generate(p, q, m))
+    queries, real_generate, adamw, real_adamw = [], transformers.GenerationMixin.generate, [], torch.optim.AdamW
+
+    def generate(self, *args, input_ids=None, attention_mask=None, **kwargs):
+        queries.append(input_ids[0][attention_mask[0].bool()])  # the first prompt's real ids
+        return real_generate(self, *args, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", generate)
     monkeypatch.setattr(torch.optim, "AdamW", lambda *a, **kw: adamw.append(kw) or real_adamw(*a, **kw))
     _, metrics, samples = run(script, tmp_path, model=chat["policy"], dataset=chat["jsonl"], system_prompt="Add.",
                               reward_fn=chat["rewards"] + ":weight", weight_decay=0.1)  # fmt: skip
@@ -190,11 +227,11 @@ def test_reward_fn_as_module_with_weights(chat, tmp_path, monkeypatch):
 
 def test_reward_model_reads_the_whole_response(chat):
     # a prompt of 64 tokens and a reward model of 32 positions: the text loses its start, never the response
-    _, _, reward_model, rm_tokenizer, _, _ = ppo_llm.load_models(
-        ppo_llm.Args(model=chat["policy"], reward_model=chat["rm_other"]), torch.device("cpu")
-    )
+    args = ppo_llm.Args(model=chat["policy"], reward_model=chat["rm_other"], micro_batch_size=4)
+    _, _, reward_model, rm_tokenizer, _, _ = ppo_llm.load_models(args, torch.device("cpu"))
     rows = [{"prompt": "1" * 60 + "+1=", "messages": None}]
-    got = ppo_llm.reward_model_scores(reward_model, rm_tokenizer, None, None, rows, ["61"], 0, 4)
+    r = {"query_responses": None, "attention_mask": None}  # the policy's ids: unused, the text is encoded again
+    got = ppo_llm.reward_model_scores(reward_model, rm_tokenizer, r, rows, ["61"], args)
     ids = rm_tokenizer(("1" * 60 + "+1=61")[-32:], return_tensors="pt").input_ids
     assert got.item() == pytest.approx(reward_model(input_ids=ids).logits[0, 0].item(), abs=1e-6)
 
@@ -229,8 +266,8 @@ def test_prompt_files_of_every_format(fmt, tiny, tmp_path):
     else:
         getattr(frame, f"to_{fmt}")(path, index=False)
     tok = AutoTokenizer.from_pretrained(tiny["policy"])
-    rows = ppo_llm.load_prompts(ppo_llm.Args(dataset=path), tok)
-    got = sorted((r["prompt"], r["answer"]) for r in [next(rows), next(rows)])
+    rows = ppo_llm.load_prompts(ppo_llm.Args(dataset=path), tok, True)
+    got = sorted((r["prompt"], r["answer"]) for r in rows)
     assert got == [("1+1=", "2"), ("2+2=", "4")]  # answers compared as text
 
 
@@ -249,19 +286,22 @@ BAD_FILES = {
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(dataset="empty.jsonl"), "empty.jsonl: empty file"),
-        (dict(dataset="notjson.jsonl"), "notjson.jsonl: line 3 is not JSON"),
+        # datasets' own error, its first line (an error without text: "no rows")
+        (dict(dataset="empty.jsonl"), ("empty.jsonl could not be loaded (", "no rows)")),
+        (dict(dataset="notjson.jsonl"), ("notjson.jsonl could not be loaded (", "JSON parse error")),
         (dict(dataset="noprompt.jsonl"), "noprompt.jsonl: row 2 has no --prompt-column prompt (columns: answer)"),
         (dict(dataset="noanswer.csv"), "noanswer.csv: row 2 has no --answer-column answer, which the reward"),
         (dict(dataset="badmessages.jsonl"), "row 1: the prompt is neither a string nor a list of {role, content}"),
         (dict(dataset="broken.json"), "broken.json could not be loaded ("),
+        (dict(dataset="nowhere.jsonl"), "nowhere.jsonl could not be loaded (FileNotFoundError"),
         (dict(dataset="emptyprompt.jsonl"), "prompt '' encodes to no tokens with --model's tokenizer (a wrong one?)"),
-        (dict(chat_template=True), "has no chat template, which --chat-template and --system-prompt need"),
-        (dict(reward_model="RM2", reward_label=2), "--reward-label 2 is not a logit of --reward-model"),
+        (dict(chat_template=True), "its tokenizer has no chat template, which conversational prompts, --chat-template "
+         "and --system-prompt need"),
+        (dict(reward_model="RM2", reward_label=2), "has num_labels=2: --reward-label (0 to 1) chooses the logit that "
+         "is the score (got 2)"),
         (dict(reward_fn="nowhere.py:f"), "--reward-fn nowhere.py:f: not one of ['arithmetic', 'format', 'gsm8k'], "
-         "nor a path/to/file.py:function or module:function (FileNotFoundError"),
+         "nor a file.py:function or module:function that loads (FileNotFoundError"),
         (dict(reward_fn="REWARDS:nope"), ":nope: not one of"),
-        (dict(reward_fn="REWARDS:wrong_length"), "must return a list of 8 numbers, one per completion (got [1.0])"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line(script, options, message, chat, tmp_path):
@@ -275,44 +315,109 @@ def test_bad_input_is_one_line(script, options, message, chat, tmp_path):
         options["reward_model"] = chat["rm_two_labels"]
     with pytest.raises(SystemExit) as e:
         run(script, tmp_path, model=chat["tiny_policy"], **options)
-    assert str(e.value).startswith("error:") and "\n" not in str(e.value) and message in str(e.value)
+    assert str(e.value).startswith("error:") and "\n" not in str(e.value)
+    assert all(part in str(e.value) for part in ((message,) if isinstance(message, str) else message))
     assert "offline" not in str(e.value)  # none of these is a network error
 
 
-def test_unreachable_hub_fails_fast(tmp_path, monkeypatch):
-    # the hub does not answer (a closed port): one probe switches to offline mode, so gpt2 fails in seconds
-    monkeypatch.setattr(ppo_llm.hub_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(ppo_llm.hub_constants, "ENDPOINT", "http://127.0.0.1:9")
-    ppo_llm.check_hub.cache_clear()
-    probes, urlopen = [], ppo_llm.urllib.request.urlopen
-    monkeypatch.setattr(ppo_llm.urllib.request, "urlopen", lambda *a, **k: probes.append(k) or urlopen(*a, **k))
-    with pytest.raises(SystemExit, match="gpt2 is not a local directory.*HF_HUB_OFFLINE=1 skips the network"):
-        ppo_llm.from_pretrained(AutoTokenizer, "gpt2", "--model")
-    # one probe of at most 5 s, then offline: huggingface_hub's retries (~50 s) never start
-    assert probes == [{"timeout": 5}] and ppo_llm.hub_constants.HF_HUB_OFFLINE
-    ppo_llm.check_hub.cache_clear()
+@pytest.mark.parametrize("script", SCRIPTS, ids=["ppo", "grpo"])
+def test_reward_fn_of_the_wrong_length_stops_the_run_and_saves(script, chat, tmp_path, capsys):
+    # 1 number for 8 completions: a ValueError in update 1; the run saves its state (update 0), shows the traceback
+    # and how to resume, and exits with 1
+    with pytest.raises(SystemExit) as e:
+        run(script, tmp_path, model=chat["tiny_policy"], reward_fn=chat["rewards"] + ":wrong_length")
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert f"ValueError: --reward-fn {chat['rewards']}:wrong_length returned 1 numbers for 8 completions" in err
+    (run_dir,) = glob.glob(str(tmp_path / "*"))
+    assert f"the state after update 0 is in {run_dir}/checkpoint.pt" in err and f"--resume {run_dir} goes on" in err
+    assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["update"] == 0
+
+
+def test_hub_id_offline_fails_at_once_in_one_line(tmp_path, monkeypatch):
+    # HF_HUB_OFFLINE=1 and an empty cache: gpt2 cannot load, and no connection is even tried (huggingface_hub's
+    # retries never start); the one line names the flag and the offline default
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read when huggingface_hub was imported
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    connections, connect = [], socket.socket.connect
+    monkeypatch.setattr(socket.socket, "connect", lambda s, *a: connections.append(a) or connect(s, *a))
+    with pytest.raises(SystemExit) as e:
+        ppo_llm.main(ppo_llm.Args(model="gpt2", output_dir=str(tmp_path / "runs")))
+    message = str(e.value)
+    assert message.startswith("error: --model gpt2 is no directory, nor reachable on the hub") and "\n" not in message
+    assert "with HF_HUB_OFFLINE=1, the cache alone" in message and message.endswith("offline: assets/arith-sft")
+    assert connections == [] and not os.path.exists(tmp_path / "runs")  # no network, no run directory
 
 
 # ---- flags -----------------------------------------------------------------------------------------------------
 
 
-def test_help_and_flags(capsys):
-    for script in SCRIPTS:
-        with pytest.raises(SystemExit):
-            script.parse_args(["--help"])
-        text = capsys.readouterr().out
-        assert "(default:" in text and not re.search(r"\(default:[^)]*\)[\s│]*\(default:", text)
-        # one section per group of Args, in the order of the source, each flag in its own group's section
-        groups = ["experiment", "models", "generation", "algorithm", "logging"]
-        at = [text.index(f"{group} options") for group in groups] + [len(text)]
-        for i, flag in enumerate(["--seed", "--dataset", "--temperature", "--learning-rate", "--eval-every"]):
-            assert at[i] < re.search(rf"\n\W*{flag} ", text).start() < at[i + 1]
-        assert at == sorted(at) and "--experiment." not in text
-        args = script.parse_args(["--seed", "3", "--lora-target-modules", "q", "v", "--eval-every", "0"])
-        assert (args.seed, args.lora_target_modules, args.eval_every) == (3, ("q", "v"), 0)
-        assert asdict(args) == asdict(script.Args(seed=3, lora_target_modules=("q", "v"), eval_every=0))
+def help_entries(text):
+    """tyro's --help as {flag: its whole entry on one line}. An entry starts at '--flag' indented by 1 or 2 (inside a
+    box on a terminal, or not) and goes on over the lines indented further (its help and '(default: ...)', wrapped)."""
+    entries, flag = {}, None
+    for line in text.splitlines():
+        line = line.strip("│")
+        start = re.match(r" {1,2}(--[a-z][\w-]*)", line)
+        flag = start.group(1) if start else flag if re.match(r" {3}", line) else None
+        if flag:
+            entries[flag] = entries.get(flag, "") + " " + line
+    return {flag: " ".join(entry.split()) for flag, entry in entries.items()}
+
+
+def shown(default):
+    """A default as tyro's help writes it: a tuple's items separated by spaces."""
+    return " ".join(map(str, default)) if isinstance(default, tuple) else str(default)
+
+
+def inline_comments(script):
+    """{field: the comment after it in the source of Args}, which tyro makes its help."""
+    return dict(re.findall(r"^    (\w+): .*?  # (.*)$", inspect.getsource(script.Args), flags=re.M))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=["ppo", "grpo"])
+def test_help_lists_every_flag_with_its_help_and_default(script, capsys):
+    with pytest.raises(SystemExit) as e:
+        script.parse_args(["--help"])
+    assert e.value.code == 0
+    entries, comments = help_entries(capsys.readouterr().out), inline_comments(script)
+    for field in fields(script.Args):
+        entry = entries["--" + field.name.replace("_", "-")]  # kebab-case
+        assert " ".join(comments[field.name].split()) in entry, (field.name, entry)
+        # tyro's own (default: ...) ends the entry
+        assert entry.endswith(f"(default: {shown(field.default)})"), (field.name, entry)
+    assert entries["--cuda"].startswith("--cuda, --no-cuda ")  # booleans come as --x / --no-x
+    assert set(entries) == {"--" + f.name.replace("_", "-") for f in fields(script.Args)}  # and no other
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=["ppo", "grpo"])
+def test_help_states_each_default_once(script, capsys):
+    with pytest.raises(SystemExit):
+        script.parse_args(["--help"])
+    twice = {flag: e for flag, e in help_entries(capsys.readouterr().out).items() if e.count("(default:") > 1}
+    assert not twice
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=["ppo", "grpo"])
+def test_flags_parse_and_removed_ones_are_refused(script, capsys):
+    args = script.parse_args(["--seed", "3", "--lora-target-modules", "q", "v", "--eval-every", "0"])
+    assert (args.seed, args.lora_target_modules, args.eval_every) == (3, ("q", "v"), 0)
+    assert asdict(args) == asdict(script.Args(seed=3, lora_target_modules=("q", "v"), eval_every=0))
+    assert asdict(script.parse_args([])) == asdict(script.Args())
+    for flag in ["--top-k", "--top-p", "--lora-dropout"]:  # removed: sampling is softmax(logits / T), no dropout
+        with pytest.raises(SystemExit) as e:
+            script.parse_args([flag, "3"])
+        assert e.value.code == 2 and f"Unrecognized options: {flag}" in capsys.readouterr().err  # tyro's own error
+
+
+def test_score_norm_flag():
     assert ppo_llm.parse_args(["--score-norm", "off"]).score_norm == "off"
     assert ppo_llm.parse_args([]).score_norm == "auto" and ppo_llm.Args().weight_decay == 0.0
-    args = ppo_llm.Args(reward_model="x")
-    ppo_llm.check_args(args)
-    assert args.score_norm == "on"
+    for reward_model, auto in [("x", "on"), (None, "off")]:  # auto: whiten a reward model's scores, not a function's
+        args = ppo_llm.Args(reward_model=reward_model)
+        ppo_llm.check_args(args, 1)
+        assert args.score_norm == auto
+    args = ppo_llm.Args(reward_model="x", score_norm="off")
+    ppo_llm.check_args(args, 1)
+    assert args.score_norm == "off"  # given: kept

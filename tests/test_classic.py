@@ -423,8 +423,8 @@ def test_track_wandb_offline(tmp_path, script):
     assert len(offline_runs) == 1 and os.path.getsize(offline_runs[0]) > 0
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_ctrl_c_saves_model_and_metrics(tmp_path, script):
+@pytest.mark.parametrize("script, signum", [("ppo_classic", signal.SIGINT), ("reinforce", signal.SIGTERM)])
+def test_ctrl_c_and_sigterm_save_model_and_metrics(tmp_path, script, signum):
     cmd = [sys.executable, os.path.join(REPO, f"{script}.py"), "--save-model", "--total-timesteps=9999999"]
     # SIGINT back to its default in the child: a shell runs background jobs with it ignored, and Python then
     # installs no KeyboardInterrupt handler (CI launched with `&` would hang here)
@@ -433,13 +433,38 @@ def test_ctrl_c_saves_model_and_metrics(tmp_path, script):
     for line in proc.stdout:  # wait for the first finished update
         if line.startswith("iter="):
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)  # SIGTERM, a scheduler's preemption, stops as Ctrl-C does
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "interrupted" in out
+    assert proc.returncode == 130 and "stopped at global_step=" in out and "(KeyboardInterrupt)" in out
     run_dir = glob.glob(str(tmp_path / "runs" / "*"))[0]
     assert os.path.getsize(os.path.join(run_dir, f"{script}.cleanrl_model")) > 0
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         assert any("losses/policy_loss" in json.loads(line) for line in f)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_error_saves_first_then_shows_its_traceback(tmp_path, monkeypatch, script):
+    # log() fails at its second call, in iteration 2: the agent is saved, then the error itself propagates
+    module, calls, real_log = SCRIPTS[script], [], SCRIPTS[script].log
+
+    def failing_log(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("a disk error, say")
+        return real_log(*args)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(module, "log", failing_log)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--save-model", "--total-timesteps", "4096"])
+    with pytest.raises(ValueError, match="a disk error, say"):
+        module.main()
+    (model,) = glob.glob(str(tmp_path / "runs" / "*" / f"{script}.cleanrl_model"))
+    assert os.path.getsize(model) > 0
+    with open(model, "r+b") as f:  # a truncated agent file: one line, not an unpickling traceback
+        f.truncate(100)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--eval-checkpoint", model])
+    with pytest.raises(SystemExit, match=r"^error: --eval-checkpoint .* cannot be read \(\w+\)$"):
+        module.main()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -452,7 +477,7 @@ BAD_INPUT = [
     (["--env-id", "Blackjack-v1"], "error: --env-id Blackjack-v1 has observation space Tuple("),
     (["--env-id", "tests/DictObservation-v0"], "error: --env-id tests/DictObservation-v0 has observation space Dict("),
     (["--env-id", "no_such_module:Env-v0"], "error: --env-id no_such_module:Env-v0 is not a registered Gymnasium"),
-    (["--eval-checkpoint", "missing.pt"], "error: --eval-checkpoint missing.pt is not a file"),
+    (["--eval-checkpoint", "missing.pt"], "error: --eval-checkpoint missing.pt cannot be read (FileNotFoundError)"),
 ]
 
 

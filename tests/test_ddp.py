@@ -3,6 +3,7 @@ the union of their batches, and `torchrun --nproc_per_node 2` runs each LLM scri
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import types
@@ -112,6 +113,11 @@ def worker(rank, world, init_file):
     metrics = {"update": 3, "mean": float(rank), "n": rank + 1, "lo": rank + 5.0}
     metrics = ppo_llm.global_metrics(metrics, {"n": "sum", "lo": "min"})
     assert metrics == {"update": 3, "mean": 0.5, "n": 3, "lo": 5.0}, metrics
+    # SIGTERM seen by rank 1 alone (it only appends to STOP): both ranks stop at the same check, together
+    ppo_llm.STOP.extend([signal.SIGTERM] if rank == 1 else [])
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM" if rank == 1 else "another rank's signal"):
+        ppo_llm.stop_check()
+    ppo_llm.STOP.clear()
     dist.destroy_process_group()
 
 

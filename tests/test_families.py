@@ -94,13 +94,14 @@ def test_logprobs_are_the_models_own(families, family, precision):
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     torch.manual_seed(0)
     enc = tokenizer(["1+2=", "33+4=", "5="], padding=True, return_tensors="pt")
+    width = enc.input_ids.shape[1]
     with torch.no_grad(), autocast:
-        responses = ppo_llm.generate(policy, enc.input_ids, enc.attention_mask)
+        responses = policy.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask)[:, width:]
         responses, mask = ppo_llm.truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
         qr = torch.cat([enc.input_ids, responses], 1)
         am = torch.cat([enc.attention_mask, mask.long()], 1)
-        width = enc.input_ids.shape[1]
-        ours, _ = ppo_llm.response_logprobs(policy, ppo_llm.hidden_states(policy, qr, am, width), responses, args)
+        hidden = ppo_llm.hidden_states(policy, qr, am, width)
+        ours, _ = ppo_llm.response_logprobs(policy, hidden, responses, args.temperature, args.cast_lm_head_to_fp32)
         logits = policy(input_ids=qr, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0)).logits
         theirs = torch.log_softmax(logits[:, width - 1 : -1].float() / 0.7, -1).gather(-1, responses[..., None])[..., 0]
     tolerance = 0.05 if precision == "bf16" else 1e-5
@@ -187,13 +188,23 @@ def test_accumulated_gradient_is_the_minibatch_gradient(tiny, critic):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_value_head_runs_in_fp32_under_autocast():
+def test_value_head_runs_in_fp32_under_autocast(tiny):
+    # training_forward's values under bf16 autocast: the head's matmul in fp32 on the trunk's hidden states, not in
+    # bf16 as autocast would run an nn.Linear (a random head, so that the values are not all 0)
     torch.manual_seed(0)
-    value_head, hidden = torch.nn.Linear(16, 1), torch.randn(2, 3, 16).bfloat16()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        values = ppo_llm.values_of(value_head, hidden)
-    assert values.dtype == torch.float32
-    assert torch.equal(values, value_head(hidden.float()).squeeze(-1))
+    policy = ppo_llm.load_model(AutoModelForCausalLM, tiny["policy"], "--model")
+    value_head, B, Q, R = torch.nn.Linear(32, 1), 2, 3, 4
+    qr = torch.randint(3, 90, (B, Q + R))
+    r = dict(query_responses=qr, attention_mask=torch.ones_like(qr), responses=qr[:, Q:], prompt_width=Q)
+    args = types.SimpleNamespace(temperature=1.0, cast_lm_head_to_fp32=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.no_grad(), autocast:
+        _, _, values = ppo_llm.training_forward(policy, None, value_head, r, torch.arange(B), args)
+        hidden = ppo_llm.hidden_states(policy, qr, r["attention_mask"], Q)  # (B, R, H): what the head reads
+        in_bf16 = value_head(hidden).squeeze(-1)  # the same head, left to autocast
+    assert values.dtype == torch.float32 and values.shape == (B, R) and in_bf16.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(values, value_head(hidden.float()).squeeze(-1))
 
 
 def test_gradient_checkpointing_reaches_the_separate_critic(tiny, tmp_path, monkeypatch):

@@ -1,0 +1,96 @@
+"""Nothing is lost when a run stops: an error inside the loop saves first and --resume goes on where the run would
+have been; SIGTERM (a scheduler's preemption) saves and exits 128 + 15; bad files are one line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import untimed_metrics
+
+import grpo_llm
+import ppo_llm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAKY = """import os
+
+calls = []
+
+
+def exact(completions, answer, **columns):
+    # the arithmetic reward, but the `fail_at`-th call raises once (a marker file remembers it), as a user's function
+    # can on one odd completion late in a run
+    calls.append(1)
+    if len(calls) == {fail_at} and not os.path.exists({marker!r}):
+        open({marker!r}, "w").close()
+        raise ValueError("an odd completion")
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+"""
+
+
+def run(script, tiny, tmp_path, **kwargs):
+    ppo = script is ppo_llm
+    shape = dict(prompts_per_update=8, num_mini_batches=2) if ppo else dict(prompts_per_update=2, num_generations=4)
+    settings = dict(model=tiny["policy"], dataset=tiny["jsonl"], total_steps=3, micro_batch_size=4, max_new_tokens=3,
+                    eval_every=0, sample_every=0, output_dir=str(tmp_path)) | shape  # fmt: skip
+    return script.main(script.Args(**(settings | kwargs)))
+
+
+@pytest.mark.parametrize("script, fail_at", [(ppo_llm, 3), (grpo_llm, 2)])  # PPO calls it twice an update (accuracy)
+def test_an_error_saves_first_and_resume_goes_on(script, fail_at, tiny, tmp_path, capsys):
+    rewards = tmp_path / "flaky.py"
+    rewards.write_text(FLAKY.format(fail_at=fail_at, marker=str(tmp_path / "failed")))
+    spec = f"{rewards}:exact"
+    reward_fn = spec if script is ppo_llm else (spec,)
+    with pytest.raises(SystemExit) as stop:
+        run(script, tiny, tmp_path / "split", reward_fn=reward_fn)
+    err = capsys.readouterr().err
+    (run_dir,) = (tmp_path / "split").iterdir()
+    assert stop.value.code == 1 and "ValueError: an odd completion" in err  # the user's own traceback
+    assert err.rstrip().splitlines()[-1].endswith(f"python {script.__name__}.py --resume {run_dir} goes on")
+    assert [m["update"] for m in untimed_metrics(run_dir)] == [1]  # update 2 raised in its scoring
+    assert os.path.isfile(run_dir / "policy" / "config.json")
+    script.main(script.parse_args(["--resume", str(run_dir)]))  # the marker exists: it does not raise again
+    whole = run(script, tiny, tmp_path / "whole", reward_fn=reward_fn)
+    assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2, 3]
+    assert untimed_metrics(run_dir) == untimed_metrics(whole)
+
+
+def test_sigterm_saves_and_resume_goes_on(tiny, tmp_path):
+    # a real process sent SIGTERM, as SLURM or Kubernetes preempts one: it saves, exits 128 + 15, and --resume goes on
+    command = [sys.executable, "ppo_llm.py", "--model", tiny["policy"], "--dataset", tiny["jsonl"], "--reward-fn",
+               "gsm8k", "--total-steps", "500", "--prompts-per-update", "8", "--micro-batch-size", "4",
+               "--max-new-tokens", "3", "--eval-every", "0", "--output-dir", str(tmp_path)]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(600):  # until a first update is logged (a minute at most)
+        time.sleep(0.1)
+        logged = list(tmp_path.glob("*/metrics.jsonl"))
+        if logged and logged[0].read_text().strip():
+            break
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    (run_dir,) = tmp_path.iterdir()
+    done = [json.loads(line)["update"] for line in open(run_dir / "metrics.jsonl")]
+    assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "(SIGTERM)" in err and err.rstrip().endswith(f"--resume {run_dir} goes on") and "Traceback" not in err
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert checkpoint["update"] == done[-1] < 500  # the state after the last finished update
+    command = [sys.executable, "ppo_llm.py", "--resume", str(run_dir), "--total-steps", str(done[-1] + 2)]
+    resumed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [json.loads(line)["update"] for line in open(run_dir / "metrics.jsonl")] == list(range(1, done[-1] + 3))
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_a_reward_file_that_does_not_import_is_one_line(script, tiny, tmp_path):
+    (tmp_path / "broken.py").write_text("def reward(completions, **kwargs):\n    return [1.0 for c in completions\n")
+    spec = f"{tmp_path / 'broken.py'}:reward"
+    with pytest.raises(SystemExit) as e:
+        run(script, tiny, tmp_path, reward_fn=spec if script is ppo_llm else (spec,))
+    assert str(e.value).startswith(f"error: --reward-fn {spec}: not one of") and "(SyntaxError: " in str(e.value)
+    assert "\n" not in str(e.value)
