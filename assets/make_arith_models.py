@@ -12,8 +12,8 @@ from with nothing to download:
   trained with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on preference pairs (the
   correct answer preferred over a wrong one for the same prompt). The result is `assets/arith-rm`.
 
-Usage: python assets/make_arith_models.py --out-dir /tmp/arith   # writes /tmp/arith/arith-sft and arith-rm
-       python assets/make_arith_models.py --overwrite         # replaces the embedded assets/arith-sft, arith-rm
+Usage: python assets/make_arith_models.py --out-dir /tmp/arith   # writes /tmp/arith/arith-sft, arith-rm and arith/
+       python assets/make_arith_models.py --overwrite         # replaces the embedded ones in assets/
 
 Design choices, each with its reason:
 1. Character-level tokenizer (WordLevel over printable ASCII): every digit is one token, so the answer
@@ -34,11 +34,13 @@ Design choices, each with its reason:
 8. RM pairs mix near misses with arbitrary numbers: a reward model that only ever saw near misses
    would be blind to the off-distribution answers a policy can drift to under RL.
 9. Training problems come only from `arithmetic_train_problems`, which never yields a held-out prompt:
-   the reported accuracies are on prompts the models have never seen.
+   the reported accuracies are on prompts the models have never seen. The RL scripts read the same split
+   from files: arith/train.jsonl (every other problem) and arith/test.jsonl (the held-out set).
 10. The RM's score is read at the last non-pad token (transformers' own pooling), which is the EOS of a
     finished answer; with left padding pass position ids computed from the attention mask.
 """
 
+import json
 import math
 import os
 import random
@@ -62,7 +64,7 @@ from transformers import (
 class Args:
     # experiment
     out_dir: str = os.path.dirname(os.path.abspath(__file__))
-    """folder to write arith-sft/ and arith-rm/ into (default: the folder of this script, assets/)"""
+    """folder to write arith-sft/, arith-rm/ and arith/ into (default: the folder of this script, assets/)"""
     overwrite: bool = False
     """replace arith-sft/ and arith-rm/ when --out-dir already has them (assets/ has the embedded default)"""
     seed: int = 1
@@ -107,7 +109,7 @@ class Args:
     """generation budget of the SFT evaluation (the longest answer is 3 digits + EOS)"""
 
 
-# ---- the arithmetic task (the RL scripts carry identical copies; a test checks they agree) ----
+# ---- the arithmetic task: the RL scripts read it from the files problem_files() writes (assets/arith/) ----
 ARITH_MAX_OPERAND = 99
 ARITH_EVAL_SEED = 2024
 ARITH_EVAL_SIZE = 256
@@ -138,6 +140,22 @@ def arithmetic_train_problems(seed: int):
         p = arithmetic_problem(rng)
         if p["prompt"] not in held_out:
             yield p
+
+
+def problem_files() -> tuple[list[dict], list[dict]]:
+    """The rows of arith/train.jsonl, every `a+b=` that is not held out (a, then b, ascending), and arith/test.jsonl,
+    the held-out set: RL trains on the first and evaluates on the second."""
+    test = arithmetic_eval_set()
+    held_out = {p["prompt"] for p in test}
+    operands = range(ARITH_MAX_OPERAND + 1)
+    train = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in operands for b in operands]
+    return [p for p in train if p["prompt"] not in held_out], test
+
+
+def write_jsonl(path: str, rows: list[dict]):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def arithmetic_reward(completions: list[str], answers: list[str]) -> list[float]:
@@ -375,6 +393,9 @@ def main(args: Args) -> dict:
     if existing and not args.overwrite:
         raise SystemExit(f"error: {existing[0]} exists: pass --overwrite to replace it, or another --out-dir")
 
+    train_rows, test_rows = problem_files()
+    write_jsonl(os.path.join(args.out_dir, "arith", "train.jsonl"), train_rows)
+    write_jsonl(os.path.join(args.out_dir, "arith", "test.jsonl"), test_rows)
     policy = train_sft(args, tokenizer)
     policy.save_pretrained(sft_dir)
     # a fresh tokenizer is saved: padding calls leave their settings behind in the backend tokenizer

@@ -162,6 +162,21 @@ def test_eval_set_is_deterministic_and_disjoint_from_training():
     assert [next(other) for _ in range(20)] != train[:20]
 
 
+def test_committed_problem_files_are_the_builders_and_split_every_problem(tiny_build):
+    out, _ = tiny_build
+    for name in ("train.jsonl", "test.jsonl"):
+        with open(os.path.join(ASSETS, "arith", name)) as committed, open(os.path.join(out, "arith", name)) as built:
+            assert committed.read() == built.read(), name
+    train, test = mam.problem_files()
+    assert test == mam.arithmetic_eval_set()
+    # 100 x 100 problems a+b=, a and b in 0..99: the 256 held out, the other 9,744 to train on, each once
+    assert len(train) == 100 * 100 - 256 == 9744
+    prompts = {p["prompt"] for p in train}
+    assert len(prompts) == 9744 and not prompts & {p["prompt"] for p in test}
+    assert train[:2] == [{"prompt": "0+0=", "answer": "0"}, {"prompt": "0+1=", "answer": "1"}]
+    assert train[-1] == {"prompt": "99+99=", "answer": "198"}  # 99+99 is not held out
+
+
 def test_reward_hand_cases():
     completions = ["522", " 522\n", "52", "0522", "522 522", "", "-522"]
     assert mam.arithmetic_reward(completions, ["522"] * 7) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
