@@ -8,6 +8,8 @@ GPT-2-124M's shape (768 x 50,257, 1,024 tokens) on this machine.
     python benchmarks/head_precision.py          # writes benchmarks/results/head_precision_<device>.md
 """
 
+import contextlib
+import json
 import os
 import platform
 import sys
@@ -26,18 +28,21 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args = ppo_llm.Args(max_new_tokens=8)
     tokenizer, policy, *_, eos_ids = ppo_llm.load_models(args, device)
-    policy.to(device)
-    problems = ppo_llm.arithmetic_eval_set()
-    enc = tokenizer([p["prompt"] for p in problems], padding=True, return_tensors="pt").to(device)
-    responses = ppo_llm.generate(policy, enc.input_ids, enc.attention_mask)
-    responses, mask = ppo_llm.truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
-    qr, am = torch.cat([enc.input_ids, responses], 1), torch.cat([enc.attention_mask, mask.long()], 1)
-    width, results = enc.input_ids.shape[1], {}
+    with open(os.path.join(ROOT, "assets", "arith", "test.jsonl")) as f:
+        prompts = [json.loads(line)["prompt"] for line in f]
+    r = ppo_llm.rollout(policy, tokenizer, prompts, None, eos_ids, contextlib.nullcontext())
+    qr, am, width, responses, mask = (
+        r["query_responses"],
+        r["attention_mask"],
+        r["prompt_width"],
+        r["responses"],
+        r["mask"].bool(),
+    )
+    results = {}
     for name, bf16, fp32_head in [("fp32", False, True), ("bf16, fp32 head", True, True), ("bf16", True, False)]:
-        args.cast_lm_head_to_fp32 = fp32_head
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             hidden = ppo_llm.hidden_states(policy, qr, am, width)
-            results[name] = ppo_llm.response_logprobs(policy, hidden, responses, args)[0]
+            results[name] = ppo_llm.response_logprobs(policy, hidden, responses, 1.0, fp32_head)[0]
     rows = []
     for name in ["bf16, fp32 head", "bf16"]:
         error = (results[name] - results["fp32"]).abs()[mask]

@@ -13,6 +13,7 @@ benchmarks/results/llm_speed_<device>.md and .json.
 import json
 import os
 import platform
+import random
 import sys
 import tempfile
 import time
@@ -80,16 +81,18 @@ def bare_generate_seconds(model_path, batch_size, args, device, n):
     policy = AutoModelForCausalLM.from_pretrained(model_path).to(device).eval()
     policy.generation_config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=True, top_k=0, top_p=1.0,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
-    stream = ppo_llm.arithmetic_train_problems(seed=0)
+    with open(os.path.join(ROOT, "assets", "arith", "train.jsonl")) as f:
+        prompts = [json.loads(line)["prompt"] for line in f]
+    rng = random.Random(0)
     times = []
     for _ in range(n + 1):
-        enc = tokenizer([next(stream)["prompt"] for _ in range(batch_size)], padding=True, return_tensors="pt")
+        enc = tokenizer(rng.sample(prompts, batch_size), padding=True, return_tensors="pt")
         enc = enc.to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            ppo_llm.generate(policy, enc.input_ids, enc.attention_mask)
+            policy.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
@@ -123,7 +126,7 @@ def main():
     args = tyro.cli(Args)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = gpt2_shaped_model(tmp) if args.gpt2_shape else ppo_llm.resolve("assets/arith-sft")
+        model_path = gpt2_shaped_model(tmp) if args.gpt2_shape else os.path.join(ROOT, "assets", "arith-sft")
         runs = {
             "PPO (separate critic)": (ppo_llm, dict(critic="separate")),
             "PPO (shared value head)": (ppo_llm, dict(critic="head")),
