@@ -568,10 +568,10 @@ def reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args):
 
 def load_models(args, device):
     """(tokenizer, policy in fp32, frozen reward model, its tokenizer, max_prompt_length, eos_ids), on `device`."""
+    policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
-    policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
     with torch.no_grad():  # refuse a model whose logits response_logprobs does not reproduce (an unknown family)
         ids = torch.arange(1, 9)[None] % policy.get_output_embeddings().weight.shape[0]  # matmul in the model's dtype:
         got, _ = response_logprobs(policy, hidden_states(policy, ids, torch.ones_like(ids), 1), ids[:, 1:], 1.0, False)
