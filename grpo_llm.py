@@ -390,7 +390,7 @@ def stop_check():
         raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")
 
 
-# TRY NOT TO MODIFY: reward functions, prompts, models (identical in grpo_llm.py)
+# TRY NOT TO MODIFY: rewards, prompts, models (identical in ppo_llm.py)
 
 
 NUMBER = r"[-+]?\$?\s?[-+]?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5
@@ -634,7 +634,7 @@ def load_models(args, device):
     return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
 
 
-# TRY NOT TO MODIFY: set-up, the run directory and logging, evaluation, checkpoints (identical in grpo_llm.py)
+# TRY NOT TO MODIFY: set-up, the run directory and logging, evaluation, checkpoints (identical in ppo_llm.py)
 
 
 def setup(args):

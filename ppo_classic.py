@@ -35,10 +35,10 @@ Implementation details ([n] = number in the 37-details post):
     rewards normalised and clipped at +-10 [28-31], ent-coef 0 and 10 epochs, as ppo_continuous_action.py,
     but 4 envs x 512 steps, lr 1e-3, 16 minibatches and gamma 0.9 (it has 1 x 2048, 3e-4, 32 and 0.99).
     Why: with raw rewards (down to -16 a step) the critic's gradient dominates the global clip and the
-    policy barely moves (approx_kl ~1e-8, issue #12), so rewards are scaled; Pendulum's reward is immediate, so a
+    policy barely moves (approx_kl ~1e-8), so rewards are scaled; Pendulum's reward is immediate, so a
     10-step horizon (gamma 0.9, as rl-zoo's tuned Pendulum-v1 PPO) gives easier value targets; and half
     the optimizer steps per sample (160 of 128 per 2048 samples, not 320 of 64) and 4 envs per forward
-    pass cost less CPU. Measured: 5 seeds x 200k steps in README (benchmarks/classic.py).
+    pass cost less CPU. Measured: 5 seeds x 200k steps in docs/ppo_classic.md (benchmarks/classic.py).
 18. Observation statistics live in the agent (buffers obs_mean, obs_var, obs_count; one set for all envs):
     saved with --save-model, restored by --eval-checkpoint and applied frozen in evaluation. CleanRL keeps
     them in an env wrapper and loses them. Reward statistics serve training only and are not saved.

@@ -12,7 +12,7 @@ Optimization"; Schulman et al. 2016, https://arxiv.org/abs/1506.02438, section 2
   reward-to-go-baseline  Psi_t = G_t - V(s_t), V a learned state-value baseline: same expectation, less noise
   advantage              Psi_t = GAE-lambda estimate of A(s_t, a_t) with the fitted V (Spinning Up's VPG;
                          Schulman et al. 2016, section 3): less variance still, some bias where V is wrong
-Whether each choice really lowers the variance is measured in benchmarks/psi_variance.py (README).
+Whether each choice really lowers the variance is measured in benchmarks/psi_variance.py (docs/reinforce.md).
 Same flags, logging and metric names as ppo_classic.py, so the two compare directly (benchmarks/).
 
 Usage: python reinforce.py --env-id CartPole-v1 --psi reward-to-go-baseline --total-timesteps 500000
@@ -32,7 +32,7 @@ Implementation details:
    reward scale and the episode length; it also acts as a constant baseline.
 6. V(s) is a separate 64-64 tanh network with its own Adam (--vf-learning-rate), fitted to G_t after the
    policy step by --vf-iters full-batch MSE steps, as Spinning Up's VPG (80 at 1e-3): one shared step per
-   batch left its explained variance below 0.06 on CartPole (issue #12). Psi uses V before it is fitted to the batch,
+   batch left its explained variance below 0.06 on CartPole. Psi uses V before it is fitted to the batch,
    so the baseline does not depend on the batch's own actions.
 7. Optional entropy bonus (--ent-coef, off by default): slows the collapse onto one action.
 8. Orthogonal init with a 0.01 policy head and a Gaussian with state-independent log-std for Box

@@ -14,8 +14,11 @@ Usage (from the repository root; the curves take about 20 CPU-minutes, run 2 at 
    the same way when --cleanrl is given), each run stopped after --speed-seconds, the runs interleaved
    --speed-repeats times so that every configuration sees the same machine load; the figure is the
    last charts/SPS the run printed (steps / seconds since its start), the median over repeats.
-Writes benchmarks/results/classic.csv (per-seed figures), classic_curves.csv (the plotted curves),
-classic_speed.csv, classic.md (the tables) and classic_return.png (mean and min-max over seeds).
+Writes benchmarks/results/classic.csv (per-seed figures), classic_curves.csv (the plotted curves), classic.md (the
+learning table), classic_return.png (mean and min-max over seeds), and with the speed runs classic_speed.csv and
+classic_speed.md; each table also goes into the docs pages that quote it (benchmarks/docs_tables.py). --skip-speed
+quotes the last classic_speed.md as it is. To rewrite the tables and the figure from the results files alone:
+    python benchmarks/classic.py --only-existing --merge --skip-speed
 The variance of REINFORCE's gradient estimates is measured by benchmarks/psi_variance.py.
 """
 
@@ -37,6 +40,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from docs_tables import write_table  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
@@ -237,10 +243,9 @@ def main():
     fig.savefig(os.path.join(RESULTS, "classic_return.png"), dpi=100)
 
     lines = [
-        f"## Learning: seeds {' '.join(map(str, seeds))}, each script with its defaults",
-        "",
-        "Mean return of the last 100 training episodes (sampled actions) at the end of the run, per seed and",
-        "over seeds; steps = first step at which that mean reached the threshold (median over the seeds that did).",
+        f"Seeds {' '.join(map(str, seeds))}, each script with its defaults. Mean return of the last 100 training "
+        "episodes (sampled actions) at the end of the run, per seed and over seeds; steps = first step at which that "
+        "mean reached the threshold (median over the seeds that did).",
         "",
         "| command | per seed (seed) | mean ± std over seeds | worst seed | seeds ≥ threshold | steps to threshold |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -262,45 +267,44 @@ def main():
                 f"| {int((last >= threshold).sum())}/{len(last)} (≥ {threshold:g}) | {median_steps} |"
             )
 
-    # 2. speed: configurations interleaved so each sees the same load; --skip-speed keeps the old table
-    md_path = os.path.join(RESULTS, "classic.md")
-    old = open(md_path).read() if os.path.exists(md_path) else ""
-    if args.skip_speed and "## Speed" in old:
-        lines += ["", old[old.index("## Speed") :].rstrip("\n")]
-    if not args.skip_speed:
-        configs = [("ppo_classic.py", os.path.join(REPO, "ppo_classic.py"), n) for n in (1, 2)]
-        if args.cleanrl:
-            configs += [("CleanRL ppo.py", os.path.abspath(args.cleanrl), n) for n in (1, 2)]
-        sps = {c: [] for c in configs}
-        for repeat in range(args.speed_repeats):
-            for c in configs:
-                sps[c].append(speed(c[1], c[2], args.speed_seconds))
-                print(f"speed {c[0]} {c[2]} thread(s), repeat {repeat}: {sps[c][-1]}", flush=True)
-        with open(os.path.join(RESULTS, "classic_speed.csv"), "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["script", "torch_threads", "repeat", "steps_per_s", "steps_per_cpu_s"])
-            w.writerows([c[0], c[2], i, *v] for c in configs for i, v in enumerate(sps[c]))
-        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = re.search(r"Model name:\s*(.+)", cpu).group(1).strip()
-        lines += [
-            "",
-            f"## Speed: CartPole-v1, defaults, one process, stopped after {args.speed_seconds} s",
-            "",
-            f"Machine: {os.cpu_count()} CPU cores ({model}), shared; load average "
-            f"{os.getloadavg()[0]:.1f} at the end; {time.strftime('%Y-%m-%d')}. Median of "
-            f"{args.speed_repeats} interleaved runs. steps/s: the last charts/SPS the script printed;",
-            "steps/CPU-s: steps of its finished iterations / its CPU time (less sensitive to load).",
-            "",
-            "| script | torch threads | steps/s (median) | steps/s, all runs | steps/CPU-s (median) |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for c in configs:
-            wall, cpu = np.array(sps[c]).T
-            runs = ", ".join(map(str, wall))
-            lines.append(f"| {c[0]} | {c[2]} | {int(np.median(wall)):,} | {runs} | {int(np.median(cpu)):,} |")
+    write_table("classic.md", "\n".join(lines))
+    print("\n".join(lines))
 
-    with open(md_path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    # 2. speed: configurations interleaved so each sees the same load; --skip-speed quotes the last table as it is
+    speed_path = os.path.join(RESULTS, "classic_speed.md")
+    if args.skip_speed:
+        if os.path.exists(speed_path):
+            write_table("classic_speed.md", open(speed_path).read())
+        return
+    configs = [("ppo_classic.py", os.path.join(REPO, "ppo_classic.py"), n) for n in (1, 2)]
+    if args.cleanrl:
+        configs += [("CleanRL ppo.py", os.path.abspath(args.cleanrl), n) for n in (1, 2)]
+    sps = {c: [] for c in configs}
+    for repeat in range(args.speed_repeats):
+        for c in configs:
+            sps[c].append(speed(c[1], c[2], args.speed_seconds))
+            print(f"speed {c[0]} {c[2]} thread(s), repeat {repeat}: {sps[c][-1]}", flush=True)
+    with open(os.path.join(RESULTS, "classic_speed.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["script", "torch_threads", "repeat", "steps_per_s", "steps_per_cpu_s"])
+        w.writerows([c[0], c[2], i, *v] for c in configs for i, v in enumerate(sps[c]))
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = re.search(r"Model name:\s*(.+)", cpu).group(1).strip()
+    lines = [
+        f"CartPole-v1, defaults, one process, stopped after {args.speed_seconds} s. "
+        f"Machine: {os.cpu_count()} CPU cores ({model}), shared; load average "
+        f"{os.getloadavg()[0]:.1f} at the end; {time.strftime('%Y-%m-%d')}. Median of "
+        f"{args.speed_repeats} interleaved runs. steps/s: the last charts/SPS the script printed;",
+        "steps/CPU-s: steps of its finished iterations / its CPU time (less sensitive to load).",
+        "",
+        "| script | torch threads | steps/s (median) | steps/s, all runs | steps/CPU-s (median) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for c in configs:
+        wall, cpu = np.array(sps[c]).T
+        runs = ", ".join(map(str, wall))
+        lines.append(f"| {c[0]} | {c[2]} | {int(np.median(wall)):,} | {runs} | {int(np.median(cpu)):,} |")
+    write_table("classic_speed.md", "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -6,12 +6,13 @@ have a realistic scale), scores them with both settings and the fp32 reference, 
 GPT-2-124M's shape (768 x 50,257, 1,024 tokens) on this machine.
 
     python benchmarks/head_precision.py          # writes benchmarks/results/head_precision_<device>.md
+
+The table also goes into the docs pages that quote it (benchmarks/docs_tables.py).
 """
 
 import contextlib
 import json
 import os
-import platform
 import sys
 import time
 
@@ -20,6 +21,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ppo_llm  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from docs_tables import write_table  # noqa: E402
+from scale import machine_name  # noqa: E402
 
 
 def main():
@@ -60,18 +65,17 @@ def main():
             if device.type == "cuda":
                 torch.cuda.synchronize()
         timings.append(f"| {'fp32' if fp32_head else 'bf16'} | {(time.perf_counter() - start) / 3 * 1000:.0f} ms |")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or 'CPU'}, 1 thread"
+    load = "" if device.type == "cuda" else f", 1 torch thread, load average {os.getloadavg()[0]:.1f}"
+    name = machine_name(device.type) + load
     text = "\n".join([
-        f"# LM head precision under bf16 autocast ({name}, torch {torch.__version__})", "",
+        f"LM head precision under bf16 autocast ({name}, torch {torch.__version__}).",
         f"`python benchmarks/head_precision.py`: {int(mask.sum())} sampled response tokens of assets/arith-sft on "
         "its 256 held-out prompts, |log-prob - fp32 log-prob| in nats:", "",
         "| setting | mean | max |", "|---|---|---|", *rows, "",
         "Head alone, GPT-2-124M shape (1,024 tokens x 768 -> 50,257), no grad, mean of 3 calls after one warm-up:", "",
         "| head matmul | time |", "|---|---|", *timings, "",
     ])  # fmt: skip
-    out = os.path.join(ROOT, "benchmarks", "results", f"head_precision_{device.type}.md")
-    with open(out, "w") as f:
-        f.write(text)
+    write_table(f"head_precision_{device.type}.md", text)
     print(text)
 
 

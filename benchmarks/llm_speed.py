@@ -4,7 +4,8 @@ Each script runs in this process for --warmup + --updates updates (no eval, no s
 update is split into generation / scoring (reference, reward, values) / optimisation from the scripts'
 own metrics, and divided by the time of a bare policy.generate of a batch of the same size and response
 length, measured here with the same model, machine and thread count, in the same run. Results go to
-benchmarks/results/llm_speed_<device>.md and .json.
+benchmarks/results/llm_speed_<model>_<device>.md and .json; the table also into the docs pages that quote it
+(benchmarks/docs_tables.py).
 
     python benchmarks/llm_speed.py                        # embedded default (CPU)
     python benchmarks/llm_speed.py --gpt2-shape           # GPT-2-124M shape built from its config, random weights
@@ -28,6 +29,7 @@ import grpo_llm  # noqa: E402
 import ppo_llm  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from docs_tables import write_table  # noqa: E402
 from scale import machine_name  # noqa: E402
 
 
@@ -156,11 +158,10 @@ def main():
     table = "\n".join(lines)
     print(table)
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, f"llm_speed_{name}_{device.type}")
-    with open(stem + ".md", "w") as f:
-        f.write(f"Command: `python benchmarks/llm_speed.py{' --gpt2-shape' if args.gpt2_shape else ''}` "
-                f"({platform.platform()})\n\n{table}\n")  # fmt: skip
-    with open(stem + ".json", "w") as f:
+    stem = f"llm_speed_{name}_{device.type}"
+    command = " ".join(["python benchmarks/llm_speed.py", *sys.argv[1:]])
+    write_table(stem + ".md", f"Command: `{command}` ({platform.platform()})\n\n{table}", args.out_dir)
+    with open(os.path.join(args.out_dir, stem + ".json"), "w") as f:
         json.dump({"machine": machine, "bare_generate_s": floors, "args": vars(args), "results": results}, f, indent=1)
 
 

@@ -7,10 +7,12 @@
     of that update (the first, warm-up included);
 (b) learning: `ppo_llm.py` defaults on the embedded task for --updates updates, full fine-tuning (lr 1e-4, the
     default) against LoRA (--lora-r 16, lr 1e-3: LoRA usually wants ~10x), 3 seeds, held-out accuracy.
-Runs are sequential, niced; results go to benchmarks/results/lora.json and lora.md as they come.
+Runs are sequential, niced; results go to benchmarks/results/lora.json and lora.md as they come (lora.md also into the
+docs pages that quote it, benchmarks/docs_tables.py).
 
     python benchmarks/lora.py                 # both parts
     python benchmarks/lora.py --part memory   # or learning
+    python benchmarks/lora.py --part table    # measure nothing: lora.md and lora.png from lora.json
 """
 
 import json
@@ -26,6 +28,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from docs_tables import write_table  # noqa: E402
 from scale import build, machine_name  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results")
@@ -94,16 +97,17 @@ def learning_part(args, results):
 def save(results):
     with open(os.path.join(OUT, "lora.json"), "w") as f:
         json.dump(results, f, indent=1)
-    lines = [f"# LoRA against full fine-tuning\n\nMachine: {results['machine']}; CPU, fp32 (no autocast on CPU).\n"]
+    lines = [f"LoRA against full fine-tuning. Machine: {results['machine']}; CPU, fp32 (no autocast on CPU).\n"]
     if results["memory"]:
-        lines += ["## GPT-2-124M and Qwen2-0.5B shapes (random weights, from their configs), 1 update, 4 new tokens\n",
+        lines += ["Memory: GPT-2-124M and Qwen2-0.5B shapes (random weights, from their configs), 1 update, 4 new "
+                  "tokens.\n",
                   "| run | batch flags | peak RSS (MB) | s / update (the first) |", "|---|---|---|---|"]  # fmt: skip
         lines += [f"| {k} | `{v['flags']}` | {v['peak_rss_mb']:.0f} | {v['s_per_update']:.1f} |"
                   for k, v in results["memory"].items()]  # fmt: skip
     if results["learning"]:
         updates = [u for u, _ in next(iter(next(iter(results["learning"].values())).values()))["curve"]]
-        lines += ["\n## Embedded task, `ppo_llm.py` defaults, held-out accuracy (256 problems, temperature 1), mean ± "
-                  "std over the seeds (numpy's, as in llm_learning.md)\n",
+        lines += ["\nLearning: the embedded task, `ppo_llm.py` defaults, held-out accuracy (256 problems, temperature "
+                  "1), mean ± std over the seeds (numpy's, as in llm_learning.md).\n",
                   "| run | seeds | " + " | ".join(f"update {u}" for u in updates) + " | end, per seed |",
                   "|---|---|" + "---|" * (len(updates) + 1)]  # fmt: skip
         for name, seeds in results["learning"].items():
@@ -111,8 +115,7 @@ def save(results):
             cells = [f"{m:.3f} ± {sd:.3f}" for m, sd in zip(curves.mean(0), curves.std(0))]
             ends = ", ".join(f"{e:.3f}" for e in curves[:, -1])
             lines.append(f"| {name} | {len(seeds)} | {' | '.join(cells)} | {ends} |")
-    with open(os.path.join(OUT, "lora.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_table("lora.md", "\n".join(lines), OUT)
     if results["learning"]:
         plot(results["learning"])
 

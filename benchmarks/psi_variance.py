@@ -2,6 +2,7 @@
 
 Usage (from the repository root; about 3 CPU-minutes; on a shared machine, under `nice -n 10`):
     python benchmarks/psi_variance.py
+    python benchmarks/psi_variance.py --from-csv    # measure nothing: the table and plot from psi_variance.csv
 
 1. Snapshots: `reinforce.py --save-model` (its defaults, seed 1) stopped after SNAPSHOTS steps; the same seed
    replays the same run, so each snapshot is the policy that run had at that step.
@@ -13,7 +14,8 @@ Usage (from the repository root; about 3 CPU-minutes; on a shared machine, under
    Reported per Psi: |mean g|, tr Cov(g) = mean |g - mean g|^2 (the variance of the estimate, summed over
    parameters) and the signal-to-noise ratio SNR = |mean g|^2 / tr Cov(g) (scale-free: the raw and normalised
    numbers compare, and so do the Psi).
-Writes benchmarks/results/psi_variance.csv, psi_variance.md and psi_variance.png.
+Writes benchmarks/results/psi_variance.csv, psi_variance.md (also into the docs pages that quote it,
+benchmarks/docs_tables.py) and psi_variance.png.
 """
 
 import argparse
@@ -38,6 +40,9 @@ import gymnasium as gym  # noqa: E402
 
 import reinforce  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from docs_tables import write_table  # noqa: E402
+
 SNAPSHOTS = [1, 5_000, 15_000]  # --total-timesteps of the runs whose final policy is measured
 PSIS = ["episode-return", "reward-to-go", "reward-to-go-baseline", "advantage"]
 
@@ -57,7 +62,12 @@ def main():
     p.add_argument("--fit-batches", type=int, default=4, help="batches to refit V on, per snapshot")
     p.add_argument("--vf-iters", type=int, default=80)
     p.add_argument("--seed", type=int, default=1000)
+    p.add_argument("--from-csv", action="store_true", help="measure nothing: rewrite the table and plot from the csv")
     args = p.parse_args()
+    if args.from_csv:  # the rows typed as below: counts int, normalised bool, psi str, the rest float
+        types = dict(snapshot_steps=int, batches=int, psi=str, normalised=lambda v: v == "True")
+        with open(os.path.join(RESULTS, "psi_variance.csv")) as f:
+            return report([{k: types.get(k, float)(v) for k, v in r.items()} for r in csv.DictReader(f)])
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     os.makedirs(RESULTS, exist_ok=True)
@@ -127,10 +137,14 @@ def main():
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    report(rows)
 
+
+def report(rows):
+    """psi_variance.md and psi_variance.png from the rows of psi_variance.csv."""
+    batches = rows[0]["batches"]
     lines = [
-        f"## Policy-gradient estimate per Psi, CartPole-v1, {args.batches} batches of 8 episodes per snapshot",
-        "",
+        f"Policy-gradient estimate per Psi, CartPole-v1, {batches} batches of 8 episodes per snapshot.",
         "tr Cov: variance of the gradient estimate summed over the policy's parameters (raw Psi);",
         "SNR = |mean g|^2 / tr Cov, raw Psi and normalised per batch (reinforce.py's default).",
         "",
@@ -145,8 +159,7 @@ def main():
                 f"| {steps:,} ({raw['policy_mean_return']}) | {psi_name} | {raw['mean_grad_norm']:.3g} "
                 f"| {raw['trace_cov']:.3g} | {raw['snr']:.3g} | {nrm['snr']:.3g} |"
             )
-    with open(os.path.join(RESULTS, "psi_variance.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_table("psi_variance.md", "\n".join(lines))
     print("\n".join(lines))
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -162,7 +175,7 @@ def main():
     for ax, title in [(axes[0], "variance of the estimate, tr Cov(g) (raw Psi)"), (axes[1], "SNR |mean g|^2 / tr Cov")]:
         ax.set(yscale="log", title=title, xticks=x, xticklabels=labels)
     axes[1].legend(fontsize=8)
-    fig.suptitle(f"REINFORCE on CartPole-v1: gradient estimates of 8-episode batches, {args.batches} per snapshot")
+    fig.suptitle(f"REINFORCE on CartPole-v1: gradient estimates of 8-episode batches, {batches} per snapshot")
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "psi_variance.png"), dpi=100)
 

@@ -19,8 +19,10 @@ that costs (both scripts, TRL too, inherit the settings; results are kept under 
 
     MALLOC_MMAP_THRESHOLD_=4000000000 MALLOC_TRIM_THRESHOLD_=100000000000 python benchmarks/scale.py --runs gpt2-ppo
 
-Results: benchmarks/results/scale_<device>.md and .json. Peak memory is ru_maxrss on CPU, max_memory_allocated
-on CUDA (what the scripts log as perf/peak_memory_mb).
+Results: benchmarks/results/scale_<device>.md (the runs), scale_head_<device>.md (the LM head), scale_estimate.md
+(the estimate at the hub commands of README.md and docs/; `--estimate` writes it alone, running nothing) and
+scale_<device>.json; each table also goes into the docs pages that quote it (benchmarks/docs_tables.py). Peak memory
+is ru_maxrss on CPU, max_memory_allocated on CUDA (what the scripts log as perf/peak_memory_mb).
 """
 
 import json
@@ -35,6 +37,9 @@ from dataclasses import dataclass
 
 import torch
 import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from docs_tables import write_table  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(ROOT, "benchmarks", "runs")
@@ -71,6 +76,8 @@ class Args:
     profile: bool = False
     """only time one training micro-batch of the GPT-2-124M PPO config (trunk vs LM head, forward vs backward) and
     one AdamW step (loop vs fused)"""
+    estimate: bool = False
+    """only write the memory-estimate table of the hub commands (scale_estimate.md): nothing is built or run"""
     child: str | None = None
     """internal: run one measurement in this process (a JSON spec) and print its result as JSON"""
 
@@ -330,8 +337,8 @@ def estimate_gb(params, layers, hidden, vocab, seq, micro, batch, trained=1, fro
     return (persistent + max(step, kv_cache) + (0.7 * 2**30 if cpu else 0)) / 2**30
 
 
-# the README's hub commands: label, params, layers, hidden, vocab, kv dim, prompt + response tokens, micro-batch,
-# generation batch, trained models, frozen models (in units of the policy's size)
+# the hub commands of README.md and docs/: label, params, layers, hidden, vocab, kv dim, prompt + response tokens,
+# micro-batch, generation batch, trained models, frozen models (in units of the policy's size)
 HUB = [  # label: params, layers, hidden, vocab, kv dim, tokens per sequence, micro-batch, sequences, trained, frozen
     ("ppo_llm.py --model gpt2 (arithmetic: 128 x ~8+8 tokens, micro 64)", 124e6, 12, 768, 50257, None, 16, 64, 128,
      2, 1),
@@ -395,6 +402,9 @@ def main():
         if spec["kind"] == "build":
             return build_child(spec["shape"], os.path.join(RUNS, "scale_models", spec["shape"]))
         return head_child(spec) if spec["kind"] == "head" else trl_child(spec)
+    write_estimate()
+    if args.estimate:
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.profile:  # printed, and kept in benchmarks/results/scale_profile_<device>.json
         result = {"machine": machine_name(device), "command": "python benchmarks/scale.py --profile"} | profile()
@@ -422,8 +432,23 @@ def main():
     print(write(out, device, results, head))
 
 
+def write_estimate():
+    """scale_estimate.md: estimate_gb at the hub commands, as given, with a quarter of the micro-batch, with gradient
+    checkpointing and with both."""
+    hub = hub_estimates()
+    cols = list(next(iter(hub.values())))
+    lines = ["Estimated peak GPU memory (GiB; bf16 autocast, fp32 master weights, AdamW) at the hub commands, as given "
+             "and with a quarter of the micro-batch; ckpt = --gradient-checkpointing. Command: "
+             "`python benchmarks/scale.py --estimate`", "",
+             f"| command | {' | '.join(cols)} |",
+             "|---|" + "---|" * len(cols)]  # fmt: skip
+    lines += [f"| {label} | " + " | ".join(f"{v:.1f}" for v in gb.values()) + " |" for label, gb in hub.items()]
+    write_table("scale_estimate.md", "\n".join(lines))
+
+
 def write(out, device, results, head):
-    """benchmarks/results/scale_<device>.md and .json from every config measured so far; returns the markdown."""
+    """benchmarks/results/scale_<device>.md, scale_head_<device>.md and .json from every config measured so far;
+    returns the markdown."""
     precision, peak = ("bf16 autocast", "max_memory_allocated") if device == "cuda" else ("fp32", "the peak RSS")
     lines = [f"Machine: {machine_name(device)}, torch {torch.__version__}, {precision}. "
              "Command: `python benchmarks/scale.py --runs NAME --updates N`; seconds are medians over the N - 1 "
@@ -442,26 +467,21 @@ def write(out, device, results, head):
         lines.append(table_row(label, "ours", r["ours"], r.get("trl"), est))
         if "trl" in r:
             lines.append(table_row(label, "TRL", r["trl"], None, None))
+    table = "\n".join(lines)
+    write_table(os.path.basename(out) + ".md", table)
     if head:
         s = head["shape"]
-        lines += ["", f"LM head: peak memory over the resident set, in U = B*T*V*4 bytes (B={s['B']}, T={s['T']}, "
-                  f"H={s['H']}, V={s['V']}: U = {head['U_mb']:.0f} MiB); training = log-probs + entropy and their "
-                  "backward. Command: `python benchmarks/scale.py --runs`", "",
-                  "| head | peak / U |", "|---|---|"]  # fmt: skip
-        lines += [f"| {k} | {v:.2f} |" for k, v in head["peak_U"].items()]
-    hub = hub_estimates()
-    cols = list(next(iter(hub.values())))
-    lines += ["", "Estimated peak GPU memory (GiB; bf16 autocast, fp32 master weights, AdamW) at the README's hub "
-              "commands, as given and with a quarter of the micro-batch; ckpt = --gradient-checkpointing", "",
-              f"| command | {' | '.join(cols)} |",
-              "|---|" + "---|" * len(cols)]  # fmt: skip
-    lines += [f"| {label} | " + " | ".join(f"{v:.1f}" for v in gb.values()) + " |" for label, gb in hub.items()]
-    table = "\n".join(lines)
-    with open(out + ".md", "w") as f:
-        f.write(table + "\n")
+        head_lines = [f"LM head: peak memory over the resident set, in U = B*T*V*4 bytes (B={s['B']}, T={s['T']}, "
+                      f"H={s['H']}, V={s['V']}: U = {head['U_mb']:.0f} MiB); training = log-probs + entropy and their "
+                      f"backward. Machine: {machine_name(device)}, torch {torch.__version__}. Command: "
+                      "`python benchmarks/scale.py --runs`", "",
+                      "| head | peak / U |", "|---|---|"]  # fmt: skip
+        head_lines += [f"| {k} | {v:.2f} |" for k, v in head["peak_U"].items()]
+        write_table(f"scale_head_{device}.md", "\n".join(head_lines))
+        table += "\n\n" + "\n".join(head_lines)
     with open(out + ".json", "w") as f:
         json.dump({"machine": machine_name(device), "device": device, "results": results, "head": head,
-                   "hub_estimates_gb": hub}, f, indent=1)  # fmt: skip
+                   "hub_estimates_gb": hub_estimates()}, f, indent=1)  # fmt: skip
     return table
 
 

@@ -29,3 +29,16 @@ def test_requirements_split():
     assert "-r requirements.txt" in read("requirements-dev.txt").splitlines()
     assert {"pytest", "ruff", "matplotlib"} <= dev and not {"pytest", "ruff", "matplotlib"} & runtime
     assert 'requires-python = ">=3.11"' in read("pyproject.toml")
+
+
+def test_readme_is_a_front_page_linking_every_docs_page_and_no_link_is_broken():
+    readme = read("README.md")
+    assert len(readme.split()) <= 1500
+    pages = sorted(name for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md"))
+    linked = set(re.findall(r"\]\((docs/[^)#\s]+)", readme))
+    assert {f"docs/{name}" for name in pages} <= linked
+    for page in ["README.md"] + [f"docs/{name}" for name in pages]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", read(page)):  # [text](target) and ![alt](target)
+            path = target.split("#")[0]
+            if path and "://" not in path and not path.startswith("mailto:"):
+                assert os.path.exists(os.path.join(ROOT, os.path.dirname(page), path)), f"{page}: {target}"
