@@ -1,16 +1,27 @@
-"""Learning curves of ppo_llm.py and grpo_llm.py on the embedded arithmetic task, over seeds (CPU).
+"""Learning curves of ppo_llm.py and grpo_llm.py on the embedded tasks, over seeds (CPU).
 
-Each configuration runs once per seed as its own process with the scripts' defaults (one torch thread),
---jobs at a time, into benchmarks/runs/ (ignored by git). Then the metrics.jsonl files are summarised:
+Each configuration runs once per seed as its own process (one torch thread), --jobs at a time, into benchmarks/runs/
+(ignored by git). Then the metrics.jsonl files are summarised, each group of configurations into its own files:
 
+The arithmetic task (`--configs arithmetic`, the default), the scripts' defaults:
 - benchmarks/results/llm_learning.md: held-out accuracy at the start and the end, time and samples to
   reach 90%, final KL, per configuration (mean and spread over seeds);
 - benchmarks/results/llm_accuracy.png: held-out accuracy and KL against updates, samples and wall time;
 - benchmarks/results/llm_reward_hacking.png: with the learned reward model, its score against the true
   accuracy of the same rollouts: where the two part, the policy is exploiting the reward model.
 
-    python benchmarks/llm_learning.py                   # run everything, then summarise
-    python benchmarks/llm_learning.py --no-run          # only summarise runs that exist
+Running sums with a trace (assets/sums-sft on assets/sums/*.jsonl, assets/README.md), through the path a user takes
+with their own data: local GSM8K-style files and the gsm8k reward function:
+- `--configs trace`: benchmarks/results/trace_learning.md, PPO and GRPO with their defaults, held-out accuracy at the
+  start, after 15 minutes (time/elapsed) and at the end;
+- `--configs trace-family`: the GRPO family (grpo, dr_grpo, dapo, gspo, cispo) at --num-iterations 4, so that the
+  importance ratios move away from 1, for the same number of updates: benchmarks/results/trace_family.md and
+  trace_family.png, held-out accuracy, the mean length of right and of wrong completions, entropy and clip fraction
+  against updates.
+
+    python benchmarks/llm_learning.py                                # the arithmetic task: run, then summarise
+    python benchmarks/llm_learning.py --configs trace trace-family   # the trace task
+    python benchmarks/llm_learning.py --no-run --configs trace       # only summarise runs that exist
 """
 
 import glob
@@ -26,6 +37,9 @@ import tyro
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from docs_tables import write_table  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {
@@ -50,12 +64,38 @@ CONFIGS = {
 }
 for name in ["dapo-mu2", "cispo-mu2", "sapo-mu2", "dapo-top-ent-mu2", "dapo-ent-coef-mu2"]:
     CONFIGS[name] += ["--total-steps", "120" if name in ["dapo-mu2", "cispo-mu2"] else "60"]
+ARITHMETIC = list(CONFIGS)
+
+# The trace task through the general path: the GSM8K command with local paths. --max-new-tokens is the checkpoint's
+# generation_config max_new_tokens (64: the longest right trace and its EOS are 55 tokens), said here so that the runs
+# do not depend on a script's default.
+TRACE = ["--model", "assets/sums-sft", "--dataset", "assets/sums/train.jsonl", "--prompt-column", "question"]
+TRACE += ["--reward-fn", "gsm8k", "--eval-split", "assets/sums/test.jsonl", "--max-new-tokens", "64"]
+CONFIGS["trace-ppo"] = ["ppo_llm.py", *TRACE]
+CONFIGS["trace-grpo"] = ["grpo_llm.py", *TRACE]
+# The GRPO family at mu = 4 (at mu = 1 cispo's gradient is dapo's and gspo's ratio is 1) and the same number of
+# updates: grpo with the script's defaults; gspo with the range TRL documents from the GSPO paper (v2, section 5.1);
+# cispo's cap as in cispo-mu2 above; dapo's overlong penalty above 64 - 8 = 56 tokens, longer than any right trace.
+FAMILY = {
+    "grpo": [],
+    "dr_grpo": ["--loss-type", "dr_grpo", "--scale-rewards", "none"],
+    "dapo": ["--loss-type", "dapo", "--epsilon-high", "0.28", "--overlong-buffer", "8"],
+    "gspo": ["--importance-sampling-level", "sequence", "--epsilon", "3e-4", "--epsilon-high", "4e-4"],
+    "cispo": ["--loss-type", "cispo", "--epsilon-high", "4.0"],
+}
+FAMILY_UPDATES = 200
+VARIANT = {f"trace-{variant}-mu4": variant for variant in FAMILY}  # configuration name -> variant
+for name, variant in VARIANT.items():
+    CONFIGS[name] = ["grpo_llm.py", *TRACE, "--num-iterations", "4", "--total-steps", str(FAMILY_UPDATES)]
+    CONFIGS[name] += FAMILY[variant]
+GROUPS = {"arithmetic": ARITHMETIC, "trace": ["trace-ppo", "trace-grpo"], "trace-family": list(VARIANT)}
+TRACE_MINUTES = 15
 
 
 @dataclass
 class Args:
-    configs: list[str] = field(default_factory=lambda: list(CONFIGS))
-    """configurations to run (names of CONFIGS)"""
+    configs: list[str] = field(default_factory=lambda: ["arithmetic"])
+    """configurations to run and summarise: names of CONFIGS, or of GROUPS (arithmetic, trace, trace-family)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds of each configuration"""
     jobs: int = 2
@@ -96,36 +136,73 @@ def first_reaching(run, x, threshold=0.9):
     return xs[hits[0]] if len(hits) else np.nan
 
 
-def main():
-    args = tyro.cli(Args)
-    if args.run:
-        jobs = [(name, seed) for name in args.configs for seed in args.seeds]
-        running = []
-        while jobs or running:
-            while jobs and len(running) < args.jobs:
-                name, seed = jobs.pop(0)
-                out = os.path.join(args.runs_dir, name)
-                cmd = [sys.executable, *CONFIGS[name], "--seed", str(seed), "--output-dir", out, "--sample-every", "0"]
-                os.makedirs(out, exist_ok=True)
-                log = open(os.path.join(args.runs_dir, f"{name}_{seed}.log"), "w")
-                print("running:", " ".join(cmd[1:]), flush=True)
-                running.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
-            running[0][0].wait()
-            running.pop(0)[1].close()
+def at_time(run, seconds, key="eval/accuracy"):
+    """The last value of `key` logged at or before `seconds` of time/elapsed (the first evaluation counts as 0 s)."""
+    xs, ys = series(run, key, "time/elapsed")
+    before = np.nonzero(xs <= seconds)[0]
+    return ys[before[-1]] if len(before) else np.nan
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    data = {name: load(args.runs_dir, name) for name in args.configs}
-    data = {name: runs for name, runs in data.items() if runs}
 
+def stat(values, fmt, missing="not reached"):
+    """'mean ± std' over seeds of the values that exist, and how many seeds have one when some do not."""
+    values = np.array(values, dtype=float)
+    ok = values[~np.isnan(values)]
+    if not len(ok):
+        return missing
+    text = f"{np.mean(ok):{fmt}} ± {np.std(ok):{fmt}}"
+    return text + (f" ({len(ok)}/{len(values)} seeds)" if len(ok) < len(values) else "")
+
+
+def smooth(curve, window):
+    """A (x, y) curve as its `window`-point moving average, each mean placed at the last x it covers."""
+    xs, ys = curve
+    if len(ys) < window:
+        return xs[:0], ys[:0]
+    return xs[window - 1 :], np.convolve(ys, np.ones(window) / window, mode="valid")
+
+
+def plot_band(ax, curves, label=None, color=None):
+    """Mean over seeds of (x, y) curves, cut to the shortest, and the min-max band; False when a seed has none."""
+    n = min(len(c[0]) for c in curves)
+    if n == 0:
+        return False
+    xs = np.mean([c[0][:n] for c in curves], axis=0)
+    ys = np.array([c[1][:n] for c in curves])
+    (line,) = ax.plot(xs, ys.mean(0), label=label, color=color)
+    ax.fill_between(xs, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+    return True
+
+
+def expand(names):
+    """--configs as names of CONFIGS, groups expanded, in order, each once."""
+    out = []
+    for name in names:
+        if name not in CONFIGS and name not in GROUPS:
+            raise SystemExit(f"error: --configs {name}: not one of {', '.join(list(GROUPS) + list(CONFIGS))}")
+        out += [n for n in GROUPS.get(name, [name]) if n not in out]
+    return out
+
+
+def run_all(args, names):
+    """Every (configuration, seed) as its own process, --jobs at a time, into runs_dir/<configuration>/."""
+    jobs = [(name, seed) for name in names for seed in args.seeds]
+    running = []
+    while jobs or running:
+        while jobs and len(running) < args.jobs:
+            name, seed = jobs.pop(0)
+            out = os.path.join(args.runs_dir, name)
+            cmd = [sys.executable, *CONFIGS[name], "--seed", str(seed), "--output-dir", out, "--sample-every", "0"]
+            os.makedirs(out, exist_ok=True)
+            log = open(os.path.join(args.runs_dir, f"{name}_{seed}.log"), "w")
+            print("running:", " ".join(cmd[1:]), flush=True)
+            running.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
+        running[0][0].wait()
+        running.pop(0)[1].close()
+
+
+def summarise_arithmetic(args, data):
+    """llm_learning.md, llm_accuracy.png and llm_reward_hacking.png."""
     # Table: accuracy at start and end, time and samples to 90%, final KL (mean +- std over seeds).
-    def stat(values, fmt, missing="not reached"):
-        values = np.array(values, dtype=float)
-        ok = values[~np.isnan(values)]
-        if not len(ok):
-            return missing
-        text = f"{np.mean(ok):{fmt}} ± {np.std(ok):{fmt}}"
-        return text + (f" ({len(ok)}/{len(values)} seeds)" if len(ok) < len(values) else "")
-
     at = f" at update {args.at_update} |" if args.at_update else ""
     rows = [f"| configuration | seeds | held-out accuracy, start |{at} end | seconds to 90% | samples to 90% | "
             "final KL* |", "|---|---|---|---|---|---|---|" + ("---|" if at else "")]  # fmt: skip
@@ -148,22 +225,16 @@ def main():
     )
     table = "\n".join(rows)
     print(table)
-    with open(os.path.join(args.out_dir, "llm_learning.md"), "w") as f:
-        f.write(table + "\n")
+    write_table("llm_learning.md", table, args.out_dir)
 
     # Curves: mean and min-max band over seeds, against updates, samples and wall time.
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     for name, runs in data.items():
         for col, x in enumerate(["update", "episode", "time/elapsed"]):
             for row, key in enumerate(["eval/accuracy", "kl"]):
-                curves = [series(r, kl_key(r) if key == "kl" else key, x) for r in runs]
-                n = min(len(c[0]) for c in curves)
-                if n == 0:
-                    continue  # grpo with beta 0 loads no reference and logs no KL
-                xs = np.mean([c[0][:n] for c in curves], axis=0)
-                ys = np.array([c[1][:n] for c in curves])
-                (line,) = axes[row, col].plot(xs, ys.mean(0), label=name)
-                axes[row, col].fill_between(xs, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+                # grpo with beta 0 loads no reference and logs no KL
+                if not plot_band(axes[row, col], [series(r, kl_key(r) if key == "kl" else key, x) for r in runs], name):
+                    continue
                 axes[row, col].set_xlabel({"update": "updates", "episode": "samples", "time/elapsed": "seconds"}[x])
                 axes[row, col].set_ylabel(
                     {
@@ -184,12 +255,7 @@ def main():
         for ax, name in zip(axes[0], rm_runs):
             acc_ax = ax.twinx()
             for key, axis, color in [("objective/scores", ax, "C0"), ("objective/accuracy", acc_ax, "C3")]:
-                curves = [series(r, key)[1] for r in data[name]]
-                n = min(len(c) for c in curves)
-                ys = np.array([np.convolve(c[:n], np.ones(10) / 10, mode="valid") for c in curves])  # 10-update mean
-                xs = np.arange(len(ys[0])) + 10
-                axis.plot(xs, ys.mean(0), color=color)
-                axis.fill_between(xs, ys.min(0), ys.max(0), color=color, alpha=0.2)
+                plot_band(axis, [smooth(series(r, key), 10) for r in data[name]], color=color)  # 10-update mean
             ax.set_ylabel("reward-model score (raw)", color="C0")
             acc_ax.set_ylabel("true accuracy of the same rollouts", color="C3")
             ax.set_xlabel("updates")
@@ -199,6 +265,121 @@ def main():
         )
         fig.tight_layout()
         fig.savefig(os.path.join(args.out_dir, "llm_reward_hacking.png"), dpi=80)
+
+
+def summarise_trace(args, data):
+    """trace_learning.md: PPO and GRPO with their defaults on the trace task, accuracy at start, 15 minutes, end."""
+    seconds = 60 * TRACE_MINUTES
+    rows = [f"| configuration | seeds | held-out accuracy, start | after {TRACE_MINUTES} min | end | updates in "
+            f"{TRACE_MINUTES} min | updates, minutes to the end |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, runs in data.items():
+        accuracy = [series(r, "eval/accuracy")[1] for r in runs]
+        in_time = [at_time(r, seconds, "update") for r in runs]
+        ends = [(r[-1]["update"], r[-1].get("time/elapsed", 0.0) / 60) for r in runs]
+        rows.append(
+            f"| {name} (`{CONFIGS[name][0]}`) | {len(runs)} | "
+            f"{stat([a[0] for a in accuracy], '.3f')} | {stat([at_time(r, seconds) for r in runs], '.3f')} | "
+            f"{stat([a[-1] for a in accuracy], '.3f')} | {stat(in_time, '.0f')} | "
+            f"{', '.join(f'{u}, {m:.0f}' for u, m in ends)} |"
+        )
+    rows.append(
+        f"\nEach is `python <script> {' '.join(TRACE)}` with the script's defaults otherwise. Accuracy: "
+        f"`eval/accuracy`, the 256 held-out problems of assets/sums/test.jsonl sampled at temperature 1, mean ± std "
+        f"over seeds; after {TRACE_MINUTES} min: the last evaluation at or before `time/elapsed` = {seconds} s (the "
+        "last one when a run ended sooner)."
+    )
+    table = "\n".join(rows)
+    print(table)
+    write_table("trace_learning.md", table, args.out_dir)
+
+
+def clip_key(run):
+    """grpo_llm.py logs the hard clip's share as clip_ratio/region_mean, cispo's capped weights as cispo_clip_ratio."""
+    return "cispo_clip_ratio" if any("cispo_clip_ratio" in m for m in run) else "clip_ratio/region_mean"
+
+
+FAMILY_PANELS = [  # (metric or how to find it, axis label, moving-average window: per-update metrics are noisy)
+    ("eval/accuracy", "held-out accuracy", 1),
+    ("eval/mean_length_right", "held-out: mean length of right completions (tokens)", 1),
+    ("eval/mean_length_wrong", "held-out: mean length of wrong completions (tokens)", 1),
+    ("completions/mean_length", "training completions: mean length (tokens)", 10),
+    ("entropy", "entropy (nats per token)", 10),
+    (clip_key, "clip fraction (cispo: share of capped IS weights)", 10),
+]
+
+
+def summarise_family(args, data):
+    """trace_family.md and trace_family.png: the GRPO family on the trace task."""
+
+    def last(run, key, k=10):  # per-update metrics: the mean of the last k updates; evaluations: the last one
+        ys = series(run, key)[1]
+        return ys[-k:].mean() if len(ys) else np.nan
+
+    rows = ["| variant (its flags) | seeds | updates | held-out accuracy, start | end | length right* | length wrong* "
+            "| training length** | entropy** | clip fraction** | importance ratio** |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, runs in data.items():
+        rows.append(
+            f"| {VARIANT[name]} (`{' '.join(FAMILY[VARIANT[name]])}`) | {len(runs)} | "
+            f"{', '.join(str(r[-1]['update']) for r in runs)} | "
+            f"{stat([series(r, 'eval/accuracy')[1][0] for r in runs], '.3f')} | "
+            f"{stat([last(r, 'eval/accuracy', 1) for r in runs], '.3f')} | "
+            f"{stat([last(r, 'eval/mean_length_right', 1) for r in runs], '.1f', 'not logged')} | "
+            f"{stat([last(r, 'eval/mean_length_wrong', 1) for r in runs], '.1f', 'not logged')} | "
+            f"{stat([last(r, 'completions/mean_length') for r in runs], '.1f')} | "
+            f"{stat([last(r, 'entropy') for r in runs], '.3f')} | "
+            f"{stat([last(r, clip_key(r)) for r in runs], '.4f')} | "
+            f"{stat([last(r, 'importance_ratio/mean') for r in runs], '.4f')} |"
+        )
+    rows.append(
+        f"\nEach is `python grpo_llm.py {' '.join(TRACE)} --num-iterations 4 --total-steps {FAMILY_UPDATES}` and the "
+        "variant's flags; mean ± std over seeds. Accuracy: `eval/accuracy` (256 held-out problems, temperature 1) at "
+        "the first and the last evaluation. *At the last evaluation, in tokens with the EOS: `eval/mean_length_right` "
+        "(reward > 0), `eval/mean_length_wrong`. **Mean of the last 10 updates: `completions/mean_length`, `entropy`, "
+        "`clip_ratio/region_mean` (cispo: `cispo_clip_ratio`), `importance_ratio/mean`."
+    )
+    table = "\n".join(rows)
+    print(table)
+    write_table("trace_family.md", table, args.out_dir)
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    for ax, (key, label, window) in zip(axes.flat, FAMILY_PANELS):
+        for name, runs in data.items():
+            curves = [smooth(series(r, key(r) if callable(key) else key), window) for r in runs]
+            # the updates every seed has a value at (an evaluation logs no length of wrong ones when all are right)
+            common = sorted(set.intersection(*(set(c[0]) for c in curves)))
+            curves = [(np.array(common), c[1][np.isin(c[0], common)]) for c in curves]
+            plot_band(ax, curves, VARIANT[name])
+        ax.set_xlabel("updates")
+        ax.set_ylabel(label + (f", {window}-update mean" if window > 1 else ""), fontsize=9)
+        if key is clip_key:  # gspo's tiny sequence-level range clips far more often than the others
+            ax.set_yscale("symlog", linthresh=1e-4)
+        if not ax.lines:  # eval/mean_length_* come with the scripts that log them
+            ax.text(0.5, 0.5, f"{key}\nnot logged by these runs", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([]), ax.set_yticks([])
+    axes[0, 0].legend()
+    seeds = sorted({len(runs) for runs in data.values()})
+    fig.suptitle(
+        f"The GRPO family on the trace task (assets/sums-sft), --num-iterations 4, CPU: mean and min-max over "
+        f"{'/'.join(map(str, seeds))} seed(s)"
+    )
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out_dir, "trace_family.png"), dpi=80)
+
+
+def main():
+    args = tyro.cli(Args)
+    names = expand(args.configs)
+    if args.run:
+        run_all(args, names)
+    os.makedirs(args.out_dir, exist_ok=True)
+    data = {name: load(args.runs_dir, name) for name in names}
+    data = {name: runs for name, runs in data.items() if runs}
+    for group, summarise in [("arithmetic", summarise_arithmetic), ("trace", summarise_trace),
+                             ("trace-family", summarise_family)]:  # fmt: skip
+        runs = {name: runs for name, runs in data.items() if name in GROUPS[group]}  # in --configs' order
+        if runs:
+            summarise(args, runs)
 
 
 if __name__ == "__main__":
