@@ -373,7 +373,7 @@ def stop_check():
 
 # TRY NOT TO MODIFY: rewards, prompts, models (identical in grpo_llm.py)
 
-NUMBER = r"[-+]?\$?\s?[-+]?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5
+NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
 
 
 def final_answer(text, strict=False):

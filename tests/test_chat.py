@@ -100,6 +100,9 @@ def run(script, tmp_path, **kwargs):
         ("#### 7\nwait, #### 8", 8.0, 8.0),  # the last stated one
         ("\\boxed{x}, so 12", 12.0, None),  # a box without a number states nothing
         ("no number at all", None, None),
+        ("It costs -$5, or $-5 #### $-5", -5.0, -5.0),  # a sign before or after the '$'
+        ("3+5=8 8++1=9 #### ++1", 1.0, 1.0),  # two signs: the number starts at the second one (float('++1') fails)
+        ("#### +-2", -2.0, -2.0),
     ],
 )
 def test_final_answer(text, number, strict):
