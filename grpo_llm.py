@@ -57,6 +57,7 @@ import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before init_process_group: its defaults (group=WORLD) would hold the group
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
@@ -991,7 +992,7 @@ def main(args: Args | None = None):
             sys.modules["wandb"].finish()
     if dist.is_initialized():
         dist.barrier()  # the other ranks wait while rank 0 saves
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
     return run_dir
 
 

@@ -434,7 +434,7 @@ def test_mask_truncated_completions_leaves_out_responses_without_eos(tiny, tmp_p
 
 
 def test_entropy_bonus_raises_the_entropy(tiny):
-    # A = 0, beta 0: the whole gradient is -ent_coef * d(token mean of the entropy): the bonus pushes it up (detail 31)
+    # A = 0, beta 0: the whole gradient is -ent_coef * d(token mean of the entropy): the bonus pushes it up (--ent-coef)
     torch.manual_seed(0)
     policy = grpo_llm.load_model(AutoModelForCausalLM, tiny["policy"], "--model")
     B, Q, R = 4, 3, 4

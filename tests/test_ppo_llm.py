@@ -439,12 +439,12 @@ def test_missing_eos_penalty_early_stop_and_whitened_advantages(tiny, tmp_path, 
     _, m = run(tiny, tmp_path, dataset=tiny["jsonl"], reward_fn="gsm8k", missing_eos_penalty=1.0, total_steps=1)
     assert m[0]["objective/scores"] == -0.5 and m[0]["val/num_eos_tokens"] == 4
     assert len(seen) == 2 * 2  # 2 epochs of 2 minibatches
-    # detail 10: the advantages, whitened over the batch's real tokens (Bessel): mean 0, std 1
+    # detail 9: the advantages, whitened over the batch's real tokens (Bessel): mean 0, std 1
     r = seen[0]
     mean = masked_mean(r["advantages"], r["mask"])
     var = ((r["advantages"] - mean) ** 2 * r["mask"]).sum() / (r["mask"].sum() - 1)
     assert abs(mean.item()) < 1e-6 and var.item() == pytest.approx(1.0, abs=1e-5)
-    # detail 12: once the first epoch's mean approx-KL passes --target-kl, the second epoch is skipped
+    # detail 11: once the first epoch's mean approx-KL passes --target-kl, the second epoch is skipped
     seen.clear()
     run(
         tiny, tmp_path, dataset=tiny["jsonl"], reward_fn="gsm8k", missing_eos_penalty=1.0, total_steps=1, target_kl=1e-9
