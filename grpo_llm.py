@@ -33,8 +33,8 @@ Implementation details, cited "detail N":
 13. --top-entropy-quantile q (Wang et al. 2025): the batch's top q of tokens by entropy alone carry the policy gradient
     and bonus; --off-policy-mask-threshold (DeepSeek-V3.2): completions with A < 0 far from pi_old leave it.
 
-The variants are flags (docs/grpo_llm.md): Dr. GRPO, DAPO, GSPO, RLOO. Running it for real: any causal LM, chat
-templates, bf16 autocast on CUDA, LoRA, torchrun; nothing is lost when a run stops (checkpoint.pt, --resume).
+Each variant is a few flags (docs/grpo_llm.md: Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO). Running it for real: any
+causal LM, chat templates, bf16 autocast on CUDA, LoRA, torchrun; nothing is lost when a run stops (--resume).
 """
 
 import contextlib

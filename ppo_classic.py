@@ -18,7 +18,7 @@ Implementation details ([n] = number in the 37-details post):
 4. Learning rate annealed linearly towards 0 [4]: smaller steps as the policy converges.
 5. GAE(lambda) over the (T, N) rollout, cut at episode ends [5]: trades TD bias against MC variance.
 6. Truncation bootstraps: r_t += gamma * V(final obs) when the time limit ends an episode, not when it
-   terminates: reaching CartPole's 500-step limit is not a failure (CleanRL counts it as one, #198).
+   terminates: reaching CartPole's 500-step limit is not a failure (CleanRL counts it as one: vwxyzjn/cleanrl#198).
 7. Autoreset mode set explicitly to SAME_STEP: the final obs arrives in infos["final_obs"] in the step
    that ends the episode, so no bogus reset transition enters the batch (gymnasium >= 1.0).
 8. update-epochs passes over the batch in shuffled minibatches [6]: each sample is used several times.

@@ -32,7 +32,7 @@ Implementation details:
    reward scale and the episode length; it also acts as a constant baseline.
 6. V(s) is a separate 64-64 tanh network with its own Adam (--vf-learning-rate), fitted to G_t after the
    policy step by --vf-iters full-batch MSE steps, as Spinning Up's VPG (80 at 1e-3): one shared step per
-   batch left its explained variance below 0.06 on CartPole. Psi uses V before it is fitted to the batch,
+   batch left its explained variance near 0 on CartPole. Psi uses V before it is fitted to the batch,
    so the baseline does not depend on the batch's own actions.
 7. Optional entropy bonus (--ent-coef, off by default): slows the collapse onto one action.
 8. Orthogonal init with a 0.01 policy head and a Gaussian with state-independent log-std for Box

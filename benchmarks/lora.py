@@ -39,12 +39,12 @@ class Args:
     part: Literal["both", "memory", "learning", "table"] = "both"
     """what to measure (table: only rewrite lora.md and lora.png from lora.json)"""
     updates: int = 30
-    """PPO updates per learning run (the default run is 300; 90% is reached near 90)"""
+    """PPO updates per learning run (the default run is 300)"""
     seeds: tuple[int, ...] = (1, 2, 3)
     lora_r: int = 16
     lora_lr: float = 1e-3
     grpo: bool = False
-    """also measure grpo_llm.py in part (a) (skipped in the recorded run: the machine was shared at load ~15)"""
+    """also measure grpo_llm.py in part (a)"""
 
 
 def run(script, flags, out):

@@ -42,3 +42,10 @@ def test_readme_is_a_front_page_linking_every_docs_page_and_no_link_is_broken():
             path = target.split("#")[0]
             if path and "://" not in path and not path.startswith("mailto:"):
                 assert os.path.exists(os.path.join(ROOT, os.path.dirname(page), path)), f"{page}: {target}"
+
+
+def test_readme_line_counts_are_the_files():
+    rows = re.findall(r"^\| \[`(\w+\.py)`\]\(\w+\.py\) \| (\d+) \|", read("README.md"), re.M)
+    assert {name for name, _ in rows} == {"reinforce.py", "ppo_classic.py", "ppo_llm.py", "grpo_llm.py"}
+    for name, lines in rows:
+        assert int(lines) == len(read(name).splitlines()), name
