@@ -292,15 +292,28 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
     return responses.masked_fill(after_eos, pad_token_id), ~after_eos
 
 
+def tokenize_texts(tokenizer, texts, max_length):
+    """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
+    special = not (tokenizer.bos_token and all(t.startswith(tokenizer.bos_token) for t in texts))
+    return tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length,
+                     add_special_tokens=special, return_tensors="pt")  # fmt: skip
+
+
+STOP = []  # the signals received: Ctrl-C and SIGTERM (a preemption)
+
+
+def stop_check():
+    """KeyboardInterrupt on every rank once any of them has been signalled: generation ends at its next token, and after
+    the rollout every rank stops here, before the update changes anything (a signal during an update lets it finish)."""
+    if all_reduce(torch.tensor(float(len(STOP)))).item():
+        raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")
+
+
 @torch.no_grad()
 def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast, stoppable=False):
     """Step 1: the prompts left-padded (detail 6) and cut on the left, a sampled response each, cut after its first EOS
     (detail 2). Returns {query_responses, attention_mask (B, Q + R), responses, mask (B, R) float, prompt_width Q}."""
-    enc = tokenize_texts(tokenizer, prompts, max_prompt_length)
-    empty = [prompt for prompt, n in zip(prompts, enc.attention_mask.sum(1).tolist()) if n == 0]
-    if empty:  # generate() would fail deep inside
-        raise SystemExit(f"error: prompt {empty[0]!r} encodes to no tokens with --model's tokenizer (a wrong one?)")
-    enc = enc.to(policy.device)
+    enc = tokenize_texts(tokenizer, prompts, max_prompt_length).to(policy.device)
     policy.eval()
     stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)] * stoppable
     with autocast:  # sampled with the policy's generation_config (detail 4); a signal ends it at the next token
@@ -349,9 +362,8 @@ def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast)
 
 
 def optimizer_step(optimizer, params, max_grad_norm):
-    """One AdamW step unless a rank has been signalled to stop; under torchrun the gradients are first averaged over
-    the ranks (DDP's all-reduce, by hand). Clipped to a global norm, returned: a non-finite one stops the run."""
-    stop_check()
+    """One AdamW step; under torchrun the gradients are first averaged over the ranks (DDP's all-reduce, by hand).
+    Clipped to a global norm, returned: a non-finite one stops the run (every rank sees the same norm)."""
     for p in params if dist.is_initialized() else []:  # a rank without a gradient (no loss token) adds zeros
         p.grad = all_reduce(torch.zeros_like(p) if p.grad is None else p.grad) / dist.get_world_size()
     grad_norm = nn.utils.clip_grad_norm_(params, max_grad_norm)
@@ -360,16 +372,6 @@ def optimizer_step(optimizer, params, max_grad_norm):
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
-
-
-# Ctrl-C and SIGTERM (a preemption) only append to STOP: generation ends, and every rank stops at the next stop_check.
-STOP = []
-
-
-def stop_check():
-    """KeyboardInterrupt on every rank at the same point once any of them has been signalled."""
-    if all_reduce(torch.tensor(float(len(STOP)))).item():
-        raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")
 
 
 # TRY NOT TO MODIFY: rewards, prompts, models (identical in grpo_llm.py)
@@ -433,22 +435,17 @@ def load_prompts(args, tokenizer, needs_answers):
                          f"{(str(cause).strip() or 'no rows').splitlines()[0]}){hint}") from None  # fmt: skip
     rows = []
     for i, row in enumerate(data, 1):
-        if row.get(args.prompt_column) is None:
+        if row.get(args.prompt_column) in (None, ""):  # an empty prompt: nothing to generate from
             raise SystemExit(f"error: --dataset {args.dataset}: row {i} has no --prompt-column {args.prompt_column} "
-                             f"(columns: {', '.join(k for k, v in row.items() if v is not None)})")  # fmt: skip
-        answer = row.get(args.answer_column)
-        if isinstance(answer, float) and answer.is_integer():
-            answer = int(answer)  # a CSV column with a gap is read as floats: 2.0 must read "2"
+                             f"(columns: {', '.join(k for k, v in row.items() if v not in (None, ''))})")  # fmt: skip
+        answer = row.get(args.answer_column)  # a CSV column with a gap is read as floats: 2.0 must read "2"
+        answer = int(answer) if isinstance(answer, float) and answer.is_integer() else answer
         answer = row[args.answer_column] = None if answer is None else str(answer)
         prompt = text = row[args.prompt_column]
         messages = None
         if not isinstance(prompt, str) or args.chat_template or args.system_prompt is not None:  # the data decides
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            if (
-                not messages
-                or not isinstance(messages, list)
-                or not all({"role", "content"} <= set(m) for m in messages)
-            ):
+            if not (isinstance(messages, list) and messages and all({"role", "content"} <= set(m) for m in messages)):
                 raise SystemExit(f"error: --dataset {args.dataset}, row {i}: the prompt is neither a string nor a list "
                                  "of {role, content} messages")  # fmt: skip
             if args.system_prompt is not None and messages[0]["role"] != "system":
@@ -499,9 +496,8 @@ def load_model(cls, name, flag, dtype=torch.float32):
     config = from_pretrained(AutoConfig, name, flag)
     config.update({k: 0.0 for k, v in config.to_dict().items() if isinstance(v, float) and ("drop" in k)})
     model = from_pretrained(cls, name, flag, config=config, dtype=dtype)
-    for module in model.modules():  # for models that hard-code one
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
+    for module in filter(lambda m: isinstance(m, nn.Dropout), model.modules()):  # for models that hard-code one
+        module.p = 0.0
     return model
 
 
@@ -534,13 +530,6 @@ def fit_tokenizer(tokenizer, models, eos_ids=()):
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(len(tokenizer))
         model.config.pad_token_id = tokenizer.pad_token_id
-
-
-def tokenize_texts(tokenizer, texts, max_length):
-    """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
-    special = not (tokenizer.bos_token and all(t.startswith(tokenizer.bos_token) for t in texts))
-    return tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length,
-                     add_special_tokens=special, return_tensors="pt")  # fmt: skip
 
 
 def rm_text(rm_tokenizer, row, completion):
@@ -606,11 +595,10 @@ def load_models(args, device):
     turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
     eos_ids = sorted({tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])} | set(
         tokenizer.convert_tokens_to_ids(sorted(turns))))  # fmt: skip
-    fit_tokenizer(tokenizer, [m for m in (policy, reward_model) if m is not None and rm_tokenizer is None], eos_ids)
+    fit_tokenizer(tokenizer, [policy] + [reward_model] * (reward_model is not None and rm_tokenizer is None), eos_ids)
     policy.generation_config = transformers.GenerationConfig(  # detail 4: every field set, none left to the checkpoint
         max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
-    )  # fmt: skip
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)  # fmt: skip
     policy = (add_lora(policy, args) if args.lora_r else policy).to(device)
     return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
 
@@ -642,13 +630,13 @@ def parse_args(argv=None):
     try:
         with open(os.path.join(args.resume, "args.json")) as f:
             saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()}
-    except (OSError, ValueError) as e:  # no such file, or a damaged one
+    except (OSError, ValueError, AttributeError) as e:  # no such file, a damaged one, or no {flag: value} object
         raise SystemExit(f"error: --resume {args.resume}: args.json unreadable ({type(e).__name__}: {e})") from None
     saved = {f.name: saved[f.name] for f in fields(Args) if f.name in saved} | {"resume": args.resume}
     return tyro.cli(Args, args=argv, default=Args(**saved))
 
 
-def open_run(args, rank, wandb_id):
+def open_run(args, rank, checkpoint):
     """The run directory, the same on every rank; rank 0's args.json and TensorBoard writer (wandb syncs it)."""
     names = [args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")]
     if dist.is_initialized():
@@ -656,13 +644,18 @@ def open_run(args, rank, wandb_id):
     if rank:
         return names[0], None
     os.makedirs(names[0], exist_ok=True)
+    if done := checkpoint.get("update", 0):  # a hard kill leaves rows past the checkpoint: the resume logs them again
+        with open(path := os.path.join(names[0], "metrics.jsonl")) as f:
+            rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= done]
+        with open(path, "w") as f:
+            f.writelines(rows)
     with open(os.path.join(names[0], "args.json"), "w") as f:
         json.dump(asdict(args), f, indent=1)
     if args.track:  # wandb imported only here: it is slow to import
         __import__("wandb").init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                                 name=os.path.basename(os.path.normpath(names[0])), dir=names[0], id=wandb_id,
-                                 sync_tensorboard=True, resume="allow" if wandb_id else None)  # fmt: skip
-    return names[0], SummaryWriter(names[0])
+                                 name=os.path.basename(os.path.normpath(names[0])), dir=names[0], sync_tensorboard=True,
+                                 id=checkpoint.get("wandb_id"), resume="allow" if checkpoint else None)  # fmt: skip
+    return names[0], SummaryWriter(names[0], purge_step=done + 1 if done else None)  # and TensorBoard's past it
 
 
 def log(writer, metrics, samples=()):
@@ -744,31 +737,39 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
 
 def start(args, models, optimizer):
     """--resume's checkpoint.pt with its weights and AdamW back ({} for a new run); each update seeds its own RNG."""
-    try:
-        checkpoint = args.resume and torch.load(f"{args.resume}/checkpoint.pt", map_location="cpu", weights_only=False)
-    except Exception as e:  # none (a run killed before its first save), or a truncated or damaged one
-        raise SystemExit(f"error: --resume {args.resume}: checkpoint.pt unreadable ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:100]})") from None  # fmt: skip
-    for name, weights in (checkpoint or {}).get("weights", {}).items():
-        if models.get(name) is not None:
-            models[name].load_state_dict(weights, strict=not hasattr(models[name], "disable_adapter"))
-    if checkpoint:
-        print(f"resuming after update {checkpoint['update']} of the saved run")
+    if not args.resume:
+        return {}
+    try:  # none (a run killed before its first save), a truncated or damaged one, or one of other models or flags
+        checkpoint = torch.load(f"{args.resume}/checkpoint.pt", map_location="cpu", weights_only=False)
+        for name, weights in checkpoint["weights"].items():
+            if models.get(name) is not None:
+                models[name].load_state_dict(weights, strict=not hasattr(models[name], "disable_adapter"))
         optimizer.load_state_dict(checkpoint["optimizer"])
-        optimizer.param_groups[0]["lr"] = args.learning_rate  # a flag given on resuming wins
-    return checkpoint or {}
+    except Exception as e:
+        raise SystemExit(f"error: --resume {args.resume}: checkpoint.pt unreadable, or not of these models "
+                         f"({type(e).__name__}: {str(e).strip().splitlines()[0][:100]})") from None  # fmt: skip
+    print(f"resuming after update {checkpoint['update']} of the saved run")
+    optimizer.param_groups[0]["lr"] = args.learning_rate  # a flag given on resuming wins
+    return checkpoint
 
 
 def stopped(error, update, state, run_dir, rank, save):
     """A stop in the loop saves, shows an error's traceback, says where the checkpoint is and how to go on, and exits
     non-zero. A signal or a non-finite loss stops every rank at once, and rank 0 saves; an error, its rank alone."""
-    if rank == 0 or not isinstance(error, KeyboardInterrupt | FloatingPointError):
-        save()
-    if not isinstance(error, KeyboardInterrupt | FloatingPointError):
+    together = isinstance(error, KeyboardInterrupt | FloatingPointError)
+    saved = f"the state after update {state['update']} is in {run_dir}/checkpoint.pt"
+    try:
+        if rank == 0 or not together:
+            save()
+    except Exception as e:  # a full disk, say: the last periodic checkpoint is all there is
+        saved = f"saving failed ({type(e).__name__}: {e}); {run_dir}/checkpoint.pt holds the last periodic save"
+    if not together:
         traceback.print_exc()
-    print(f"stopped in update {update} ({str(error) or type(error).__name__}); the state after update "
-          f"{state['update']} is in {run_dir}/checkpoint.pt: python {os.path.basename(__file__)} --resume "
-          f"{run_dir} goes on", file=sys.stderr)  # fmt: skip
+    if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
+        dist.barrier()
+        dist.destroy_process_group()
+    print(f"stopped in update {update} ({str(error) or type(error).__name__}); {saved}: python "
+          f"{os.path.basename(__file__)} --resume {run_dir} goes on", file=sys.stderr)  # fmt: skip
     raise SystemExit(128 + STOP[0] if STOP else 1) from None
 
 
@@ -784,8 +785,7 @@ def timing(t, start_time, first, update, total, n_tokens, device):
 
 
 def wall_clock(device):
-    """time.perf_counter() once the GPU's queued work is done: each step is timed by its own work."""
-    if device.type == "cuda":
+    if device.type == "cuda":  # time.perf_counter() once the GPU's queued work is done: each step timed by its own
         torch.cuda.synchronize()
     return time.perf_counter()
 
@@ -796,14 +796,17 @@ def wall_clock(device):
 def check_args(args, world):
     """Every bad combination of flags, one line each, before anything is loaded."""
     B, n_mb = args.prompts_per_update // world, max(args.num_mini_batches, 1)  # each process's share, minibatches
-    if world > 1 and args.micro_batch_size > B // n_mb > 0:  # the default 64 must not refuse 8 GPUs
+    if args.micro_batch_size > B // n_mb > 0:  # the default 64 must not refuse a smaller batch, or 8 GPUs
         args.micro_batch_size = B // n_mb
     args.score_norm = ("on" if args.reward_model else "off") if args.score_norm == "auto" else args.score_norm
     split = args.eval_split if args.dataset_split == "train" and args.eval_split else args.dataset_split
     for bad, message in [
         (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
-        (args.num_mini_batches < 1 or B % n_mb or B // n_mb % args.micro_batch_size, "--num-mini-batches must divide "
-         f"--prompts-per-update ({B} a process), and --micro-batch-size ({args.micro_batch_size}) the minibatch"),
+        (args.eval_only and world > 1, "--eval-only runs in one process: python, not torchrun"),
+        (min(args.num_mini_batches, args.micro_batch_size, B) < 1 or B % n_mb or B // n_mb % args.micro_batch_size,
+         f"--num-mini-batches must divide --prompts-per-update ({B} a process), and --micro-batch-size "
+         f"({args.micro_batch_size}) the minibatch"),
+        (args.num_ppo_epochs < 1, f"--num-ppo-epochs must be 1 or more (got {args.num_ppo_epochs})"),
         (args.temperature <= 0, f"--temperature must be > 0: log-probs divide by it (got {args.temperature})"),
         (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
         (args.lora_r and args.ref_update_every, "--ref-update-every cannot refresh a LoRA run's reference, its base"),
@@ -840,9 +843,8 @@ def save(path, models, tokenizer, merged=False):
         copy.deepcopy(policy).merge_and_unload().save_pretrained(os.path.join(path, "merged"))
         tokenizer.save_pretrained(os.path.join(path, "merged"))
     value_dir = path if critic is None else os.path.join(path, "critic")
-    if critic is not None:
-        critic.save_pretrained(value_dir)
-        tokenizer.save_pretrained(value_dir)
+    for saved in [critic, tokenizer] if critic is not None else []:
+        saved.save_pretrained(value_dir)
     torch.save(value_head.state_dict(), os.path.join(value_dir, "value_head.pt"))
 
 
@@ -868,7 +870,7 @@ def main(args: Args | None = None):
     models["ref_policy"] = ref_policy if args.ref_update_every else None  # else the reference is --model's
     checkpoint = start(args, models, optimizer)  # {} for a new run
     rows = load_prompts(args, tokenizer, reward_model is None and args.reward_fn in ("arithmetic", "gsm8k"))
-    run_dir, writer = open_run(args, rank, checkpoint.get("wandb_id"))
+    run_dir, writer = open_run(args, rank, checkpoint)
     if evaluation and not checkpoint:  # the initial policy, at update 0
         log(writer, {"update": 0, "episode": 0} | (initial := evaluation()))
         print(f"update 0: {eval_line(initial)}")
@@ -876,7 +878,7 @@ def main(args: Args | None = None):
     kl_coef, start_time = checkpoint.get("kl_coef", args.kl_coef), time.time()
     prompts = prompt_stream(rows, args.seed, update * args.prompts_per_update, rank, world)
     state = dict(update=update, kl_coef=kl_coef)  # what a resume restores besides the weights and AdamW
-    print(f"checkpoint.pt every {args.save_every or args.total_steps} updates (--save-every) and on any stop")
+    print(f"{run_dir}/checkpoint.pt: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     STOP.clear()
     handlers = {s: signal.signal(s, lambda signum, frame: STOP.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -903,10 +905,9 @@ def main(args: Args | None = None):
                         out = [training_forward(ref_policy, None, None, r, mc, args, False) for mc in micro_batches]
                     ref_logprobs = torch.cat([o[0] for o in out])
             completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            if reward_model is None:
-                scores = torch.tensor(reward_fn(completions, rows), dtype=torch.float, device=device)
-            else:
-                scores = reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args)
+            verdicts = reward_fn(completions, rows) if reward_model is None or rows[0]["answer"] is not None else None
+            scores = (torch.tensor(verdicts, dtype=torch.float, device=device) if reward_model is None
+                      else reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args))  # fmt: skip
             contains_eos = torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contains_eos).float()
@@ -947,6 +948,7 @@ def main(args: Args | None = None):
                 kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, args.prompts_per_update)
             if args.ref_update_every and update % args.ref_update_every == 0 and ref_policy is not None:
                 ref_policy.load_state_dict(policy.state_dict())
+            state = dict(update=update, kl_coef=kl_coef)  # update done: a stop from here on resumes after it
 
             # TRY NOT TO MODIFY: log (TRL's metric names), evaluate, show samples, save
             n_tokens = mask.sum().item()
@@ -961,12 +963,11 @@ def main(args: Args | None = None):
             metrics |= times | {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
             metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
             if rows[0]["answer"] is not None:  # the reward function's verdict, beside a reward model too
-                metrics["objective/accuracy"] = sum(reward_fn(completions, rows)) / B
+                metrics["objective/accuracy"] = sum(verdicts) / B
             metrics = global_metrics(metrics, {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum",
                                                "perf/peak_memory_mb": "max"})  # fmt: skip
             if evaluation and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics |= evaluation()
-            state = dict(update=update, kl_coef=kl_coef)  # update done: a stop from here on resumes after it
             if rank == 0:
                 shown = range(min(args.num_samples, B)) if args.sample_every and update % args.sample_every == 0 else []
                 print(f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
@@ -976,7 +977,7 @@ def main(args: Args | None = None):
                                        "score": scores[j].item()} for j in shown])  # fmt: skip
                 if args.save_every and update % args.save_every == 0:
                     save_checkpoint(run_dir, models, optimizer, state, tokenizer)
-    except (KeyboardInterrupt, Exception) as e:  # Ctrl-C, SIGTERM, a non-finite loss, an error: nothing lost
+    except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss or an error: nothing is lost
         stopped(e, update, state, run_dir, rank, lambda: save_checkpoint(run_dir, models, optimizer, state, tokenizer))
     finally:
         for s, handler in handlers.items():

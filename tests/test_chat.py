@@ -247,6 +247,19 @@ def test_long_prompts_with_another_tokenizers_reward_model(script, chat, tmp_pat
     assert all(math.isfinite(v) for v in metrics[0].values())
 
 
+def test_a_policy_without_a_pad_token_beside_a_reward_model_of_another_tokenizer(tiny, tmp_path):
+    # pad = EOS (as Llama's and Qwen2.5's base models) and no spare embedding row: the [PAD] the script adds must get a
+    # row in the policy, whose ids the policy reads, also when the reward model reads its own tokenizer
+    tok = AutoTokenizer.from_pretrained(tiny["policy"])
+    tok.pad_token = tok.eos_token
+    GPT2LMHeadModel(tiny_config(tok)).save_pretrained(tmp_path / "policy")
+    tok.save_pretrained(tmp_path / "policy")
+    args = ppo_llm.Args(model=str(tmp_path / "policy"), reward_model=tiny["rm_other"])
+    tokenizer, policy, _, rm_tokenizer, _, _ = ppo_llm.load_models(args, torch.device("cpu"))
+    assert rm_tokenizer is not None and tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == len(tok)
+    assert policy.get_input_embeddings().num_embeddings == len(tok) + 1
+
+
 def test_reward_model_with_its_own_chat_template():
     tok = chat_tokenizer()
     row = {"prompt": "<s><|user|>2+3=<|end|><|assistant|>", "messages": [{"role": "user", "content": "2+3="}]}
@@ -297,7 +310,7 @@ BAD_FILES = {
         (dict(dataset="badmessages.jsonl"), "row 1: the prompt is neither a string nor a list of {role, content}"),
         (dict(dataset="broken.json"), "broken.json could not be loaded ("),
         (dict(dataset="nowhere.jsonl"), "nowhere.jsonl could not be loaded (FileNotFoundError"),
-        (dict(dataset="emptyprompt.jsonl"), "prompt '' encodes to no tokens with --model's tokenizer (a wrong one?)"),
+        (dict(dataset="emptyprompt.jsonl"), "emptyprompt.jsonl: row 2 has no --prompt-column prompt (columns: answer)"),
         (dict(chat_template=True), "its tokenizer has no chat template, which conversational prompts, --chat-template "
          "and --system-prompt need"),
         (dict(reward_model="RM2", reward_label=2), "has num_labels=2: --reward-label (0 to 1) chooses the logit that "

@@ -122,7 +122,8 @@ def worker(rank, world, init_file):
 
 
 def test_two_ranks_update_equals_one_process_on_the_union_batch(tmp_path):
-    # PPO (separate critic, head) and GRPO (each loss type; rank 1 has an empty micro-batch, which it skips), gloo
+    # PPO (separate critic, head) and GRPO (each loss type; rank 1 has a micro-batch with no loss token: a zero
+    # gradient, and NaN stats that global_mean leaves out), gloo
     mp.spawn(worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2)
 
 

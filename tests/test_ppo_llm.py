@@ -381,24 +381,27 @@ def test_evaluation_prompts_are_fixed_and_cut_as_in_training(tiny, tmp_path):
 
 
 def test_resume_needs_a_readable_run(tiny, tmp_path):
-    # no args.json, a truncated one, no checkpoint.pt (killed before its first save), a truncated one: one line each
+    # no args.json, a truncated one, one that is no {flag: value} object; no checkpoint.pt (killed before its first
+    # save), one of other models (resumed with another --critic), a truncated one: one line each
     with pytest.raises(SystemExit, match=r"^error: --resume /no/such/run: args.json unreadable \(FileNotFoundError"):
         ppo_llm.parse_args(["--resume", "/no/such/run"])
-    (tmp_path / "args.json").write_text('{"seed": 1, "mod')
-    with pytest.raises(SystemExit, match=r"^error: --resume .*: args.json unreadable \(JSONDecodeError"):
-        ppo_llm.parse_args(["--resume", str(tmp_path)])
+    for text, error in [('{"seed": 1, "mod', "JSONDecodeError"), ("[1, 2]", "AttributeError")]:
+        (tmp_path / "args.json").write_text(text)
+        with pytest.raises(SystemExit, match=rf"^error: --resume .*: args.json unreadable \({error}"):
+            ppo_llm.parse_args(["--resume", str(tmp_path)])
     run_dir, _ = run(tiny, tmp_path / "runs", total_steps=1)
     (tmp_path / "runs" / "no_checkpoint").mkdir()
     (tmp_path / "runs" / "no_checkpoint" / "args.json").write_text(open(os.path.join(run_dir, "args.json")).read())
+    for bad, flags in [(str(tmp_path / "runs" / "no_checkpoint"), []), (run_dir, ["--critic", "head"])]:
+        with pytest.raises(SystemExit) as e:
+            ppo_llm.main(ppo_llm.parse_args(["--resume", bad, *flags]))
+        assert str(e.value).startswith(f"error: --resume {bad}: checkpoint.pt unreadable, or not of these models (")
+        assert "\n" not in str(e.value)
     checkpoint = os.path.join(run_dir, "checkpoint.pt")
     with open(checkpoint, "r+b") as f:
         f.truncate(os.path.getsize(checkpoint) // 2)  # a disk that filled up, a copy cut short
-    for bad in [str(tmp_path / "runs" / "no_checkpoint"), run_dir]:
-        with pytest.raises(SystemExit) as e:
-            ppo_llm.main(ppo_llm.parse_args(["--resume", bad]))
-        assert str(e.value).startswith(f"error: --resume {bad}: checkpoint.pt unreadable (") and "\n" not in str(
-            e.value
-        )
+    with pytest.raises(SystemExit, match=r"^error: --resume .*: checkpoint.pt unreadable, or not of these models \("):
+        ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir]))
 
 
 def test_options_all_run(tiny, tmp_path):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import untimed_metrics
+from conftest import interrupt_generation, untimed_metrics
 
 import grpo_llm
 import ppo_llm
@@ -40,10 +40,10 @@ def run(script, tiny, tmp_path, **kwargs):
     return script.main(script.Args(**(settings | kwargs)))
 
 
-@pytest.mark.parametrize("script, fail_at", [(ppo_llm, 3), (grpo_llm, 2)])  # PPO calls it twice an update (accuracy)
-def test_an_error_saves_first_and_resume_goes_on(script, fail_at, tiny, tmp_path, capsys):
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_an_error_saves_first_and_resume_goes_on(script, tiny, tmp_path, capsys):
     rewards = tmp_path / "flaky.py"
-    rewards.write_text(FLAKY.format(fail_at=fail_at, marker=str(tmp_path / "failed")))
+    rewards.write_text(FLAKY.format(fail_at=2, marker=str(tmp_path / "failed")))  # one call an update
     spec = f"{rewards}:exact"
     reward_fn = spec if script is ppo_llm else (spec,)
     with pytest.raises(SystemExit) as stop:
@@ -54,6 +54,8 @@ def test_an_error_saves_first_and_resume_goes_on(script, fail_at, tiny, tmp_path
     assert err.rstrip().splitlines()[-1].endswith(f"python {script.__name__}.py --resume {run_dir} goes on")
     assert [m["update"] for m in untimed_metrics(run_dir)] == [1]  # update 2 raised in its scoring
     assert os.path.isfile(run_dir / "policy" / "config.json")
+    with open(run_dir / "metrics.jsonl", "a") as f:  # as a hard kill leaves it: a row past the checkpoint, half a row
+        f.write(json.dumps({"update": 2, "reward": -1.0}) + '\n{"update": 3, "rew')
     script.main(script.parse_args(["--resume", str(run_dir)]))  # the marker exists: it does not raise again
     whole = run(script, tiny, tmp_path / "whole", reward_fn=reward_fn)
     assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2, 3]
@@ -94,3 +96,43 @@ def test_a_reward_file_that_does_not_import_is_one_line(script, tiny, tmp_path):
         run(script, tiny, tmp_path, reward_fn=spec if script is ppo_llm else (spec,))
     assert str(e.value).startswith(f"error: --reward-fn {spec}: not one of") and "(SyntaxError: " in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_a_signal_during_an_update_lets_it_finish(script, tiny, tmp_path, monkeypatch, capsys):
+    # SIGTERM arrives at update 2's first optimizer step (its handler appends to STOP): update 2 finishes, the next
+    # rollout ends at its first token and stops every rank, so checkpoint.pt holds exactly the state after update 2
+    steps, real = [], script.optimizer_step
+    per_update = 2 * 2 if script is ppo_llm else 1  # PPO: 2 epochs x 2 minibatches; GRPO: --num-iterations 1
+
+    def step(*args):
+        steps.append(1)
+        if len(steps) == per_update + 1:
+            script.STOP.append(signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(script, "optimizer_step", step)
+    with pytest.raises(SystemExit) as stop:
+        run(script, tiny, tmp_path / "split")
+    (run_dir,) = (tmp_path / "split").iterdir()
+    assert stop.value.code == 128 + signal.SIGTERM and "stopped in update 3 (SIGTERM)" in capsys.readouterr().err
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["update"] == 2 and len(steps) == 2 * per_update
+    monkeypatch.setattr(script, "optimizer_step", real)
+    script.main(script.parse_args(["--resume", str(run_dir)]))
+    assert untimed_metrics(run_dir) == untimed_metrics(run(script, tiny, tmp_path / "whole"))
+
+
+def test_a_save_that_fails_still_says_how_to_go_on(tiny, tmp_path, monkeypatch, capsys):
+    # Ctrl-C in update 2, and the save fails (a full disk): the last line says so, and where the last good one is
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ppo_llm, "save_checkpoint", full_disk)
+    interrupt_generation(monkeypatch, call=2)
+    with pytest.raises(SystemExit):
+        run(ppo_llm, tiny, tmp_path)
+    (run_dir,) = tmp_path.iterdir()
+    last = capsys.readouterr().err.rstrip().splitlines()[-1]
+    assert last == (f"stopped in update 2 (interrupted by the test); saving failed (OSError: [Errno 28] No space left "
+                    f"on device); {run_dir}/checkpoint.pt holds the last periodic save: python ppo_llm.py --resume "
+                    f"{run_dir} goes on")  # fmt: skip
