@@ -308,7 +308,7 @@ def summarise_family(args, data):
             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, runs in data.items():
         rows.append(
-            f"| {VARIANT[name]} (`{' '.join(FAMILY[VARIANT[name]])}`) | {len(runs)} | "
+            f"| {VARIANT[name]} ({' '.join(FAMILY[VARIANT[name]]).join('``') or 'the defaults'}) | {len(runs)} | "
             f"{', '.join(str(r[-1]['update']) for r in runs)} | "
             f"{stat([series(r, 'eval/accuracy')[1][0] for r in runs], '.3f')} | "
             f"{stat([last(r, 'eval/accuracy', 1) for r in runs], '.3f')} | "
@@ -319,12 +319,17 @@ def summarise_family(args, data):
             f"{stat([last(r, clip_key(r)) for r in runs], '.4f')} | "
             f"{stat([last(r, 'importance_ratio/mean') for r in runs], '.4f')} |"
         )
+    runs = [run for runs in data.values() for run in runs]  # every variant starts from the same SFT policy
+    start = {key: stat([series(r, key)[1][0] for r in runs], fmt) for key, fmt in
+             [("eval/mean_length_right", ".1f"), ("eval/mean_length_wrong", ".1f"), ("entropy", ".3f")]}  # fmt: skip
     rows.append(
         f"\nEach is `python grpo_llm.py {' '.join(TRACE)} --num-iterations 4 --total-steps {FAMILY_UPDATES}` and the "
         "variant's flags; mean ± std over seeds. Accuracy: `eval/accuracy` (256 held-out problems, temperature 1) at "
         "the first and the last evaluation. *At the last evaluation, in tokens with the EOS: `eval/mean_length_right` "
         "(reward > 0), `eval/mean_length_wrong`. **Mean of the last 10 updates: `completions/mean_length`, `entropy`, "
-        "`clip_ratio/region_mean` (cispo: `cispo_clip_ratio`), `importance_ratio/mean`."
+        "`clip_ratio/region_mean` (cispo: `cispo_clip_ratio`), `importance_ratio/mean`. At the start (the first "
+        f"evaluation and update, every run): length right {start['eval/mean_length_right']}, length wrong "
+        f"{start['eval/mean_length_wrong']}, entropy {start['entropy']}."
     )
     table = "\n".join(rows)
     print(table)
