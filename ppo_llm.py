@@ -644,8 +644,8 @@ def open_run(args, rank, checkpoint):
     if rank:
         return names[0], None
     os.makedirs(names[0], exist_ok=True)
-    if done := checkpoint.get("update", 0):  # a hard kill leaves rows past the checkpoint: the resume logs them again
-        with open(path := os.path.join(names[0], "metrics.jsonl")) as f:
+    for name in ["metrics.jsonl", "samples.jsonl"] if (done := checkpoint.get("update", 0)) else []:  # a resume:
+        with open(path := os.path.join(names[0], name)) as f:  # rows a hard kill left past the checkpoint go
             rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= done]
         with open(path, "w") as f:
             f.writelines(rows)
@@ -840,8 +840,8 @@ def save(path, models, tokenizer, merged=False):
     policy.save_pretrained(path)
     tokenizer.save_pretrained(path)
     if merged:  # W + (alpha / r) B A, in a copy (one more base in memory, while saving): training keeps its adapters
-        copy.deepcopy(policy).merge_and_unload().save_pretrained(os.path.join(path, "merged"))
-        tokenizer.save_pretrained(os.path.join(path, "merged"))
+        for saved in [copy.deepcopy(policy).merge_and_unload(), tokenizer]:
+            saved.save_pretrained(os.path.join(path, "merged"))
     value_dir = path if critic is None else os.path.join(path, "critic")
     for saved in [critic, tokenizer] if critic is not None else []:
         saved.save_pretrained(value_dir)
@@ -880,7 +880,8 @@ def main(args: Args | None = None):
     state = dict(update=update, kl_coef=kl_coef)  # what a resume restores besides the weights and AdamW
     print(f"{run_dir}/checkpoint.pt: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     STOP.clear()
-    handlers = {s: signal.signal(s, lambda signum, frame: STOP.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {s: signal.signal(s, lambda n, f: signal.default_int_handler(n, f) if STOP else STOP.append(n))
+                for s in (signal.SIGINT, signal.SIGTERM)}  # a second signal stops at once  # fmt: skip
     try:
         for update in range(update + 1, args.total_steps + 1):
             torch.manual_seed(hash((args.seed, update, rank)))  # each update's own random numbers: exact resumes
@@ -966,7 +967,7 @@ def main(args: Args | None = None):
                 metrics["objective/accuracy"] = sum(verdicts) / B
             metrics = global_metrics(metrics, {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum",
                                                "perf/peak_memory_mb": "max"})  # fmt: skip
-            if evaluation and (update % args.eval_every == 0 or update == args.total_steps):
+            if evaluation and not STOP and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics |= evaluation()
             if rank == 0:
                 shown = range(min(args.num_samples, B)) if args.sample_every and update % args.sample_every == 0 else []
@@ -975,7 +976,7 @@ def main(args: Args | None = None):
                       + (f"{eval_line(metrics)}  " if "eval/accuracy" in metrics else "") + progress)  # fmt: skip
                 log(writer, metrics, [{"update": update, "prompt": rows[j]["prompt"], "completion": completions[j],
                                        "score": scores[j].item()} for j in shown])  # fmt: skip
-                if args.save_every and update % args.save_every == 0:
+                if args.save_every and update % args.save_every == 0 and not STOP:  # a stop saves anyway
                     save_checkpoint(run_dir, models, optimizer, state, tokenizer)
     except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss or an error: nothing is lost
         stopped(e, update, state, run_dir, rank, lambda: save_checkpoint(run_dir, models, optimizer, state, tokenizer))

@@ -307,8 +307,9 @@ def summarise_family(args, data):
             "| training length** | entropy** | clip fraction** | importance ratio** |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, runs in data.items():
+        flags = " ".join(FAMILY[VARIANT[name]])
         rows.append(
-            f"| {VARIANT[name]} ({' '.join(FAMILY[VARIANT[name]]).join('``') or 'the defaults'}) | {len(runs)} | "
+            f"| {VARIANT[name]} ({f'`{flags}`' if flags else 'the defaults'}) | {len(runs)} | "
             f"{', '.join(str(r[-1]['update']) for r in runs)} | "
             f"{stat([series(r, 'eval/accuracy')[1][0] for r in runs], '.3f')} | "
             f"{stat([last(r, 'eval/accuracy', 1) for r in runs], '.3f')} | "

@@ -329,12 +329,13 @@ def estimate_gb(params, layers, hidden, vocab, seq, micro, batch, trained=1, fro
     copies under autocast); activations of one micro-batch per trained trunk: ~16 hidden-sized tensors per token
     and layer (Korthikanti et al. 2022 without dropout, no stored attention scores with SDPA), 2 B each under bf16
     autocast, 4 B in fp32; with gradient checkpointing, each layer's input plus one layer's full set; the chunked
-    head (a few 2^24-logit chunks + the head weight's gradient); or, when larger, the generation batch's KV cache;
+    head (a few 2^24-logit chunks + two head-weight-sized gradients: a chunk's, and autograd's sum of the chunks'); or,
+    when larger, the generation batch's KV cache;
     on CPU ~0.7 GiB of libraries in the resident set."""
     act_bytes, tokens = (2 if bf16 else 4), micro * seq
     per_layer = 16 * hidden * act_bytes * tokens
     activations = tokens * hidden * act_bytes * layers + per_layer if checkpointing else per_layer * layers
-    head = 5 * 2**24 * 4 + vocab * hidden * 4
+    head = 5 * 2**24 * 4 + 2 * vocab * hidden * 4
     kv_cache = 2 * layers * (kv_dim or hidden) * seq * batch * act_bytes
     persistent = 4 * params * (trained + frozen) + 8 * params * trained + (2 * params * trained if bf16 else 0)
     step = 4 * params * trained + trained * activations + head

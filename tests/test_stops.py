@@ -56,10 +56,13 @@ def test_an_error_saves_first_and_resume_goes_on(script, tiny, tmp_path, capsys)
     assert os.path.isfile(run_dir / "policy" / "config.json")
     with open(run_dir / "metrics.jsonl", "a") as f:  # as a hard kill leaves it: a row past the checkpoint, half a row
         f.write(json.dumps({"update": 2, "reward": -1.0}) + '\n{"update": 3, "rew')
+    with open(run_dir / "samples.jsonl", "a") as f:
+        f.write(json.dumps({"update": 2, "prompt": "1+1=", "completion": "3"}) + "\n")
     script.main(script.parse_args(["--resume", str(run_dir)]))  # the marker exists: it does not raise again
     whole = run(script, tiny, tmp_path / "whole", reward_fn=reward_fn)
     assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2, 3]
     assert untimed_metrics(run_dir) == untimed_metrics(whole)
+    assert (run_dir / "samples.jsonl").read_text() == ""  # --sample-every 0: the stale row went, and none came
 
 
 def test_sigterm_saves_and_resume_goes_on(tiny, tmp_path):
@@ -69,7 +72,7 @@ def test_sigterm_saves_and_resume_goes_on(tiny, tmp_path):
                "--max-new-tokens", "3", "--eval-every", "0", "--output-dir", str(tmp_path)]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for _ in range(600):  # until a first update is logged (a minute at most)
+    for _ in range(3000):  # until a first update is logged (five minutes at most, on a loaded machine)
         time.sleep(0.1)
         logged = list(tmp_path.glob("*/metrics.jsonl"))
         if logged and logged[0].read_text().strip():
@@ -111,15 +114,40 @@ def test_a_signal_during_an_update_lets_it_finish(script, tiny, tmp_path, monkey
             script.STOP.append(signal.SIGTERM)
         return real(*args)
 
+    saves, real_save = [], script.save_checkpoint
+    monkeypatch.setattr(script, "save_checkpoint", lambda *args: saves.append(1) or real_save(*args))
     monkeypatch.setattr(script, "optimizer_step", step)
     with pytest.raises(SystemExit) as stop:
-        run(script, tiny, tmp_path / "split")
+        run(script, tiny, tmp_path / "split", save_every=2)  # update 2's periodic save waits for the stop's
     (run_dir,) = (tmp_path / "split").iterdir()
     assert stop.value.code == 128 + signal.SIGTERM and "stopped in update 3 (SIGTERM)" in capsys.readouterr().err
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["update"] == 2 and len(steps) == 2 * per_update
+    assert len(saves) == 1
     monkeypatch.setattr(script, "optimizer_step", real)
     script.main(script.parse_args(["--resume", str(run_dir)]))
     assert untimed_metrics(run_dir) == untimed_metrics(run(script, tiny, tmp_path / "whole"))
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_a_second_signal_stops_at_once(script, tiny, tmp_path, monkeypatch, capsys):
+    # two SIGTERMs at update 2's first optimizer step, through the handler the run installed: the second does not wait
+    # for the update to finish; the checkpoint holds the count of update 1 (and the weights of that moment)
+    steps, real = [], script.optimizer_step
+    per_update = 2 * 2 if script is ppo_llm else 1
+
+    def step(*args):
+        steps.append(1)
+        if len(steps) == per_update + 1:
+            for _ in range(2):
+                signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        return real(*args)
+
+    monkeypatch.setattr(script, "optimizer_step", step)
+    with pytest.raises(SystemExit) as stop:
+        run(script, tiny, tmp_path)
+    (run_dir,) = tmp_path.iterdir()
+    assert stop.value.code == 128 + signal.SIGTERM and "stopped in update 2 (" in capsys.readouterr().err
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["update"] == 1 and len(steps) == per_update + 1
 
 
 def test_a_save_that_fails_still_says_how_to_go_on(tiny, tmp_path, monkeypatch, capsys):
