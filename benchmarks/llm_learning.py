@@ -12,8 +12,8 @@ The arithmetic task (`--configs arithmetic`, the default), the scripts' defaults
 
 Running sums with a trace (assets/sums-sft on assets/sums/*.jsonl, assets/README.md), through the path a user takes
 with their own data: local GSM8K-style files and the gsm8k reward function:
-- `--configs trace`: benchmarks/results/trace_learning.md, PPO and GRPO with their defaults, held-out accuracy at the
-  start, after 15 minutes (time/elapsed) and at the end;
+- `--configs trace`: benchmarks/results/trace_learning.md and trace_learning.png, PPO and GRPO with their defaults,
+  held-out accuracy at the start, after 15 minutes (time/elapsed) and at the end, and against minutes and updates;
 - `--configs trace-family`: the GRPO family (grpo, dr_grpo, dapo, gspo, cispo) at --num-iterations 4, so that the
   importance ratios move away from 1, for the same number of updates: benchmarks/results/trace_family.md and
   trace_family.png, held-out accuracy, the mean length of right and of wrong completions, entropy and clip fraction
@@ -259,26 +259,40 @@ def summarise_trace(args, data):
     """trace_learning.md: PPO and GRPO with their defaults on the trace task, accuracy at start, 15 minutes, end."""
     seconds = 60 * TRACE_MINUTES
     rows = [f"| configuration | seeds | held-out accuracy, start | after {TRACE_MINUTES} min | end | updates in "
-            f"{TRACE_MINUTES} min | updates, minutes to the end |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+            f"{TRACE_MINUTES} min | each seed's run |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, runs in data.items():
         accuracy = [series(r, "eval/accuracy")[1] for r in runs]
         in_time = [at_time(r, seconds, "update") for r in runs]
         ends = [(r[-1]["update"], r[-1].get("time/elapsed", 0.0) / 60) for r in runs]
         rows.append(
-            f"| {name} (`{CONFIGS[name][0]}`) | {len(runs)} | "
+            f"| {name} (`{' '.join(CONFIGS[name][:1] + CONFIGS[name][1 + len(TRACE) :])}`) | {len(runs)} | "
             f"{stat([a[0] for a in accuracy], '.3f')} | {stat([at_time(r, seconds) for r in runs], '.3f')} | "
             f"{stat([a[-1] for a in accuracy], '.3f')} | {stat(in_time, '.0f')} | "
-            f"{', '.join(f'{u}, {m:.0f}' for u, m in ends)} |"
+            f"{'; '.join(f'{u} updates in {m:.1f} min' for u, m in ends)} |"
         )
     rows.append(
-        f"\nEach is `python <script> {' '.join(TRACE)}` with the script's defaults otherwise. Accuracy: "
-        f"`eval/accuracy`, the 256 held-out problems of assets/sums/test.jsonl sampled at temperature 1, mean ± std "
-        f"over seeds; after {TRACE_MINUTES} min: the last evaluation at or before `time/elapsed` = {seconds} s (the "
-        "last one when a run ended sooner)."
+        f"\nEach is `python <script> {' '.join(TRACE)}` and the flags named, the script's defaults otherwise. "
+        f"Accuracy: `eval/accuracy`, the 256 held-out problems of assets/sums/test.jsonl sampled at temperature 1, "
+        f"mean ± std over seeds; after {TRACE_MINUTES} min: the last evaluation at or before `time/elapsed` = "
+        f"{seconds} s (the last one when a run ended sooner)."
     )
     table = "\n".join(rows)
     print(table)
     write_table("trace_learning.md", table, args.out_dir)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, runs in data.items():  # the evaluations' time/elapsed, averaged over seeds at each update
+        plot_band(axes[0], [(series(r, "eval/accuracy", "time/elapsed")[0] / 60, series(r, "eval/accuracy")[1])
+                            for r in runs], name)  # fmt: skip
+        plot_band(axes[1], [series(r, "eval/accuracy") for r in runs], name)
+    axes[0].axvline(TRACE_MINUTES, color="gray", linestyle="--", linewidth=1)
+    for ax, xlabel in zip(axes, ["minutes (time/elapsed)", "updates"]):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out accuracy")
+    axes[0].legend()
+    fig.suptitle("PPO and GRPO on the trace task (assets/sums-sft), CPU, one thread a run: mean and min-max over seeds")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out_dir, "trace_learning.png"), dpi=80)
 
 
 def clip_key(run):
