@@ -662,8 +662,8 @@ def open_run(args, rank, checkpoint):
     if rank:
         return names[0], None
     os.makedirs(names[0], exist_ok=True)
-    for name in ["metrics.jsonl", "samples.jsonl"] if (done := checkpoint.get("update", 0)) else []:  # a resume:
-        with open(path := os.path.join(names[0], name)) as f:  # rows a hard kill left past the checkpoint go
+    for name in ["metrics.jsonl", "samples.jsonl"] if (done := checkpoint.get("update", 0)) else []:  # resuming:
+        with open(path := os.path.join(names[0], name)) as f:  # drop rows a hard kill left past the checkpoint
             rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= done]
         with open(path, "w") as f:
             f.writelines(rows)
