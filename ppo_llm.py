@@ -49,6 +49,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
@@ -60,6 +61,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 import tyro
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -303,13 +313,32 @@ def position_ids(attention_mask):
 
 
 def hidden_states(model, query_responses, attention_mask, prompt_width):
-    """The trunk's last hidden states (B, R, H) at the positions that predict the response: the state at t predicts
-    token t + 1, so query_responses[:, Q:] comes from positions Q - 1 ... -2 (the off-by-one shift). With LoRA, the
-    trunk under peft's wrapper (whose forward ends in the LM head)."""
-    trunk = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model
-    out = trunk(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                use_cache=False)  # fmt: skip
-    return out.last_hidden_state[:, prompt_width - 1 : -1]
+    """The last hidden states (B, R, H) at the positions that predict the response: the state at t predicts token t + 1,
+    so query_responses[:, Q:] comes from positions Q - 1 ... -2 (the off-by-one shift). Through the model's own forward,
+    where FSDP gathers its weights, with the LM head on the last position only (the chunked head does the rest)."""
+    inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
+    if model.get_output_embeddings() is None:  # a trunk: the critic
+        hidden = model(**inputs, use_cache=False).last_hidden_state
+    else:
+        hidden = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+    return hidden[:, prompt_width - 1 : -1]
+
+
+@contextlib.contextmanager
+def unsharded(model):
+    """Under torchrun, the FSDP-sharded model whole on every rank for the block's duration: one all-gather of its
+    weights, not one a forward (generation runs a forward a token, and the ranks stop at different lengths). A no-op
+    in one process. Costs a whole copy of the model's weights per rank while it lasts (docs/scaling.md)."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
+    for module in sharded:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
+            module.set_reshard_after_forward(module is not model, recurse=False)  # FSDP's default: not the root
 
 
 def truncate_after_eos(responses, eos_ids, pad_token_id):
@@ -396,11 +425,11 @@ def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast)
 
 
 def optimizer_step(optimizer, params, max_grad_norm):
-    """One AdamW step; under torchrun the gradients are first averaged over the ranks (DDP's all-reduce, by hand).
-    Clipped to a global norm, returned: a non-finite one stops the run (every rank sees the same norm)."""
-    for p in params if dist.is_initialized() else []:  # a rank without a gradient (no loss token) adds zeros
-        p.grad = all_reduce(torch.zeros_like(p) if p.grad is None else p.grad) / dist.get_world_size()
+    """One AdamW step, the gradients clipped to a global norm, returned; a non-finite one stops the run. Under torchrun
+    FSDP's reduce-scatter has already averaged the gradients over the ranks, and the norm is of every rank's shards."""
     grad_norm = nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if isinstance(grad_norm, DTensor):  # a sharded norm: the same total on every rank
+        grad_norm = grad_norm.full_tensor()
     if not torch.isfinite(grad_norm):
         raise FloatingPointError(f"the gradient norm is {grad_norm.item()}: try a lower --learning-rate")
     optimizer.step()
@@ -588,7 +617,8 @@ def reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args):
         texts = [rm_text(rm_tokenizer, row, c) for row, c in zip(rows, completions)]
         inputs = {k: v.to(reward_model.device) for k, v in tokenize_texts(rm_tokenizer, texts, context).items()}
     n, chunk = len(completions), args.micro_batch_size
-    logits = [reward_model(**{k: v[i : i + chunk] for k, v in inputs.items()}).logits for i in range(0, n, chunk)]
+    with unsharded(reward_model):
+        logits = [reward_model(**{k: v[i : i + chunk] for k, v in inputs.items()}).logits for i in range(0, n, chunk)]
     return torch.cat(logits)[:, args.reward_label or 0].float()
 
 
@@ -718,13 +748,20 @@ def global_metrics(metrics, ops):
 
 def evaluate(policy, tokenizer, rows, reward_fn, eos_ids, max_prompt_length, autocast, chunk):
     """Held-out accuracy: the reward function's mean over `rows`, sampled as in training, its standard error
-    std / sqrt(n) (95% of two evaluations differ by < 1.96 sqrt 2 of it), the mean length of right (> 0) and wrong."""
+    std / sqrt(n) (95% of two evaluations differ by < 1.96 sqrt 2 of it), the mean length of right (> 0) and wrong.
+    Under torchrun every rank samples its share of the rows, and the metrics are of them all."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     scores, lengths = [], []
-    for i in range(0, len(rows), chunk):
-        batch = rows[i : i + chunk]
-        r = rollout(policy, tokenizer, [row["prompt"] for row in batch], max_prompt_length, eos_ids, autocast)
-        scores += reward_fn(tokenizer.batch_decode(r["responses"], skip_special_tokens=True), batch)
-        lengths += r["mask"].sum(1).tolist()
+    with unsharded(policy):
+        for i in range(rank * chunk, len(rows), world * chunk):
+            batch = rows[i : i + chunk]
+            r = rollout(policy, tokenizer, [row["prompt"] for row in batch], max_prompt_length, eos_ids, autocast)
+            scores += reward_fn(tokenizer.batch_decode(r["responses"], skip_special_tokens=True), batch)
+            lengths += r["mask"].sum(1).tolist()
+    if dist.is_initialized():
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (scores, lengths))
+        scores, lengths = [x for s, _ in gathered for x in s], [x for _, n in gathered for x in n]
     scores, lengths = torch.tensor(scores, dtype=torch.float64), torch.tensor(lengths)
     stderr = scores.std(correction=0).item() / len(scores) ** 0.5
     metrics = {"eval/accuracy": scores.mean().item(), "eval/accuracy_stderr": stderr}
@@ -737,8 +774,27 @@ def eval_line(metrics):
     return f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
 
 
+def shard(model):
+    """FSDP2 under torchrun: each transformer block is a unit, gathered for its forward and its backward and freed
+    after, and the rest (embeddings, final norm, LM head, a value head) is the root unit; weights, gradients and AdamW's
+    state live 1/N on each rank, and the gradients are averaged over the ranks by reduce-scatter. A no-op in one
+    process."""
+    if model is None or isinstance(model, FSDPModule) or not dist.is_initialized():  # a LoRA reference: the policy
+        return
+    blocks = getattr(model, "_no_split_modules", None) or ()  # transformers' names of its blocks
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module)
+    fully_shard(model)
+    if hasattr(model, "generate"):  # a LoRA model's generate() runs the inner model's forward, not its own
+        register_fsdp_forward_method(model, "generate")
+    # transformers returns views (GPT-2's hidden states), which FSDP warns of; none is modified in place here
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
 def build_optimizer(args, device, trained, frozen):
-    """The models onto the device, activation checkpointing, the learning rate: (trainable parameters, AdamW)."""
+    """The models onto the device, activation checkpointing, sharded under torchrun, the learning rate: (trainable
+    parameters, AdamW over them)."""
     trained = [m for m in trained if m is not None]
     for model in trained + [m for m in frozen if m is not None]:
         model.to(device)
@@ -750,40 +806,86 @@ def build_optimizer(args, device, trained, frozen):
     if args.learning_rate is None:
         args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
         print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
+    for model in trained + frozen:
+        shard(model)
     params = [p for m in trained for p in m.parameters() if p.requires_grad]
     # fused: one kernel over all parameters (~0.05 s a step at 124M on a CPU, ~0.6 s as torch's default loop)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
     return params, optimizer
 
 
+def saved_names(model):
+    """The names of a model's weights in checkpoint.pt: its state_dict's but a LoRA base's (frozen: --model's own)."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return [name for name in model.state_dict() if name not in frozen]  # remove_duplicate: a tied head's name too
+
+
+def gathered(model):
+    """saved_names' weights, whole: under torchrun FSDP gathers the shards into rank 0's CPU memory, a tensor at a time
+    (the other ranks get {})."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True)
+    names = saved_names(model)
+    return {name: value for name, value in get_model_state_dict(model, options=options).items() if name in names}
+
+
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
-    """checkpoint.pt (state, weights but a LoRA base's, AdamW, wandb id), written whole or not at all; then policy/."""
-    weights = {name: {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
-                      if v.requires_grad or not hasattr(model, "disable_adapter")}
-               for name, model in models.items() if model is not None}  # fmt: skip
+    """checkpoint.pt (the state, the weights, AdamW's state, the wandb id), written whole or not at all, then policy/.
+    Under torchrun every rank calls it, to gather the shards, and rank 0 writes."""
+    weights = {name: gathered(model) for name, model in models.items()}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
+    optimizer_state = get_optimizer_state_dict(models, optimizer, options=options)
+    if dist.is_initialized() and dist.get_rank():
+        return
     wandb_id = getattr(getattr(sys.modules.get("wandb"), "run", None), "id", None)
     path, tmp = os.path.join(run_dir, "checkpoint.pt"), os.path.join(run_dir, f"checkpoint.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:  # a file per process: two ranks stopped by errors may both save
-        torch.save(state | dict(weights=weights, optimizer=optimizer.state_dict(), wandb_id=wandb_id), f)
+        torch.save(state | dict(weights=weights, optimizer=optimizer_state, wandb_id=wandb_id), f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename
     os.replace(tmp, path)  # atomic
-    save(os.path.join(run_dir, "policy"), models, tokenizer, merged)
+    save(os.path.join(run_dir, "policy"), models, weights, tokenizer)
+    if merged:
+        save_merged(os.path.join(run_dir, "policy"), tokenizer)
+
+
+def save_merged(path, tokenizer):
+    """path/merged: the base with the LoRA adapter of path merged in, W + (alpha / r) B A, loaded on the CPU as peft
+    loads an adapter (its base from adapter_config.json)."""
+    import peft
+
+    model = peft.AutoPeftModelForCausalLM.from_pretrained(path).merge_and_unload()
+    model.save_pretrained(os.path.join(path, "merged"))
+    tokenizer.save_pretrained(os.path.join(path, "merged"))
 
 
 def start(args, models, optimizer):
-    """--resume's checkpoint.pt with its weights and AdamW back ({} for a new run); each update seeds its own RNG."""
+    """--resume's checkpoint.pt ({} for a new run), its weights and AdamW's state back in the models. Rank 0 reads it
+    and, under torchrun, FSDP sends each rank its shards: a run resumes with any number of processes."""
     if not args.resume:
         return {}
-    try:  # none (a run killed before its first save), a truncated or damaged one, or one of other models or flags
-        checkpoint = torch.load(f"{args.resume}/checkpoint.pt", map_location="cpu", weights_only=False)
-        for name, weights in checkpoint["weights"].items():
-            if models.get(name) is not None:
-                models[name].load_state_dict(weights, strict=not hasattr(models[name], "disable_adapter"))
-        optimizer.load_state_dict(checkpoint["optimizer"])
-    except Exception as e:
-        raise SystemExit(f"error: --resume {args.resume}: checkpoint.pt unreadable, or not of these models "
-                         f"({type(e).__name__}: {str(e).strip().splitlines()[0][:100]})") from None  # fmt: skip
+    checkpoint, error = {}, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:  # none (a run killed before its first save), a truncated or damaged one, or one of other models or flags
+            checkpoint = torch.load(os.path.join(args.resume, "checkpoint.pt"), map_location="cpu", weights_only=False)
+            if models.keys() != checkpoint["weights"].keys():
+                raise KeyError(f"it holds {', '.join(checkpoint['weights'])}")
+            for name, model in models.items():  # the saved names against these models'
+                if set(saved_names(model)) != checkpoint["weights"][name].keys():
+                    raise KeyError(f"{name}'s weights differ")
+        except Exception as e:
+            error = (f"error: --resume {args.resume}: checkpoint.pt unreadable, or not of these models "
+                     f"({type(e).__name__}: {str(e).strip().splitlines()[0][:100]})")  # fmt: skip
+    if dist.is_initialized():
+        shared = [error, {k: v for k, v in checkpoint.items() if k not in ("weights", "optimizer")}]
+        dist.broadcast_object_list(shared)
+        error, state = shared
+        checkpoint = checkpoint or state
+    if error:
+        raise SystemExit(error)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False)
+    for name, model in models.items():
+        set_model_state_dict(model, checkpoint.get("weights", {}).get(name, {}), options=options)
+    set_optimizer_state_dict(models, optimizer, checkpoint.get("optimizer", {}), options=options)
     print(f"resuming after update {checkpoint['update']} of the saved run")
     optimizer.param_groups[0]["lr"] = args.learning_rate  # a flag given on resuming wins
     return checkpoint
@@ -791,12 +893,15 @@ def start(args, models, optimizer):
 
 def stopped(error, update, state, run_dir, rank, save):
     """A stop in the loop saves, shows an error's traceback, says where the checkpoint is and how to go on, and exits
-    non-zero. A signal or a non-finite loss stops every rank at once, and rank 0 saves; an error, its rank alone."""
+    non-zero. A signal or a non-finite loss stops every rank at once, and they save together; an error stops its rank
+    alone, which saves in one process, but under torchrun cannot gather the others' shards."""
     together = isinstance(error, KeyboardInterrupt | FloatingPointError)
     saved = f"the state after update {state['update']} is in {run_dir}/checkpoint.pt"
     try:
-        if rank == 0 or not together:
+        if together or not dist.is_initialized():
             save()
+        else:
+            saved = f"{run_dir}/checkpoint.pt holds the last periodic save (one rank cannot gather the sharded weights)"
     except Exception as e:  # a full disk, say: the last periodic checkpoint is all there is
         saved = f"saving failed ({type(e).__name__}: {e}); {run_dir}/checkpoint.pt holds the last periodic save"
     if not together and not isinstance(error, SystemExit):  # a SystemExit is our one line about the input
@@ -869,19 +974,16 @@ def build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer):
     return critic, value_head
 
 
-def save(path, models, tokenizer, merged=False):
-    """save_pretrained of the policy, its tokenizer (with LoRA the adapter; merged: also path/merged) and the value
+def save(path, models, weights, tokenizer):
+    """save_pretrained of the policy and its tokenizer (with LoRA the adapter), from its gathered weights, and the value
     model (critic and value_head.pt in path/critic, or in path with --critic head; docs/ppo_llm.md loads it back)."""
-    policy, critic, value_head = models["policy"], models["critic"], models["value_head"]
-    policy.save_pretrained(path)
+    models["policy"].save_pretrained(path, state_dict=weights["policy"])
     tokenizer.save_pretrained(path)
-    if merged:  # W + (alpha / r) B A, in a copy (one more base in memory, while saving): training keeps its adapters
-        for saved in [copy.deepcopy(policy).merge_and_unload(), tokenizer]:
-            saved.save_pretrained(os.path.join(path, "merged"))
-    value_dir = path if critic is None else os.path.join(path, "critic")
-    for saved in [critic, tokenizer] if critic is not None else []:
-        saved.save_pretrained(value_dir)
-    torch.save(value_head.state_dict(), os.path.join(value_dir, "value_head.pt"))
+    value_dir = os.path.join(path, "critic") if "critic" in models else path
+    if "critic" in models:
+        models["critic"].save_pretrained(value_dir, state_dict=weights["critic"])
+        tokenizer.save_pretrained(value_dir)
+    torch.save(weights["value_head"], os.path.join(value_dir, "value_head.pt"))
 
 
 def main(args: Args | None = None):
@@ -892,7 +994,7 @@ def main(args: Args | None = None):
     reward_fn = load_reward_fn(args.reward_fn)  # a bad name or file fails here, before anything is loaded
     tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
     B = args.prompts_per_update // world  # this process's share
-    eval_problems = eval_rows(args, tokenizer) if (args.eval_every or args.eval_only) and rank == 0 else None
+    eval_problems = eval_rows(args, tokenizer) if args.eval_every or args.eval_only else None
     evaluation = eval_problems and (lambda: evaluate(policy, tokenizer, eval_problems, reward_fn, eos_ids,
                                                      max_prompt_length, autocast, B))  # fmt: skip
     if args.eval_only:  # no training, no run directory; 95% of two evaluations differ by < 1.96 sqrt 2 stderr
@@ -901,14 +1003,17 @@ def main(args: Args | None = None):
         return result
     critic, value_head = build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer)
     ref_policy = None if not (args.kl_coef or args.kl_target) else policy if args.lora_r else copy.deepcopy(policy)
-    params, optimizer = build_optimizer(args, device, [policy, critic, value_head], [ref_policy])
+    params, optimizer = build_optimizer(args, device, [policy, critic, value_head], [ref_policy, reward_model])
     models = dict(policy=policy, critic=critic, value_head=value_head)  # what checkpoint.pt and policy/ hold
     models["ref_policy"] = ref_policy if args.ref_update_every else None  # else the reference is --model's
+    models = nn.ModuleDict({name: model for name, model in models.items() if model is not None})
     checkpoint = start(args, models, optimizer)  # {} for a new run
     rows = load_prompts(args, tokenizer, reward_model is None and args.reward_fn in ("arithmetic", "gsm8k"))
     run_dir, writer = open_run(args, rank, checkpoint)
     if evaluation and not checkpoint:  # the initial policy, at update 0
-        log(writer, {"update": 0, "episode": 0} | (initial := evaluation()))
+        initial = evaluation()
+        if rank == 0:
+            log(writer, {"update": 0, "episode": 0} | initial)
         print(f"update 0: {eval_line(initial)}")
     first_update = update = checkpoint.get("update", 0)
     kl_coef, start_time = checkpoint.get("kl_coef", args.kl_coef), time.time()
@@ -926,7 +1031,10 @@ def main(args: Args | None = None):
             # ALGO LOGIC: 1. rollout -- one response per prompt
             t0 = wall_clock(device)
             rows = [next(prompts) for _ in range(B)]
-            r = rollout(policy, tokenizer, [row["prompt"] for row in rows], max_prompt_length, eos_ids, autocast, True)
+            with unsharded(policy):  # FSDP: gathered once for generation, not once per token
+                r = rollout(
+                    policy, tokenizer, [row["prompt"] for row in rows], max_prompt_length, eos_ids, autocast, True
+                )
             stop_check()  # a signal on any rank: every rank stops here, before the update changes anything
             responses, mask = r["responses"], r["mask"]  # (B, R)
             t1 = wall_clock(device)
@@ -934,11 +1042,15 @@ def main(args: Args | None = None):
             # 2. old and reference log-probs and values: the training forward in its shapes (detail 5); scores
             micro_batches = torch.arange(B, device=device).split(args.micro_batch_size)
             with torch.no_grad(), autocast:
-                out = [training_forward(policy, critic, value_head, r, mc, args, False) for mc in micro_batches]
+                with unsharded(policy):
+                    out = [training_forward(policy, critic, value_head, r, mc, args, False) for mc in micro_batches]
                 old_logprobs, values = torch.cat([o[0] for o in out]), torch.cat([o[2] for o in out])
                 ref_logprobs = old_logprobs
                 if ref_policy is not None:
-                    with ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext():  # LoRA: the base
+                    with (
+                        ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext(),
+                        unsharded(ref_policy),
+                    ):
                         out = [training_forward(ref_policy, None, None, r, mc, args, False) for mc in micro_batches]
                     ref_logprobs = torch.cat([o[0] for o in out])
             completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -1003,7 +1115,8 @@ def main(args: Args | None = None):
                 metrics["objective/accuracy"] = sum(verdicts) / B
             metrics = global_metrics(metrics, {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum",
                                                "perf/peak_memory_mb": "max"})  # fmt: skip
-            if evaluation and not STOP and (update % args.eval_every == 0 or update == args.total_steps):
+            stopping = all_reduce(torch.tensor(float(len(STOP)))).item() > 0  # a stop saves anyway: same on every rank
+            if evaluation and not stopping and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics |= evaluation()
             if rank == 0:
                 shown = range(min(args.num_samples, B)) if args.sample_every and update % args.sample_every == 0 else []
@@ -1012,8 +1125,8 @@ def main(args: Args | None = None):
                       + (f"{eval_line(metrics)}  " if "eval/accuracy" in metrics else "") + progress)  # fmt: skip
                 log(writer, metrics, [{"update": update, "prompt": rows[j]["prompt"], "completion": completions[j],
                                        "score": scores[j].item()} for j in shown])  # fmt: skip
-                if args.save_every and update % args.save_every == 0 and not STOP:  # a stop saves anyway
-                    save_checkpoint(run_dir, models, optimizer, state, tokenizer)
+            if args.save_every and update % args.save_every == 0 and not stopping:
+                save_checkpoint(run_dir, models, optimizer, state, tokenizer)
     except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss or an error: nothing is lost
         stopped(e, update, state, run_dir, rank, lambda: save_checkpoint(run_dir, models, optimizer, state, tokenizer))
     finally:
@@ -1021,13 +1134,12 @@ def main(args: Args | None = None):
             signal.signal(s, handler)
         if writer is not None:
             writer.close()
-    if rank == 0:
-        save_checkpoint(run_dir, models, optimizer, state, tokenizer, args.save_merged)
-        print(f"saved the policy to {run_dir}/policy")
-        if args.track:
-            sys.modules["wandb"].finish()
+    save_checkpoint(run_dir, models, optimizer, state, tokenizer, args.save_merged)
+    print(f"saved the policy to {run_dir}/policy")
+    if args.track and rank == 0:
+        sys.modules["wandb"].finish()
     if dist.is_initialized():
-        dist.barrier()  # the other ranks wait while rank 0 saves
+        dist.barrier()  # the other ranks wait while rank 0 writes
         dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
     return run_dir
 

@@ -1,4 +1,4 @@
-"""Data parallel under torchrun, on CPU with gloo: one update on 2 ranks is the one-process update over
+"""Sharded data parallel under torchrun (FSDP2), on CPU with gloo: one update on 2 ranks is the one-process update over
 the union of their batches, and `torchrun --nproc_per_node 2` runs each LLM script end to end."""
 
 import json
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import untimed_metrics
+from torch.distributed.tensor import DTensor
 from transformers import AutoModel, AutoModelForCausalLM
 
 import grpo_llm
@@ -44,6 +45,8 @@ def ppo_models(critic):
     policy = ppo_llm.load_model(AutoModelForCausalLM, SFT, "--model")
     critic_model = ppo_llm.load_model(AutoModel, SFT, "--model") if critic == "separate" else None
     value_head = torch.nn.Linear(policy.config.hidden_size, 1)  # random, so that the critic gets a gradient
+    for model in [policy, critic_model, value_head]:
+        ppo_llm.shard(model)  # under torchrun (FSDP2); nothing in one process
     return [policy, critic_model, value_head]
 
 
@@ -61,17 +64,26 @@ def update(case, r):
     else:
         torch.manual_seed(0)
         models = [grpo_llm.load_model(AutoModelForCausalLM, SFT, "--model")]
-        args = grpo_llm.Args(micro_batch_size=2, epsilon_high=0.28, beta=0.04, loss_type=variant, max_new_tokens=R)
+        loss = dict(lora_r=4, loss_type="grpo") if variant == "lora" else dict(loss_type=variant)  # a frozen base
+        args = grpo_llm.Args(micro_batch_size=2, epsilon_high=0.28, beta=0.04, max_new_tokens=R, **loss)
+        if args.lora_r:
+            models = [grpo_llm.add_lora(models[0], args)]
+        grpo_llm.shard(models[0])
         loss, stats = grpo_llm.accumulate_gradients(models[0], r, args, nullcontext())
         stats = {k: grpo_llm.global_mean([s[k] for s in stats]) for k in stats[0]} | {
             "loss": grpo_llm.global_mean([loss])
         }
-    params = [p for m in models if m is not None for p in m.parameters()]
+    params = [p for m in models if m is not None for p in m.parameters() if p.requires_grad]
     optimizer, grads = torch.optim.AdamW(params, lr=1e-3, eps=1e-5), []
     step = optimizer.step
-    optimizer.step = lambda: grads.extend(p.grad.clone() for p in params) or step()  # the gradients it steps with
+    optimizer.step = lambda: grads.extend(whole(p.grad) for p in params) or step()  # the gradients it steps with
     ppo_llm.optimizer_step(optimizer, params, 0.5)
-    return grads, [p.detach().clone() for p in params], stats
+    return grads, [whole(p.detach()) for p in params], stats
+
+
+def whole(x):
+    """A tensor, or the whole of a sharded one (every rank calls it: it gathers the shards)."""
+    return x.full_tensor() if isinstance(x, DTensor) else x.clone()
 
 
 CASES = [
@@ -82,6 +94,7 @@ CASES = [
     ("grpo", "dr_grpo"),
     ("grpo", "cispo"),
     ("grpo", "sapo"),
+    ("grpo", "lora"),
 ]
 
 
@@ -113,6 +126,24 @@ def worker(rank, world, init_file):
     metrics = {"update": 3, "mean": float(rank), "n": rank + 1, "lo": rank + 5.0}
     metrics = ppo_llm.global_metrics(metrics, {"n": "sum", "lo": "min"})
     assert metrics == {"update": 3, "mean": 0.5, "n": 3, "lo": 5.0}, metrics
+    # generation sharded: the policy gathered once (one all-gather per FSDP unit, none per token), the tokens of the
+    # unsharded model, and ranks that stop at different lengths do not wait for each other
+    torch.manual_seed(0)
+    policy = ppo_llm.load_model(AutoModelForCausalLM, SFT, "--model")
+    prompts = full["query_responses"][mine, :Q]
+    settings = dict(max_new_tokens=3 + 2 * rank, do_sample=True, pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(rank)
+    with torch.no_grad():
+        want = policy.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), **settings)
+    ppo_llm.shard(policy)
+    gathers, all_gather = [], dist.all_gather_single
+    dist.all_gather_single = lambda *args, **kwargs: gathers.append(1) or all_gather(*args, **kwargs)
+    torch.manual_seed(rank)
+    with torch.no_grad(), ppo_llm.unsharded(policy):
+        got = policy.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), **settings)
+    dist.all_gather_single = all_gather
+    units = sum(isinstance(m, ppo_llm.FSDPModule) for m in policy.modules())
+    assert torch.equal(got, want) and len(gathers) == units == policy.config.n_layer + 1, (len(gathers), units)
     # SIGTERM seen by rank 1 alone (it only appends to STOP): both ranks stop at the same check, together
     ppo_llm.STOP.extend([signal.SIGTERM] if rank == 1 else [])
     with pytest.raises(KeyboardInterrupt, match="SIGTERM" if rank == 1 else "another rank's signal"):
@@ -167,19 +198,28 @@ def torchrun(*args):
 
 
 def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
-    # one launch per script: one run directory, one saved policy, one metrics line per update (rank 0's only);
-    # then PPO's 2 updates resumed to 3 log what 3 in one go log (timings and memory aside): each update seeds every
-    # rank from (seed, update, rank), so a resumed rank samples what it would have
+    # one launch per script: one run directory, one saved policy that one process loads, one metrics line per update
+    # (rank 0's only); GRPO with LoRA (its base frozen and sharded, and the reference) saves the adapter and the merged
+    # model, and one process resumes it. Then PPO's 2 updates resumed to 3 log what 3 in one go log (timings and memory
+    # aside): each update seeds every rank from (seed, update, rank), so a resumed rank samples what it would have
     common = ["--eval-every", "0", "--sample-every", "1", "--micro-batch-size", "4"]
     ppo = ["ppo_llm.py", "--prompts-per-update", "8", "--num-mini-batches", "1", *common]
     grpo = ["grpo_llm.py", "--prompts-per-update", "4", "--num-generations", "2", *common]
+    grpo += ["--lora-r", "4", "--beta", "0.1", "--learning-rate", "1e-2", "--save-merged"]
     for name, command in [("ppo", ppo), ("grpo", grpo)]:
         torchrun(*command, "--total-steps", "2", "--output-dir", tmp_path / name)
         (run_dir,) = (tmp_path / name).iterdir()
-        assert os.path.isfile(run_dir / "policy" / "model.safetensors")
         lines = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         assert [m["update"] for m in lines] == [1, 2]
         assert lines[-1]["episode"] == 16  # 8 sequences an update, counted over both ranks
+        saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)["weights"]["policy"]
+        policy = AutoModelForCausalLM.from_pretrained(run_dir / "policy")  # a LoRA run's: transformers loads the base
+        for key, value in saved.items():  # the gathered weights, as the checkpoint holds them
+            assert torch.equal(policy.state_dict()[key.removeprefix("base_model.model.")], value)
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "policy" / "merged")
+    assert merged.num_parameters() == policy.num_parameters() - sum(v.numel() for v in saved.values())
+    assert grpo_llm.main(grpo_llm.parse_args(["--resume", str(run_dir), "--total-steps", "3"])) == str(run_dir)
+    assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2, 3]  # two processes, then one
 
     ((split,),) = [list((tmp_path / "ppo").iterdir())]
     torchrun("ppo_llm.py", "--resume", split, "--total-steps", "3")

@@ -291,7 +291,8 @@ def test_value_model_reloads_in_the_documented_lines(tiny, tmp_path, critic):
     with torch.no_grad():
         _, _, expected = ppo_llm.training_forward(policy, trunk, value_head, r, torch.arange(1), args, False)
     path = str(tmp_path / "policy")
-    ppo_llm.save(path, dict(policy=policy, critic=trunk, value_head=value_head), tokenizer)
+    models = torch.nn.ModuleDict(dict(policy=policy, value_head=value_head) | ({"critic": trunk} if trunk else {}))
+    ppo_llm.save(path, models, {name: model.state_dict() for name, model in models.items()}, tokenizer)
     critic_dir = os.path.join(path, "critic") if critic == "separate" else path
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "ppo_llm.md")) as f:
         recipe = re.search(r"```python\n(# reload the value model\n.*?)```", f.read(), re.S).group(1)
@@ -334,7 +335,8 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(model.parameters())
     monkeypatch.setattr(ppo_llm, "save", lambda *args: None)  # checkpoint.pt alone
-    ppo_llm.save_checkpoint(str(tmp_path), {"policy": model}, optimizer, {"update": 1}, None)
+    models = torch.nn.ModuleDict({"policy": model})
+    ppo_llm.save_checkpoint(str(tmp_path), models, optimizer, {"update": 1}, None)
     real_save = torch.save
 
     def crash(obj, f):
@@ -344,7 +346,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
 
     monkeypatch.setattr(ppo_llm.torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        ppo_llm.save_checkpoint(str(tmp_path), {"policy": model}, optimizer, {"update": 2}, None)
+        ppo_llm.save_checkpoint(str(tmp_path), models, optimizer, {"update": 2}, None)
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert checkpoint["update"] == 1 and torch.equal(checkpoint["weights"]["policy"]["weight"], model.weight)
 
