@@ -34,7 +34,8 @@ Implementation details, cited "detail N":
     and bonus; --off-policy-mask-threshold (DeepSeek-V3.2): completions with A < 0 far from pi_old leave it.
 
 Each variant is a few flags (docs/grpo_llm.md: Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO). Running it for real: any
-causal LM, chat templates, bf16 autocast on CUDA, LoRA, torchrun; nothing is lost when a run stops (--resume).
+causal LM, chat templates, bf16 autocast on CUDA, LoRA, torchrun (sharded with FSDP2); nothing is lost when a run
+stops (--resume).
 """
 
 import contextlib
@@ -641,7 +642,7 @@ def reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args):
 
 
 def load_models(args, device):
-    """(tokenizer, policy in fp32, frozen reward model, its tokenizer, max_prompt_length, eos_ids), on `device`."""
+    """(tokenizer, policy in fp32, frozen reward model, its tokenizer, max_prompt_length, eos_ids), on the CPU."""
     policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
@@ -671,7 +672,7 @@ def load_models(args, device):
             rm_tokenizer = None  # the same tokens: score the ids themselves, no decode and encode
         else:
             fit_tokenizer(rm_tokenizer, [reward_model])
-        reward_model.to(device).eval().requires_grad_(False)
+        reward_model.eval().requires_grad_(False)
     # detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
     # the chat template writes between turns (its end of turn: a base model's config names its EOS alone)
     ids = policy.generation_config.eos_token_id
@@ -683,7 +684,7 @@ def load_models(args, device):
     policy.generation_config = transformers.GenerationConfig(  # detail 4: every field set, none left to the checkpoint
         max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)  # fmt: skip
-    policy = (add_lora(policy, args) if args.lora_r else policy).to(device)
+    policy = add_lora(policy, args) if args.lora_r else policy
     return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
 
 
@@ -811,21 +812,22 @@ def shard(model):
 
 
 def build_optimizer(args, device, trained, frozen):
-    """The models onto the device, activation checkpointing, sharded under torchrun, the learning rate: (trainable
+    """Activation checkpointing, the models onto the device (sharded under torchrun), the learning rate: (trainable
     parameters, AdamW over them)."""
-    trained = [m for m in trained if m is not None]
-    for model in trained + [m for m in frozen if m is not None]:
-        model.to(device)
+    trained, frozen = [m for m in trained if m is not None], [m for m in frozen if m is not None]
+    for model in trained + frozen:
         if args.gradient_checkpointing and model in trained and hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable()  # HF's, in train mode only
+        if dist.is_initialized():
+            shard(model)  # FSDP moves each unit to the device, then keeps this rank's shard: no whole model on it
+        else:
+            model.to(device)
     n_params = sum(p.numel() for p in trained[0].parameters())
     if device.type == "cpu" and n_params < 50e6:
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
     if args.learning_rate is None:
         args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
         print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
-    for model in trained + frozen:
-        shard(model)
     params = [p for m in trained for p in m.parameters() if p.requires_grad]
     # fused: one kernel over all parameters (~0.05 s a step at 124M on a CPU, ~0.6 s as torch's default loop)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
@@ -999,6 +1001,7 @@ def main(args: Args | None = None):
     evaluation = eval_problems and (lambda: evaluate(policy, tokenizer, eval_problems, reward_fns[0], eos_ids,
                                                      max_prompt_length, autocast, B))  # fmt: skip
     if args.eval_only:  # no training, no run directory; 95% of two evaluations differ by < 1.96 sqrt 2 stderr
+        policy.to(device)
         print(f"{eval_line(result := evaluation())} (n={len(eval_problems)}; two evaluations of one policy differ by < "
               f"{2.8 * result['eval/accuracy_stderr']:.3f})")  # fmt: skip
         return result

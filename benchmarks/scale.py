@@ -50,6 +50,10 @@ SHAPES = {  # name: (config class, config kwargs)
     "qwen2-0.5b": ("Qwen2Config", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                                        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
                                        tie_word_embeddings=True, max_position_embeddings=4096)),
+    # weights-heavy and small enough for 4 CPU processes: 8 layers of d 512, an untied head (benchmarks/sharding.py)
+    "llama-34m": ("LlamaConfig", dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                                      num_attention_heads=8, num_key_value_heads=8, vocab_size=8192,
+                                      tie_word_embeddings=False, max_position_embeddings=256)),
 }  # fmt: skip
 # name: (shape, script, prompts, generations per prompt, new tokens, micro-batch, our extra flags)
 CONFIGS = {
