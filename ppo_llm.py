@@ -39,8 +39,11 @@ non-finite loss or an error.
 
 import contextlib
 import copy
+import errno
+import glob
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -48,6 +51,7 @@ import resource
 import runpy
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -357,6 +361,36 @@ def tokenize_texts(tokenizer, texts, max_length):
 
 
 STOP = []  # the signals received: Ctrl-C and SIGTERM (a preemption)
+SAVING = []  # not empty while a checkpoint is gathered and written
+SAVED = []  # the update of each checkpoint.pt this run has written (a resumed run: its checkpoint's)
+
+
+def on_signal(signum, frame):
+    """Ctrl-C or SIGTERM: the first asks the run to stop after the update it is in (stop_check), a second stops it at
+    once, but never in the middle of writing a checkpoint: that finishes first."""
+    if STOP and not SAVING:
+        signal.default_int_handler(signum, frame)
+    if STOP:
+        print(f"{signal.Signals(signum).name}: the checkpoint being written is finished first", file=sys.stderr)
+    STOP.append(signum)
+
+
+class EveryRank(Exception):
+    """An error on one rank, raised on every rank at the same point, so that they stop and save together."""
+
+
+def on_every_rank(fn):
+    """fn()'s result. Under torchrun, an error on any rank stops every rank here: a rank alone could not save the
+    sharded weights."""
+    try:
+        return_value, error = fn(), None
+    except (Exception, SystemExit) as e:
+        return_value, error = None, e
+    if all_reduce(torch.tensor(float(error is not None))).item() == 0:
+        return return_value
+    if not dist.is_initialized():
+        raise error
+    raise EveryRank(error or "another rank's error") from error
 
 
 def stop_check():
@@ -476,25 +510,41 @@ def load_reward_fn(spec):
 
     def user_fn(completions, rows):
         columns = {k: [row["columns"][k] for row in rows] for k in rows[0]["columns"]}
-        scores = [float(x) for x in fn(completions=completions, **columns)]
-        if len(scores) != len(completions):
+        values = list(fn(completions=completions, **columns))
+        if len(values) != len(completions):
             raise SystemExit(
-                f"error: --reward-fn {spec} returned {len(scores)} numbers for {len(completions)} completions"
+                f"error: --reward-fn {spec} returned {len(values)} numbers for {len(completions)} completions"
             )
-        return scores
+        return finite_scores(values, f"--reward-fn {spec}", completions)
 
     return user_fn
+
+
+def finite_scores(values, source, completions):
+    """The scores as floats; one line that names their source, how many are not finite numbers and the first one's
+    completion, if any is not (a NaN would stop the run later as a non-finite gradient, blamed on the optimizer)."""
+    scores = []
+    for value in values:
+        try:
+            scores.append(float(value))
+        except (TypeError, ValueError):  # None, a string, a list
+            scores.append(math.nan)
+    bad = [i for i, score in enumerate(scores) if not math.isfinite(score)]
+    if bad:
+        raise SystemExit(f"error: {source} scored {len(bad)} of {len(scores)} completions with no finite number (the "
+                         f"first: {values[bad[0]]!r} for {completions[bad[0]]!r})")  # fmt: skip
+    return scores
 
 
 def load_prompts(args, tokenizer, needs_answers):
     """--dataset's rows: {prompt (the text the policy sees), answer (text or None), messages, columns (reward fns')}."""
     datasets.disable_progress_bars()
     fmt = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(args.dataset.rpartition(".")[2])
-    try:
+    try:  # read whole: a byte that is not UTF-8 fails as the rows are read
         if fmt:  # a file
-            data = datasets.load_dataset(fmt, data_files=args.dataset, split="train")
+            data = datasets.load_dataset(fmt, data_files=args.dataset, split="train").to_list()
         else:
-            data = datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split)
+            data = datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split).to_list()
     except Exception as e:  # datasets' own error, often wrapping the reader's
         cause, hint = e.__cause__ or e, "" if fmt else "; a hub dataset needs the network, a local file does not"
         raise SystemExit(f"error: --dataset {args.dataset} could not be loaded ({type(cause).__name__}: "
@@ -620,7 +670,9 @@ def reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args):
     n, chunk = len(completions), args.micro_batch_size
     with unsharded(reward_model):
         logits = [reward_model(**{k: v[i : i + chunk] for k, v in inputs.items()}).logits for i in range(0, n, chunk)]
-    return torch.cat(logits)[:, args.reward_label or 0].float()
+    scores = torch.cat(logits)[:, args.reward_label or 0].float()
+    on_every_rank(lambda: finite_scores(scores.tolist(), f"--reward-model {args.reward_model}", completions))
+    return scores
 
 
 def load_models(args, device):
@@ -636,7 +688,8 @@ def load_models(args, device):
     if (error := (got[0] - want).abs().max().item()) > 1e-3:
         raise SystemExit(f"error: --model {args.model}: its forward changes the logits in a way this script does not "
                          f"reproduce (log-probs {error:.3g} apart)")  # fmt: skip
-    args.max_new_tokens = args.max_new_tokens or policy.generation_config.max_new_tokens or 8
+    if args.max_new_tokens is None:
+        args.max_new_tokens = policy.generation_config.max_new_tokens or 8
     context = getattr(policy.config, "n_positions", 0) or getattr(policy.config, "max_position_embeddings", 0)
     max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
     if context and (args.max_new_tokens >= context or max_prompt_length + args.max_new_tokens > context):
@@ -673,6 +726,28 @@ def load_models(args, device):
 # TRY NOT TO MODIFY: set-up, the run directory and logging, evaluation, checkpoints (identical in grpo_llm.py)
 
 
+def check_ranges(args, ranges):
+    """One line for the first flag whose value breaks its rule; a flag left unset (None) passes, NaN and inf do not."""
+    for name, (rule, ok) in ranges.items():
+        value = getattr(args, name)
+        values = value if isinstance(value, tuple) else (value,)
+        if value is not None and not all(math.isfinite(x) and ok(x) for x in values):
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be {rule} (got {value})")
+
+
+def check_writable(path, flag):
+    """One line if path is not, and cannot become, a directory that this run can write into; nothing is created."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):  # what makedirs would start from
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), existing)
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise SystemExit(f"error: {flag} {path}: not a directory this run can write ({reason(e)})") from None
+
+
 def setup(args):
     """torchrun's process group (rank 0 alone prints), seeds, device, autocast: ((rank, world), device, autocast)."""
     cuda = args.cuda and torch.cuda.is_available()
@@ -699,6 +774,10 @@ def parse_args(argv=None):
             saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()}
     except (OSError, ValueError, AttributeError) as e:  # no such file, a damaged one, or no {flag: value} object
         raise SystemExit(f"error: --resume {args.resume}: args.json unreadable ({type(e).__name__}: {e})") from None
+    script = os.path.basename(__file__)
+    if saved.get("script", script) != script:
+        raise SystemExit(f"error: --resume {args.resume} is a run of {saved['script']}: python {saved['script']} "
+                         f"--resume {args.resume} goes on with it")  # fmt: skip
     saved = {f.name: saved[f.name] for f in fields(Args) if f.name in saved} | {"resume": args.resume}
     return tyro.cli(Args, args=argv, default=Args(**saved))
 
@@ -716,8 +795,10 @@ def open_run(args, rank, checkpoint):
             rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= done]
         with open(path, "w") as f:
             f.writelines(rows)
+    for tmp in glob.glob(os.path.join(names[0], "checkpoint.*.tmp")):  # a save a hard kill cut short
+        os.remove(tmp)
     with open(os.path.join(names[0], "args.json"), "w") as f:
-        json.dump(asdict(args), f, indent=1)
+        json.dump(asdict(args) | {"script": os.path.basename(__file__)}, f, indent=1)
     if args.track:  # wandb imported only here: it is slow to import
         __import__("wandb").init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
                                  name=os.path.basename(os.path.normpath(names[0])), dir=names[0], sync_tensorboard=True,
@@ -727,15 +808,18 @@ def open_run(args, rank, checkpoint):
 
 def log(writer, metrics, samples=()):
     """A line of metrics.jsonl and the same scalars to TensorBoard at step `update`; samples to samples.jsonl."""
-    with open(os.path.join(writer.log_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(metrics) + "\n")
+    try:
+        with open(os.path.join(writer.log_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        with open(os.path.join(writer.log_dir, "samples.jsonl"), "a") as f:
+            f.writelines(json.dumps(sample) + "\n" for sample in samples)
+    except OSError as e:  # a full disk, a directory gone
+        raise SystemExit(f"error: {writer.log_dir}: the logs could not be written ({reason(e)})") from None
     for key in metrics.keys() - {"update"}:
         writer.add_scalar(key, metrics[key], metrics["update"])
-    with open(os.path.join(writer.log_dir, "samples.jsonl"), "a") as f:
-        for sample in samples:
-            f.write(json.dumps(sample) + "\n")
-            values = "  ".join(f"{k} {v:.2f}" for k, v in sample.items() if isinstance(v, float))
-            print(f"  {sample['prompt']!r} -> {sample['completion']!r}  {values}")
+    for sample in samples:
+        values = "  ".join(f"{k} {v:.2f}" for k, v in sample.items() if isinstance(v, float))
+        print(f"  {sample['prompt']!r} -> {sample['completion']!r}  {values}")
 
 
 def global_metrics(metrics, ops):
@@ -830,24 +914,50 @@ def gathered(model):
     return {name: value for name, value in get_model_state_dict(model, options=options).items() if name in names}
 
 
+class SaveFailed(Exception):
+    """checkpoint.pt or policy/ could not be written (the OS's reason); an earlier checkpoint.pt is whole."""
+
+
+def reason(error):
+    """'OSError: [Errno 28] No space left on device': the OSError behind an error if there is one (torch.save reports
+    a full disk as a RuntimeError of its own, the OSError as its context), else the error itself."""
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    cause = cause or error
+    return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+
+
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
     """checkpoint.pt (the state, the weights, AdamW's state, the wandb id), written whole or not at all, then policy/.
-    Under torchrun every rank calls it, to gather the shards, and rank 0 writes."""
-    weights = {name: gathered(model) for name, model in models.items()}
-    options = StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
-    optimizer_state = get_optimizer_state_dict(models, optimizer, options=options)
-    if dist.is_initialized() and dist.get_rank():
-        return
-    wandb_id = getattr(getattr(sys.modules.get("wandb"), "run", None), "id", None)
+    Under torchrun every rank calls it, to gather the shards, and rank 0 writes. A second signal waits for it; a write
+    that fails leaves no temporary file and raises SaveFailed on every rank."""
+    SAVING.append(True)
     path, tmp = os.path.join(run_dir, "checkpoint.pt"), os.path.join(run_dir, f"checkpoint.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:  # a file per process: two ranks stopped by errors may both save
-        torch.save(state | dict(weights=weights, optimizer=optimizer_state, wandb_id=wandb_id), f)
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename
-    os.replace(tmp, path)  # atomic
-    save(os.path.join(run_dir, "policy"), models, weights, tokenizer)
-    if merged:
-        save_merged(os.path.join(run_dir, "policy"), tokenizer)
+    try:
+        weights = {name: gathered(model) for name, model in models.items()}
+        options = StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
+        optimizer_state = get_optimizer_state_dict(models, optimizer, options=options)
+        failed = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            wandb_id = getattr(getattr(sys.modules.get("wandb"), "run", None), "id", None)
+            with open(tmp, "wb") as f:
+                torch.save(state | dict(weights=weights, optimizer=optimizer_state, wandb_id=wandb_id), f)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the rename
+            os.replace(tmp, path)  # atomic
+            save(os.path.join(run_dir, "policy"), models, weights, tokenizer)
+            if merged:
+                save_merged(os.path.join(run_dir, "policy"), tokenizer)
+    except Exception as e:  # a full disk, a file-size limit, a directory gone
+        failed = e
+    finally:
+        SAVING.clear()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    if all_reduce(torch.tensor(float(failed is not None))).item():
+        raise SaveFailed(f"saving update {state['update']} failed ({reason(failed) if failed else 'on rank 0'})")
+    SAVED.append(state["update"])
 
 
 def save_merged(path, tokenizer):
@@ -863,6 +973,7 @@ def save_merged(path, tokenizer):
 def start(args, models, optimizer):
     """--resume's checkpoint.pt ({} for a new run), its weights and AdamW's state back in the models. Rank 0 reads it
     and, under torchrun, FSDP sends each rank its shards: a run resumes with any number of processes."""
+    SAVED.clear()
     if not args.resume:
         return {}
     checkpoint, error = {}, None
@@ -888,31 +999,46 @@ def start(args, models, optimizer):
     for name, model in models.items():
         set_model_state_dict(model, checkpoint.get("weights", {}).get(name, {}), options=options)
     set_optimizer_state_dict(models, optimizer, checkpoint.get("optimizer", {}), options=options)
+    SAVED.append(checkpoint["update"])
     print(f"resuming after update {checkpoint['update']} of the saved run")
     optimizer.param_groups[0]["lr"] = args.learning_rate  # a flag given on resuming wins
     return checkpoint
 
 
 def stopped(error, update, state, run_dir, rank, save):
-    """A stop in the loop saves, shows an error's traceback, says where the checkpoint is and how to go on, and exits
-    non-zero. A signal or a non-finite loss stops every rank at once, and they save together; an error stops its rank
-    alone, which saves in one process, but under torchrun cannot gather the others' shards."""
-    together = isinstance(error, KeyboardInterrupt | FloatingPointError)
-    saved = f"the state after update {state['update']} is in {run_dir}/checkpoint.pt"
-    try:
-        if together or not dist.is_initialized():
+    """A stop in the loop saves, shows an error's traceback, says what is on disk and how to go on, and exits non-zero.
+    A signal, a non-finite loss, a failed save or an error raised on every rank stops the ranks together, and they save
+    (but after a failed save); an error on one rank alone saves in one process, but under torchrun it cannot gather the
+    other ranks' shards."""
+    together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
+    what, saved = str(error) or type(error).__name__, None
+    if isinstance(error, SaveFailed):
+        pass  # not again
+    elif together or not dist.is_initialized():
+        try:
             save()
-        else:
-            saved = f"{run_dir}/checkpoint.pt holds the last periodic save (one rank cannot gather the sharded weights)"
-    except Exception as e:  # a full disk, say: the last periodic checkpoint is all there is
-        saved = f"saving failed ({type(e).__name__}: {e}); {run_dir}/checkpoint.pt holds the last periodic save"
-    if not together and not isinstance(error, SystemExit):  # a SystemExit is our one line about the input
-        traceback.print_exc()
+            saved = f"the state after update {state['update']} is in {run_dir}/checkpoint.pt"
+        except SaveFailed as e:
+            what += f"; {e}"
+    else:
+        what += "; one rank alone cannot gather the sharded weights to save them"
+    go_on = f"python {os.path.basename(__file__)} --resume {run_dir} goes on"
+    if saved is None and SAVED:
+        saved = f"{run_dir}/checkpoint.pt holds update {SAVED[-1]}"
+    elif saved is None:
+        saved, go_on = "no checkpoint.pt was written", "start the run again"
+    cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
+    if cause is not None and not isinstance(cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit):
+        traceback.print_exception(cause)
     if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
         dist.barrier()
         dist.destroy_process_group()
-    print(f"stopped in update {update} ({str(error) or type(error).__name__}); {saved}: python "
-          f"{os.path.basename(__file__)} --resume {run_dir} goes on", file=sys.stderr)  # fmt: skip
+    line = f"stopped in update {update} ({what}); {saved}: {go_on}"
+    if rank == 0 or not together:
+        print(line, file=sys.stderr)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report of a failed rank then ends with the line
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
     raise SystemExit(128 + STOP[0] if STOP else 1) from None
 
 
@@ -937,7 +1063,45 @@ def wall_clock(device):
 
 
 def check_args(args, world):
-    """Every bad combination of flags, one line each, before anything is loaded."""
+    """Every flag out of range and every bad combination of flags, one line each, before anything is loaded."""
+    check_ranges(
+        args,
+        {  # the flags' ranges, in Args' order
+            "save_every": (">= 0", lambda x: x >= 0),
+            "lora_r": (">= 0", lambda x: x >= 0),
+            "lora_alpha": ("> 0", lambda x: x > 0),
+            "max_new_tokens": (">= 1", lambda x: x >= 1),
+            "max_prompt_length": (">= 1", lambda x: x >= 1),
+            "temperature": ("> 0: log-probs divide by it", lambda x: x > 0),
+            "total_steps": (">= 1", lambda x: x >= 1),
+            "prompts_per_update": (">= 1", lambda x: x >= 1),
+            "num_mini_batches": (">= 1", lambda x: x >= 1),
+            "micro_batch_size": (">= 1", lambda x: x >= 1),
+            "num_ppo_epochs": (">= 1", lambda x: x >= 1),
+            "learning_rate": (">= 0", lambda x: x >= 0),
+            "weight_decay": (">= 0", lambda x: x >= 0),
+            "max_grad_norm": ("> 0", lambda x: x > 0),
+            "ent_coef": (">= 0", lambda x: x >= 0),
+            "eval_every": (">= 0", lambda x: x >= 0),
+            "eval_size": (">= 1", lambda x: x >= 1),
+            "sample_every": (">= 0", lambda x: x >= 0),
+            "num_samples": (">= 0", lambda x: x >= 0),
+            "gamma": ("in [0, 1]", lambda x: 0 <= x <= 1),
+            "lam": ("in [0, 1]", lambda x: 0 <= x <= 1),
+            "cliprange": ("> 0", lambda x: x > 0),
+            "cliprange_value": ("> 0", lambda x: x > 0),
+            "vf_coef": (">= 0", lambda x: x >= 0),
+            "target_kl": ("> 0", lambda x: x > 0),
+            "kl_coef": (">= 0", lambda x: x >= 0),
+            "kl_target": ("> 0", lambda x: x > 0),
+            "kl_horizon": (">= 1", lambda x: x >= 1),
+            "ref_update_every": (">= 0", lambda x: x >= 0),
+            "missing_eos_penalty": (">= 0", lambda x: x >= 0),
+            "score_clip": ("> 0", lambda x: x > 0),
+        },
+    )
+    if not args.eval_only:
+        check_writable(args.resume or args.output_dir, "--resume" if args.resume else "--output-dir")
     B, n_mb = args.prompts_per_update // world, max(args.num_mini_batches, 1)  # each process's share, minibatches
     if args.micro_batch_size > B // n_mb > 0:  # the default 64 must not refuse a smaller batch, or 8 GPUs
         args.micro_batch_size = B // n_mb
@@ -949,8 +1113,6 @@ def check_args(args, world):
         (min(args.num_mini_batches, args.micro_batch_size, B) < 1 or B % n_mb or B // n_mb % args.micro_batch_size,
          f"--num-mini-batches must divide --prompts-per-update ({B} a process), and --micro-batch-size "
          f"({args.micro_batch_size}) the minibatch"),
-        (args.num_ppo_epochs < 1, f"--num-ppo-epochs must be 1 or more (got {args.num_ppo_epochs})"),
-        (args.temperature <= 0, f"--temperature must be > 0: log-probs divide by it (got {args.temperature})"),
         (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
         (args.lora_r and args.ref_update_every, "--ref-update-every cannot refresh a LoRA run's reference, its base"),
         (os.path.isfile(args.dataset) and split != "train" and not os.path.isfile(split),
@@ -1013,20 +1175,19 @@ def main(args: Args | None = None):
     checkpoint = start(args, models, optimizer)  # {} for a new run
     rows = load_prompts(args, tokenizer, reward_model is None and args.reward_fn in ("arithmetic", "gsm8k"))
     run_dir, writer = open_run(args, rank, checkpoint)
-    if evaluation and not checkpoint:  # the initial policy, at update 0
-        initial = evaluation()
-        if rank == 0:
-            log(writer, {"update": 0, "episode": 0} | initial)
-        print(f"update 0: {eval_line(initial)}")
     first_update = update = checkpoint.get("update", 0)
     kl_coef, start_time = checkpoint.get("kl_coef", args.kl_coef), time.time()
     prompts = prompt_stream(rows, args.seed, update * args.prompts_per_update, rank, world)
     state = dict(update=update, kl_coef=kl_coef)  # what a resume restores besides the weights and AdamW
     print(f"{run_dir}/checkpoint.pt: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     STOP.clear()
-    handlers = {s: signal.signal(s, lambda n, f: signal.default_int_handler(n, f) if STOP else STOP.append(n))
-                for s in (signal.SIGINT, signal.SIGTERM)}  # a second signal stops at once  # fmt: skip
+    handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if evaluation and not checkpoint:  # the initial policy, at update 0
+            initial = evaluation()
+            if rank == 0:
+                log(writer, {"update": 0, "episode": 0} | initial)
+            print(f"update 0: {eval_line(initial)}")
         for update in range(update + 1, args.total_steps + 1):
             torch.manual_seed(hash((args.seed, update, rank)))  # each update's own random numbers: exact resumes
             if args.anneal_lr:
@@ -1057,7 +1218,9 @@ def main(args: Args | None = None):
                         out = [training_forward(ref_policy, None, None, r, mc, args, False) for mc in micro_batches]
                     ref_logprobs = torch.cat([o[0] for o in out])
             completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            verdicts = reward_fn(completions, rows) if reward_model is None or rows[0]["answer"] is not None else None
+            verdicts = None
+            if reward_model is None or rows[0]["answer"] is not None:  # an error on one rank stops every rank here
+                verdicts = on_every_rank(lambda: reward_fn(completions, rows))
             scores = (torch.tensor(verdicts, dtype=torch.float, device=device) if reward_model is None
                       else reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args))  # fmt: skip
             contains_eos = torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
@@ -1130,14 +1293,14 @@ def main(args: Args | None = None):
                                        "score": scores[j].item()} for j in shown])  # fmt: skip
             if args.save_every and update % args.save_every == 0 and not stopping:
                 save_checkpoint(run_dir, models, optimizer, state, tokenizer)
-    except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss or an error: nothing is lost
+        save_checkpoint(run_dir, models, optimizer, state, tokenizer, args.save_merged)
+    except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss, an error, a failed save: nothing is lost
         stopped(e, update, state, run_dir, rank, lambda: save_checkpoint(run_dir, models, optimizer, state, tokenizer))
     finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         if writer is not None:
             writer.close()
-    save_checkpoint(run_dir, models, optimizer, state, tokenizer, args.save_merged)
     print(f"saved the policy to {run_dir}/policy")
     if args.track and rank == 0:
         sys.modules["wandb"].finish()

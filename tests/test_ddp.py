@@ -144,6 +144,18 @@ def worker(rank, world, init_file):
     dist.all_gather_single = all_gather
     units = sum(isinstance(m, ppo_llm.FSDPModule) for m in policy.modules())
     assert torch.equal(got, want) and len(gathers) == units == policy.config.n_layer + 1, (len(gathers), units)
+
+    # an error on rank 1 alone (its reward function's): every rank raises at the same point, to stop and save together
+    def score():
+        if rank == 1:
+            raise ValueError("an odd completion")
+        return [1.0]
+
+    with pytest.raises(ppo_llm.EveryRank) as stop:
+        ppo_llm.on_every_rank(score)
+    assert str(stop.value) == ("an odd completion" if rank == 1 else "another rank's error")
+    assert isinstance(stop.value.__cause__, ValueError) == (rank == 1)
+    assert ppo_llm.on_every_rank(lambda: [2.0]) == [2.0]
     # SIGTERM seen by rank 1 alone (it only appends to STOP): both ranks stop at the same check, together
     ppo_llm.STOP.extend([signal.SIGTERM] if rank == 1 else [])
     with pytest.raises(KeyboardInterrupt, match="SIGTERM" if rank == 1 else "another rank's signal"):

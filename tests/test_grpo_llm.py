@@ -562,18 +562,18 @@ def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(num_generations=1), "error: --num-generations must be 2 or more: the group is the baseline (got 1)"),
+        (dict(num_generations=1), "error: --num-generations must be >= 2: the group is the baseline (got 1)"),
         (dict(num_generations=3), "error: --micro-batch-size (4) must divide the completions per update (6 a process)"),
         (dict(micro_batch_size=3), "--micro-batch-size (3) must divide the completions per update (8 a process)"),
-        (dict(num_iterations=0), "error: --num-iterations must be at least 1 (got 0)"),
-        (dict(epsilon=0.2, epsilon_high=0.1), "error: --epsilon-high must be >= --epsilon (got 0.1, 0.2)"),
-        (dict(epsilon_high=0.28, delta=1.2), "error: --delta must be > 1 + --epsilon-high = 1.28"),
+        (dict(num_iterations=0), "error: --num-iterations must be >= 1 (got 0)"),
+        (dict(epsilon=0.2, epsilon_high=0.1), "error: --epsilon-high must be >= --epsilon (got 0.1)"),
+        (dict(epsilon_high=0.28, delta=1.2), "error: --delta must be > 1 + --epsilon-high (got 1.2)"),
         (dict(reward_fn=("arithmetic", "nope")), "error: --reward-fn nope: not one of ['arithmetic', 'format', "
          "'gsm8k'], nor a file.py:function or module:function that loads"),
         (dict(reward_weights=(1.0, 2.0)), "error: --reward-weights needs one weight per reward (1), not 2"),
         (dict(temperature=0.0), "error: --temperature must be > 0"),
         (dict(top_entropy_quantile=0.0), "error: --top-entropy-quantile must be in (0, 1]"),
-        (dict(sapo_temperature_neg=0.0), "error: the --sapo-temperature-* must be > 0"),
+        (dict(sapo_temperature_neg=0.0), "error: --sapo-temperature-neg must be > 0 (got 0.0)"),
         (dict(model="/no/such/dir"), "error: --model /no/such/dir is no directory, nor reachable on the hub"),
         (dict(max_new_tokens=40), "error: --max-new-tokens 40 and a prompt (--max-prompt-length None) do not fit the "
          "model's context of 32 tokens"),

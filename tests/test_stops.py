@@ -1,12 +1,15 @@
 """Nothing is lost when a run stops: an error inside the loop saves first and --resume goes on where the run would
 have been; SIGTERM (a scheduler's preemption) saves and exits 128 + 15; bad files are one line."""
 
+import glob
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -150,17 +153,204 @@ def test_a_second_signal_stops_at_once(script, tiny, tmp_path, monkeypatch, caps
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["update"] == 1 and len(steps) == per_update + 1
 
 
-def test_a_save_that_fails_still_says_how_to_go_on(tiny, tmp_path, monkeypatch, capsys):
-    # Ctrl-C in update 2, and the save fails (a full disk): the last line says so, and where the last good one is
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+def test_a_second_signal_during_the_stops_save_waits_for_it(tiny, tmp_path, monkeypatch, capsys):
+    # SIGTERM in update 2's generation; a second one while the stop writes checkpoint.pt: the save finishes (a line
+    # says it will), the last line says where the state is, no temporary file stays, and --resume goes on
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # as torchrun sets it
+    generate, calls = ppo_llm.transformers.GenerationMixin.generate, []
 
-    monkeypatch.setattr(ppo_llm, "save_checkpoint", full_disk)
-    interrupt_generation(monkeypatch, call=2)
+    def signalled(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return generate(self, *args, **kwargs)
+
+    real_save = torch.save
+
+    def save_signalled(obj, f):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered between two tensors of the pickle
+        real_save(obj, f)
+
+    monkeypatch.setattr(ppo_llm.transformers.GenerationMixin, "generate", signalled)
+    monkeypatch.setattr(ppo_llm.torch, "save", save_signalled)
+    with pytest.raises(SystemExit) as stop:
+        run(ppo_llm, tiny, tmp_path / "runs")
+    monkeypatch.undo()
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    err = capsys.readouterr().err
+    last = f"stopped in update 2 (SIGTERM); the state after update 1 is in {run_dir}/checkpoint.pt: python ppo_llm.py"
+    assert stop.value.code == 128 + signal.SIGTERM and err.splitlines()[-1].startswith(last), err
+    assert "SIGTERM: the checkpoint being written is finished first" in err and "Traceback" not in err
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["update"] == 1
+    assert not list(run_dir.glob("*.tmp"))
+    assert json.load(open(tmp_path / "error.json"))["message"] == err.splitlines()[-1]  # torchrun's report ends so
+    ppo_llm.main(ppo_llm.parse_args(["--resume", str(run_dir)]))
+    assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2, 3]
+
+
+def test_a_save_that_fails_says_why_and_what_is_on_disk(tiny, tmp_path):
+    # a file-size limit (ulimit -f) that checkpoint.pt exceeds: the final save of update 3 fails; one line gives the
+    # OS's reason (not torch's "unexpected pos") and the checkpoint that is there, no temporary file stays, exit 1
+    run_dir = run(ppo_llm, tiny, tmp_path, total_steps=2)
+    size = os.path.getsize(os.path.join(run_dir, "checkpoint.pt"))
+    command = [sys.executable, "ppo_llm.py", "--resume", run_dir, "--total-steps", "3", "--save-every", "0"]
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
+
+    p = subprocess.run(command, cwd=ROOT, preexec_fn=limit, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.rstrip().splitlines()[-1] == (
+        f"stopped in update 3 (saving update 3 failed (OSError: [Errno 27] File too large)); {run_dir}/checkpoint.pt "
+        f"holds update 2: python ppo_llm.py --resume {run_dir} goes on"
+    )
+    assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["update"] == 2
+    assert not glob.glob(os.path.join(run_dir, "*.tmp"))
+
+
+def test_a_stop_whose_save_fails_names_the_last_checkpoint(tiny, tmp_path, monkeypatch, capsys):
+    # Ctrl-C in update 4 and then a full disk: the line gives the reason and the periodic save of update 2 that is
+    # there; stopped before any save, the line says there is nothing to resume
+    real_save = torch.save
+
+    def full_disk(obj, f):
+        if "weights" not in obj or obj["update"] == 2:  # value_head.pt, update 2's checkpoint.pt
+            return real_save(obj, f)
+        f.write(b"x")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos") from OSError(28, "No space left")
+
+    monkeypatch.setattr(ppo_llm.torch, "save", full_disk)
+    interrupt_generation(monkeypatch, call=4)
     with pytest.raises(SystemExit):
-        run(ppo_llm, tiny, tmp_path)
-    (run_dir,) = tmp_path.iterdir()
-    last = capsys.readouterr().err.rstrip().splitlines()[-1]
-    assert last == (f"stopped in update 2 (interrupted by the test); saving failed (OSError: [Errno 28] No space left "
-                    f"on device); {run_dir}/checkpoint.pt holds the last periodic save: python ppo_llm.py --resume "
-                    f"{run_dir} goes on")  # fmt: skip
+        run(ppo_llm, tiny, tmp_path / "a", save_every=2, total_steps=4)
+    (run_dir,) = (tmp_path / "a").iterdir()
+    assert capsys.readouterr().err.rstrip().splitlines()[-1] == (
+        f"stopped in update 4 (interrupted by the test; saving update 3 failed (OSError: [Errno 28] No space left)); "
+        f"{run_dir}/checkpoint.pt holds update 2: python ppo_llm.py --resume {run_dir} goes on"
+    )
+    assert not list(run_dir.glob("*.tmp"))
+    interrupt_generation(monkeypatch, call=1)
+    with pytest.raises(SystemExit):
+        run(ppo_llm, tiny, tmp_path / "b")
+    assert capsys.readouterr().err.rstrip().endswith("no checkpoint.pt was written: start the run again")
+
+
+@pytest.mark.parametrize("script, other", [(ppo_llm, grpo_llm), (grpo_llm, ppo_llm)])
+def test_a_run_directory_belongs_to_its_script(script, other, tiny, tmp_path):
+    run_dir = run(other, tiny, tmp_path, total_steps=1)
+    with pytest.raises(SystemExit) as e:
+        script.parse_args(["--resume", run_dir])
+    name = other.__name__
+    assert (
+        str(e.value)
+        == f"error: --resume {run_dir} is a run of {name}.py: " + f"python {name}.py --resume {run_dir} goes on with it"
+    )
+
+
+NAN_REWARD = """import math
+
+
+def reward(completions, **columns):
+    return [math.nan if i == 1 else 1.0 for i, c in enumerate(completions)]
+"""
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_a_reward_that_is_no_finite_number_is_refused_by_name(script, tiny, tmp_path, capsys):
+    # a reward function that returns NaN for one completion: named in one line with the completion, after the save,
+    # not blamed on the optimizer; a reward model whose score is NaN (its score layer's weights) likewise
+    (tmp_path / "nan.py").write_text(NAN_REWARD)
+    spec = f"{tmp_path / 'nan.py'}:reward"
+    with pytest.raises(SystemExit):
+        run(script, tiny, tmp_path / "fn", reward_fn=spec if script is ppo_llm else (spec,))
+    line = capsys.readouterr().err.rstrip().splitlines()[-1]
+    assert f"(error: --reward-fn {spec} scored 1 of 8 completions with no finite number (the first: nan for '" in line
+    assert "learning-rate" not in line
+    rm = ppo_llm.AutoModelForSequenceClassification.from_pretrained(tiny["rm"])
+    torch.nn.init.constant_(rm.score.weight, float("nan"))
+    rm.save_pretrained(tmp_path / "nan_rm")
+    ppo_llm.AutoTokenizer.from_pretrained(tiny["rm"]).save_pretrained(tmp_path / "nan_rm")
+    with pytest.raises(SystemExit):
+        run(script, tiny, tmp_path / "rm", reward_model=str(tmp_path / "nan_rm"))
+    line = capsys.readouterr().err.rstrip().splitlines()[-1]
+    assert f"(error: --reward-model {tmp_path / 'nan_rm'} scored 8 of 8 completions with no finite number" in line
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        (ppo_llm, ["--learning-rate", "-1"], "--learning-rate must be >= 0 (got -1.0)"),
+        (ppo_llm, ["--learning-rate", "nan"], "--learning-rate must be >= 0 (got nan)"),
+        (ppo_llm, ["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1 (got -1)"),
+        (ppo_llm, ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1 (got 0)"),
+        (ppo_llm, ["--gamma", "1.5"], "--gamma must be in [0, 1] (got 1.5)"),
+        (ppo_llm, ["--cliprange", "0"], "--cliprange must be > 0 (got 0.0)"),
+        (ppo_llm, ["--max-grad-norm", "inf"], "--max-grad-norm must be > 0 (got inf)"),
+        (ppo_llm, ["--save-every", "-5"], "--save-every must be >= 0 (got -5)"),
+        (ppo_llm, ["--eval-size", "0"], "--eval-size must be >= 1 (got 0)"),
+        (grpo_llm, ["--epsilon", "1.5"], "--epsilon must be in (0, 1) (got 1.5)"),
+        (grpo_llm, ["--beta", "-0.1"], "--beta must be >= 0 (got -0.1)"),
+        (grpo_llm, ["--total-steps", "0"], "--total-steps must be >= 1 (got 0)"),
+        (grpo_llm, ["--reward-weights", "1", "nan"], "--reward-weights must be finite numbers (got (1.0, nan))"),
+        (grpo_llm, ["--overlong-buffer", "-1"], "--overlong-buffer must be >= 0 (got -1)"),
+    ],
+)
+def test_a_flag_out_of_range_is_one_line_before_anything_loads(script, flags, message):
+    # --model does not exist: the flag's line comes first, so nothing was loaded
+    with pytest.raises(SystemExit) as e:
+        script.main(script.parse_args(["--model", "/no/such/model", *flags]))
+    assert str(e.value) == f"error: {message}"
+
+
+def test_paths_that_cannot_be_read_or_written_are_one_line(tiny, tmp_path):
+    (tmp_path / "file").write_text("")
+    for flag, path, why in [
+        ("--output-dir", tmp_path / "file", "NotADirectoryError: [Errno 20] Not a directory"),
+        ("--output-dir", tmp_path / "file" / "runs", "NotADirectoryError: [Errno 20] Not a directory"),
+        ("--output-dir", "/proc/self/runs", "Error"),  # /proc: no file can be made there, not even by root
+    ]:
+        with pytest.raises(SystemExit) as e:
+            ppo_llm.main(ppo_llm.parse_args([flag, str(path), "--model", "/no/such/model"]))
+        assert str(e.value).startswith(f"error: {flag} {path}: not a directory this run can write (") and why in str(
+            e.value
+        )
+    latin1 = b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xe9+1=", "answer": "2"}\n'  # \xe9: not UTF-8
+    (tmp_path / "latin1.jsonl").write_bytes(latin1)
+    with pytest.raises(SystemExit) as e:
+        run(ppo_llm, tiny, tmp_path / "runs", dataset=str(tmp_path / "latin1.jsonl"))
+    assert str(e.value).startswith(f"error: --dataset {tmp_path / 'latin1.jsonl'} could not be loaded (") and (
+        "UnicodeDecodeError" in str(e.value)
+    )
+
+
+def test_a_resume_removes_a_stale_temporary_and_a_signal_in_the_first_evaluation_saves(tiny, tmp_path, monkeypatch):
+    # a hard kill in the middle of a save leaves checkpoint.<pid>.tmp: the resume removes it; SIGTERM while the
+    # initial policy is evaluated stops the run with its line and a checkpoint of update 0
+    run_dir = run(ppo_llm, tiny, tmp_path / "a", total_steps=1)
+    (tmp_path / "a" / os.path.basename(run_dir) / "checkpoint.12345.tmp").write_bytes(b"half")
+    ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--total-steps", "2"]))
+    assert not glob.glob(os.path.join(run_dir, "*.tmp"))
+    generate = ppo_llm.transformers.GenerationMixin.generate
+
+    def signalled(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(ppo_llm.transformers.GenerationMixin, "generate", signalled)
+    with pytest.raises(SystemExit) as stop:
+        run(ppo_llm, tiny, tmp_path / "b", eval_every=1, eval_split=tiny["jsonl"], eval_size=4)
+    (run_dir,) = (tmp_path / "b").iterdir()
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["update"] == 0
+    assert [m["update"] for m in untimed_metrics(run_dir)] == [0]  # the first evaluation, logged
+
+
+def test_logs_that_cannot_be_written_are_one_line(tmp_path):
+    # metrics.jsonl where a directory is (as a full disk fails the same write): one line naming the run directory
+    (tmp_path / "metrics.jsonl").mkdir()
+    writer = types.SimpleNamespace(log_dir=str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        ppo_llm.log(writer, {"update": 1, "reward": 0.5})
+    assert str(e.value) == f"error: {tmp_path}: the logs could not be written (IsADirectoryError: [Errno 21] Is a " + (
+        f"directory: '{tmp_path / 'metrics.jsonl'}')"
+    )
