@@ -608,8 +608,12 @@ def from_pretrained(cls, name, flag, **kwargs):
 
 
 def load_model(cls, name, flag, dtype=torch.float32):
-    """Every dropout 0, in the config and in the nn.Dropout modules (detail 6); fp32 trained weights unless dtype."""
-    config = from_pretrained(AutoConfig, name, flag)
+    """Every dropout 0, in the config and in the nn.Dropout modules (detail 6); fp32 trained weights unless dtype. A
+    LoRA run's policy/ (an adapter) loads as transformers loads one: its base, from adapter_config.json, and the adapter
+    on it."""
+    adapter = os.path.join(name, "adapter_config.json")
+    base = json.load(open(adapter))["base_model_name_or_path"] if os.path.isfile(adapter) else name
+    config = from_pretrained(AutoConfig, base, flag)
     config.update({k: 0.0 for k, v in config.to_dict().items() if isinstance(v, float) and ("drop" in k)})
     model = from_pretrained(cls, name, flag, config=config, dtype=dtype)
     for module in filter(lambda m: isinstance(m, nn.Dropout), model.modules()):  # for models that hard-code one
@@ -757,6 +761,12 @@ def setup(args):
         dist.init_process_group("nccl" if cuda else "gloo")
         sys.stdout = open(os.devnull, "w") if dist.get_rank() else sys.stdout
     transformers.utils.logging.disable_progress_bar()
+    # transformers takes the pad token fed to a finished sequence during generation for unmasked padding: a false
+    # alarm (tests/test_ppo_llm.py: the sampled logits are the masked forward's), once per run
+    padding_alarm = "We strongly recommend passing in an `attention_mask`"
+    transformers.utils.logging.get_logger("transformers.modeling_utils").addFilter(
+        lambda record: padding_alarm not in record.getMessage()
+    )
     transformers.set_seed(args.seed)  # python's random, numpy, torch
     args.mixed_precision = ("bf16" if cuda else "no") if args.mixed_precision == "auto" else args.mixed_precision
     device, bf16 = torch.device("cuda" if cuda else "cpu"), args.mixed_precision == "bf16"

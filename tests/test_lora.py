@@ -57,6 +57,12 @@ def test_only_adapters_train_and_what_is_saved_loads_back(script, tiny, tmp_path
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "policy", "merged"))
     assert not any("lora" in k for k in merged.state_dict())
     torch.testing.assert_close(logits(merged, ids), logits(policy, ids), rtol=1e-5, atol=1e-5)
+    # --model policy/ (the adapter, as --eval-only takes it): the base from adapter_config.json, the adapter on it
+    adapter = script.load_model(AutoModelForCausalLM, os.path.join(run_dir, "policy"), "--model")
+    torch.testing.assert_close(logits(adapter, ids), logits(policy, ids), rtol=1e-5, atol=1e-5)
+    result = script.main(script.Args(eval_only=True, model=os.path.join(run_dir, "policy"), dataset=tiny["jsonl"],
+                                     eval_split=tiny["jsonl"], eval_size=4, max_new_tokens=3))  # fmt: skip
+    assert 0 <= result["eval/accuracy"] <= 1
     if script is ppo_llm:  # the separate critic has adapters of its own
         assert os.path.isfile(os.path.join(run_dir, "policy", "critic", "adapter_config.json"))
 

@@ -215,6 +215,25 @@ def test_padded_prompt_sees_unpadded_positions(tiny):
     assert torch.allclose(lp, lp_padded, atol=1e-5)
 
 
+def test_sampling_sees_the_mask_of_left_padded_prompts(tiny):
+    # what generate samples from, prompts of 2 to 4 tokens left-padded, is the masked forward with position ids from
+    # the mask that scores the tokens afterwards: transformers' warning of padding without a mask, raised when a
+    # finished sequence is fed its pad token, is a false alarm (the scripts filter it out)
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
+    ids = T([[0, 0, 20, 21], [0, 22, 23, 24], [25, 26, 27, 28]])
+    mask = (ids != 0).long()
+    torch.manual_seed(0)
+    out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=0, eos_token_id=1,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    responses, response_mask = ppo_llm.truncate_after_eos(out.sequences[:, 4:], [1], 0)
+    full_mask = torch.cat([mask, response_mask.long()], 1)
+    with torch.no_grad():
+        scored = policy(input_ids=out.sequences, attention_mask=full_mask, position_ids=ppo_llm.position_ids(full_mask))
+    sampled = torch.stack(out.logits, 1)  # (B, R, V)
+    real = response_mask.bool()
+    torch.testing.assert_close(sampled[real], scored.logits[:, 3:-1][real], rtol=1e-4, atol=1e-4)
+
+
 # ---- end to end --------------------------------------------------------------------------------------------
 
 
