@@ -33,14 +33,12 @@ Implementation details, cited "detail N":
 13. --top-entropy-quantile q (Wang et al. 2025): the batch's top q of tokens by entropy alone carry the policy gradient
     and bonus; --off-policy-mask-threshold (DeepSeek-V3.2): completions with A < 0 far from pi_old leave it.
 
-Each variant is a few flags (docs/grpo_llm.md: Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO). Running it for real: any
-causal LM, chat templates, bf16 autocast on CUDA, LoRA, torchrun (sharded with FSDP2); nothing is lost when a run
-stops (--resume).
+Each variant is a few flags (docs/grpo_llm.md). Running it for real: any causal LM, chat templates, bf16 autocast on
+CUDA, LoRA, torchrun (FSDP2); nothing is lost when a run stops (checkpoint.pt, --resume).
 """
 
 import contextlib
 import copy
-import errno
 import glob
 import itertools
 import json
@@ -63,18 +61,12 @@ import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp
 import torch.distributed.nn  # noqa: F401  before init_process_group: its defaults (group=WORLD) would hold the group
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 import tyro
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -174,12 +166,11 @@ def global_mean(values):
     return total / count
 
 
-def global_mean_var(values, mask):
-    """Mean and Bessel-corrected variance of the entries where mask is 1, every rank's: n = sum(m),
-    mean = sum(x * m) / n, var = sum((x - mean)^2 * m) / (n - 1)."""
-    n = all_reduce(mask.sum())
-    mean = all_reduce((values * mask).sum()) / n
-    return mean, all_reduce(((values - mean) ** 2 * mask).sum()) / (n - 1)
+def global_std(values):
+    """Bessel-corrected standard deviation of every rank's values (B,): sqrt(sum((x - mean)^2) / (n - 1))."""
+    n = all_reduce(torch.tensor(float(len(values)), device=values.device))
+    mean = all_reduce(values.sum()) / n
+    return (all_reduce(((values - mean) ** 2).sum()) / (n - 1)).sqrt()
 
 
 def masked_mean(values, mask, axis=None):
@@ -190,8 +181,9 @@ def masked_mean(values, mask, axis=None):
 def kl_penalty(logprobs, ref_logprobs, estimator):
     """Per-token estimate of KL(pi || pi_ref) from the sampled token's r = logp - ref_logp (Schulman 2020):
     k1 = r (unbiased, can be < 0); k2 = r^2 / 2 (biased, low variance); k3 = exp(-r) - 1 + r (unbiased, >= 0)."""
-    r = logprobs - ref_logprobs
-    return {"k1": r, "k2": 0.5 * r**2, "k3": torch.expm1(-r) + r}[estimator]
+    log_ratio = logprobs - ref_logprobs
+    estimates = {"k1": lambda r: r, "k2": lambda r: 0.5 * r**2, "k3": lambda r: torch.expm1(-r) + r}
+    return estimates[estimator](log_ratio)
 
 
 def group_advantages(rewards, group_size, scale, leave_one_out=False):
@@ -199,12 +191,14 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
     1e-4), / (std(batch) + 1e-4) or as is, by `scale` (Bessel). rewards (B,) -> advantages (B,), and zero_std (P,):
     the groups of equal rewards, whose advantages are exactly 0."""
     grouped = rewards.view(-1, group_size)  # (P, G)
-    others = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)  # RLOO: the mean of the other G - 1
-    advantages = grouped - (others if leave_one_out else grouped.mean(1, keepdim=True))
+    baseline = grouped.mean(1, keepdim=True)
+    if leave_one_out:  # RLOO: the mean of the other G - 1
+        baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
+    advantages = grouped - baseline
     if scale == "group":
         advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
     elif scale == "batch":
-        advantages = advantages / (global_mean_var(rewards, torch.ones_like(rewards))[1].sqrt() + 1e-4)
+        advantages = advantages / (global_std(rewards) + 1e-4)
     zero_std = grouped.max(1).values == grouped.min(1).values  # (P,)
     return advantages.masked_fill(zero_std[:, None], 0.0).view(-1), zero_std
 
@@ -213,9 +207,9 @@ def high_entropy_mask(entropy, mask, quantile):
     """1 on the real tokens whose entropy is in the top `quantile` of every rank's real tokens (detail 13), else 0."""
     values = entropy[mask.bool()].float()
     if dist.is_initialized():  # the ranks hold different numbers of tokens
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, values.cpu())
-        values = torch.cat(gathered).to(entropy.device)
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, values.cpu())
+        values = torch.cat(every_rank).to(entropy.device)
     threshold = np.quantile(values.cpu().numpy(), 1 - quantile)  # torch.quantile refuses more than 2^24 values
     return (entropy >= threshold).float() * mask
 
@@ -230,39 +224,49 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, entr
     - (ref - logp) - 1; the masked token sum / (each completion's length x completions) (grpo, sapo), / real tokens
     (dapo, cispo) or / (completions x max_new_tokens) (dr_grpo). logprobs (B, T), advantages (B,) or (B, T);
     ref_logprobs may be None when beta is 0."""
-    loss_type, epsilon, delta = args.loss_type, args.epsilon, args.delta
-    epsilon_high = epsilon if args.epsilon_high is None else args.epsilon_high
+    epsilon = args.epsilon
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     log_ratio = logprobs - old_logprobs  # (B, T)
     if args.importance_sampling_level == "sequence":
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
     ratio = torch.exp(log_ratio)
-    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    if loss_type == "cispo":
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)  # (B, 1)
+    if args.loss_type == "cispo":
         per_token_loss = -ratio.clamp(max=1 + epsilon_high).detach() * advantages * logprobs
-    elif loss_type == "sapo":
+    elif args.loss_type == "sapo":
         tau = torch.where(advantages > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
     else:
         clipped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high)
-        capped_ratio = ratio if delta is None else ratio.clamp(max=delta)
+        capped_ratio = ratio if args.delta is None else ratio.clamp(max=args.delta)
         per_token_loss = -torch.min(capped_ratio * advantages, clipped_ratio * advantages)
     per_token_loss = per_token_loss * entropy_mask
     if args.off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
         off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
         per_token_loss = per_token_loss * ~((advantages < 0) & (off_policy_kl > args.off_policy_mask_threshold))
-    correction = ratio if args.use_bias_correction_kl else 1  # detail 10: rho k3 has the gradient of KL(pi || ref)
-    kl = kl_penalty(logprobs, ref_logprobs, "k3") * correction if ref_logprobs is not None else None
+    kl = None
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs, "k3")
+        if args.use_bias_correction_kl:  # detail 10: rho k3 has the gradient of KL(pi || ref)
+            kl = kl * ratio
     if args.beta:
         per_token_loss = per_token_loss + args.beta * kl
     n = logprobs.shape[0]  # completions
-    normaliser = mask.sum(1).clamp(min=1) * n if loss_type in ("grpo", "sapo") else mask.sum().clamp(min=1)
-    normaliser = n * args.max_new_tokens if loss_type == "dr_grpo" else normaliser
+    normaliser = mask.sum().clamp(min=1)  # dapo, cispo
+    if args.loss_type in ("grpo", "sapo"):
+        normaliser = mask.sum(1).clamp(min=1) * n
+    elif args.loss_type == "dr_grpo":
+        normaliser = n * args.max_new_tokens
     loss = ((per_token_loss * mask).sum(1) / normaliser).sum()
-    with torch.no_grad():
+    with torch.no_grad():  # where each loss type acts, as TRL logs it
         low, high = (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
-        clipped = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
-        clipped = {"cispo": {"cispo_clip_ratio": high}, "sapo": {}}.get(loss_type, clipped)  # where it acts, as TRL
-        means = clipped | {"importance_ratio/mean": ratio.expand_as(mask)} | ({} if kl is None else {"kl": kl})
+        means = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
+        if args.loss_type in ("cispo", "sapo"):
+            means = {"cispo_clip_ratio": high} if args.loss_type == "cispo" else {}
+        means["importance_ratio/mean"] = ratio.expand_as(mask)
+        if kl is not None:
+            means["kl"] = kl
         stats = {name: masked_mean(x.float(), mask) for name, x in means.items()}
     return loss, stats
 
@@ -283,11 +287,15 @@ def lm_head_logprobs(
     for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
     where F.linear would run it (autocast's dtype)."""
     (B, T), device = labels.shape, hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-    dtype = torch.float32 if fp32 else dtype  # else as F.linear would run it
+    dtype = head.weight.dtype
+    if fp32:
+        dtype = torch.float32
+    elif torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
 
     def logits(h):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place where it can be
-        z = F.linear(h.to(dtype), head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)).float()
+        bias = None if head.bias is None else head.bias.to(dtype)
+        z = F.linear(h.to(dtype), head.weight.to(dtype), bias).float()
         if softcap:
             z = z.mul_(scale / softcap).tanh_()
             if torch.is_grad_enabled():
@@ -311,29 +319,20 @@ def lm_head_logprobs(
     n = max(1, LM_HEAD_CHUNK // head.weight.shape[0])  # tokens per chunk
     hidden, labels = hidden.reshape(B * T, -1), labels.reshape(B * T)
     chunks = [checkpoint(chunk, hidden[i : i + n], labels[i : i + n], use_reentrant=False) for i in range(0, B * T, n)]
-    logprobs = torch.cat([c[0] for c in chunks]).view(B, T)
+    logprobs = torch.cat([logprobs for logprobs, _ in chunks]).view(B, T)
     if not with_entropy:
         return logprobs, None
-    return logprobs, torch.cat([c[1] for c in chunks]).view(B, T)
+    return logprobs, torch.cat([entropy for _, entropy in chunks]).view(B, T)
 
 
 def response_logprobs(model, hidden, labels, temperature, fp32=True, with_entropy=False, entropy_grad=False):
     """lm_head_logprobs with the model's output embedding and logit post-processing: logits * scale (Cohere's
     logit_scale, Granite's 1 / logits_scaling), then Gemma's final_logit_softcapping."""
-    c = model.config
-    scale = (getattr(c, "logit_scale", None) or 1.0) / (getattr(c, "logits_scaling", None) or 1.0)
-    softcap, head = getattr(c, "final_logit_softcapping", None), model.get_output_embeddings()
-    return lm_head_logprobs(
-        hidden,
-        head,
-        labels,
-        temperature,
-        scale,
-        softcap,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        fp32=fp32,
-    )
+    config = model.config
+    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    options = dict(fp32=fp32, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    return lm_head_logprobs(hidden, model.get_output_embeddings(), labels, temperature, scale, softcap, **options)
 
 
 def position_ids(attention_mask):
@@ -347,140 +346,94 @@ def hidden_states(model, query_responses, attention_mask, prompt_width):
     where FSDP gathers its weights, with the LM head on the last position only (the chunked head does the rest)."""
     inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
     if model.get_output_embeddings() is None:  # a trunk: the critic
-        hidden = model(**inputs, use_cache=False).last_hidden_state
-    else:
-        hidden = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
-    return hidden[:, prompt_width - 1 : -1]
-
-
-@contextlib.contextmanager
-def unsharded(model):
-    """Under torchrun, the FSDP-sharded model whole on every rank for the block's duration: one all-gather of its
-    weights, not one a forward (generation runs a forward a token, and the ranks stop at different lengths). A no-op
-    in one process. Costs a whole copy of the model's weights per rank while it lasts (docs/scaling.md)."""
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
-    for module in sharded:
-        module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for module in sharded:
-            module.reshard()
-            module.set_reshard_after_forward(module is not model, recurse=False)  # FSDP's default: not the root
+        return model(**inputs, use_cache=False).last_hidden_state[:, prompt_width - 1 : -1]
+    out = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1][:, prompt_width - 1 : -1]
 
 
 def truncate_after_eos(responses, eos_ids, pad_token_id):
-    """Detail 2: keep the tokens up to and including the first EOS (any of eos_ids). Returns (responses, mask)."""
+    """Detail 2: keep the tokens up to and including the first EOS (any of eos_ids). Returns (responses, mask, ended),
+    ended (B,) whether a response has an EOS at all (else it ran to --max-new-tokens)."""
     is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
     after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # an EOS strictly before this position
-    return responses.masked_fill(after_eos, pad_token_id), ~after_eos
+    return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
 
 
 def tokenize_texts(tokenizer, texts, max_length):
     """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
-    special = not (tokenizer.bos_token and all(t.startswith(tokenizer.bos_token) for t in texts))
-    return tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length,
-                     add_special_tokens=special, return_tensors="pt")  # fmt: skip
-
-
-STOP = []  # the signals received: Ctrl-C and SIGTERM (a preemption)
-
-
-SAVING = []  # not empty while a checkpoint is gathered and written
-SAVED = []  # the update of each checkpoint.pt this run has written (a resumed run: its checkpoint's)
-
-
-def on_signal(signum, frame):
-    """Ctrl-C or SIGTERM: the first asks the run to stop after the update it is in (stop_check), a second stops it at
-    once, but never in the middle of writing a checkpoint: that finishes first."""
-    if STOP and not SAVING:
-        signal.default_int_handler(signum, frame)
-    if STOP:
-        print(f"{signal.Signals(signum).name}: the checkpoint being written is finished first", file=sys.stderr)
-    STOP.append(signum)
-
-
-class EveryRank(Exception):
-    """An error on one rank, raised on every rank at the same point, so that they stop and save together."""
-
-
-def on_every_rank(fn):
-    """fn()'s result. Under torchrun, an error on any rank stops every rank here: a rank alone could not save the
-    sharded weights."""
-    try:
-        return_value, error = fn(), None
-    except (Exception, SystemExit) as e:
-        return_value, error = None, e
-    if all_reduce(torch.tensor(float(error is not None))).item() == 0:
-        return return_value
-    if not dist.is_initialized():
-        raise error
-    raise EveryRank(error or "another rank's error") from error
-
-
-def stop_check():
-    """KeyboardInterrupt on every rank once any of them has been signalled: generation ends at its next token, and after
-    the rollout every rank stops here, before the update changes anything (a signal during an update lets it finish)."""
-    if all_reduce(torch.tensor(float(len(STOP)))).item():
-        raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")
+    has_bos = bool(tokenizer.bos_token) and all(text.startswith(tokenizer.bos_token) for text in texts)
+    options = dict(padding=True, truncation=max_length is not None, max_length=max_length, return_tensors="pt")
+    return tokenizer(texts, add_special_tokens=not has_bos, **options)
 
 
 @torch.no_grad()
-def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast, stoppable=False):
-    """Step 1: the prompts left-padded (detail 6) and cut on the left, a sampled response each, cut after its first EOS
-    (detail 2). Returns {query_responses, attention_mask (B, Q + R), responses, mask (B, R) float, prompt_width Q}."""
-    enc = tokenize_texts(tokenizer, prompts, max_prompt_length).to(policy.device)
+def rollout(policy, tokenizer, prompts, args, autocast, stoppable=False):
+    """Step 1: the prompts left-padded (detail 6) and cut on the left to --max-prompt-length, a response sampled for
+    each with the policy's generation_config (detail 4), cut after its first EOS (detail 2). The rollout batch:
+        query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens
+        responses, mask                  (B, R)      the response tokens (pad after EOS), 1.0 on the real ones
+        ended                            (B,)        whether the response has an EOS
+        prompt_width                     Q
+    A stoppable rollout ends at the next token once a signal has come."""
+    inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
-    stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)] * stoppable
-    with autocast:  # sampled with the policy's generation_config (detail 4); a signal ends it at the next token
-        out = policy.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, stopping_criteria=stop)
-    responses, mask = truncate_after_eos(out[:, enc.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
-    return dict(
-        query_responses=torch.cat([enc.input_ids, responses], 1), prompt_width=enc.input_ids.shape[1],
-        attention_mask=torch.cat([enc.attention_mask, mask.long()], 1), responses=responses, mask=mask.float(),
-    )  # fmt: skip
+    stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)] if stoppable else []
+    with autocast:
+        out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
+    eos_ids = policy.generation_config.eos_token_id
+    responses, mask, ended = truncate_after_eos(out[:, inputs.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
+    return {
+        "query_responses": torch.cat([inputs.input_ids, responses], 1),
+        "attention_mask": torch.cat([inputs.attention_mask, mask.long()], 1),
+        "responses": responses,
+        "mask": mask.float(),
+        "ended": ended,
+        "prompt_width": inputs.input_ids.shape[1],
+    }
 
 
-def training_forward(policy, r, mc, args, with_entropy=True):
-    """Micro-batch mc of the rollout r: the completions' log-probs and entropies (B, R) under `policy`."""
-    hidden = hidden_states(policy, r["query_responses"][mc], r["attention_mask"][mc], r["prompt_width"])
-    return response_logprobs(
-        policy,
-        hidden,
-        r["responses"][mc],
-        args.temperature,
-        fp32=args.cast_lm_head_to_fp32,
-        with_entropy=with_entropy,
-        entropy_grad=args.ent_coef != 0,  # else the entropy is for the logs and masks alone, computed without autograd
-    )
+def training_forward(policy, batch, micro_batch, args, with_entropy=True):
+    """The rows micro_batch of the rollout batch: the completions' log-probs and entropies (B, R) under `policy`."""
+    query_responses, attention_mask = batch["query_responses"][micro_batch], batch["attention_mask"][micro_batch]
+    hidden = hidden_states(policy, query_responses, attention_mask, batch["prompt_width"])
+    entropy_grad = args.ent_coef != 0  # else the entropy is for the logs and masks alone, computed without autograd
+    options = dict(fp32=args.cast_lm_head_to_fp32, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    return response_logprobs(policy, hidden, batch["responses"][micro_batch], args.temperature, **options)
 
 
-def accumulate_gradients(policy, r, args, autocast):
+def accumulate_gradients(policy, batch, args, autocast):
     """Forward and backward the whole batch, micro-batch by micro-batch, each weighted by its share of the completions
     or, for dapo and cispo, of the loss tokens (detail 9; per rank); returns (the loss, each micro-batch's stats)."""
-    loss_mask, B = r["loss_mask"], len(r["loss_mask"])
-    bonus_mask = loss_mask * r["entropy_mask"]  # the tokens that carry the policy gradient
+    loss_mask, batch_size = batch["loss_mask"], len(batch["loss_mask"])
+    bonus_mask = loss_mask * batch["entropy_mask"]  # the tokens that carry the policy gradient
     stats, loss_sum = [], torch.zeros((), device=loss_mask.device)
     n_tokens, n_bonus = global_mean([loss_mask.sum()]), global_mean([bonus_mask.sum()])
-    for mc in torch.arange(B, device=loss_mask.device).split(args.micro_batch_size):
+    for micro_batch in torch.arange(batch_size, device=loss_mask.device).split(args.micro_batch_size):
         with autocast:
-            logprobs, entropy = training_forward(policy, r, mc, args)
-        old = logprobs.detach() if r["old_logprobs"] is None else r["old_logprobs"][mc]
-        ref = None if r["ref_logprobs"] is None else r["ref_logprobs"][mc]
-        loss, mc_stats = grpo_loss(logprobs, old, ref, r["advantages"][mc], loss_mask[mc], args, r["entropy_mask"][mc])
-        loss = loss * (loss_mask[mc].sum() / n_tokens if args.loss_type in ("dapo", "cispo") else len(mc) / B)
+            logprobs, entropy = training_forward(policy, batch, micro_batch, args)
+        old_logprobs = logprobs.detach()  # --num-iterations 1 (detail 5)
+        if batch["old_logprobs"] is not None:
+            old_logprobs = batch["old_logprobs"][micro_batch]
+        ref_logprobs = None if batch["ref_logprobs"] is None else batch["ref_logprobs"][micro_batch]
+        advantages, mask = batch["advantages"][micro_batch], loss_mask[micro_batch]
+        loss, micro_stats = grpo_loss(
+            logprobs, old_logprobs, ref_logprobs, advantages, mask, args, batch["entropy_mask"][micro_batch]
+        )
+        share = len(micro_batch) / batch_size
+        if args.loss_type in ("dapo", "cispo"):
+            share = mask.sum() / n_tokens
+        loss = loss * share
         if args.ent_coef:
-            loss = loss - args.ent_coef * (entropy * bonus_mask[mc]).sum() / n_bonus
+            loss = loss - args.ent_coef * (entropy * bonus_mask[micro_batch]).sum() / n_bonus
         loss.backward()
         loss_sum += loss.detach()  # no .item() per micro-batch: one sync at logging
-        stats.append(mc_stats | {"entropy": masked_mean(entropy.detach(), loss_mask[mc])})
+        stats.append(micro_stats | {"entropy": masked_mean(entropy.detach(), mask)})
     return loss_sum, stats
 
 
 def optimizer_step(optimizer, params, max_grad_norm):
     """One AdamW step, the gradients clipped to a global norm, returned; a non-finite one stops the run. Under torchrun
-    FSDP's reduce-scatter has already averaged the gradients over the ranks, and the norm is of every rank's shards."""
+    FSDP's reduce-scatter has averaged the gradients over the ranks already, and the norm is of every rank's shards."""
     grad_norm = nn.utils.clip_grad_norm_(params, max_grad_norm)
     if isinstance(grad_norm, DTensor):  # a sharded norm: the same total on every rank
         grad_norm = grad_norm.full_tensor()
@@ -491,8 +444,212 @@ def optimizer_step(optimizer, params, max_grad_norm):
     return grad_norm
 
 
-# TRY NOT TO MODIFY: rewards, prompts, models (identical in ppo_llm.py)
+# GRPO's own: its files, the flags' checks; then main()
 
+
+def save_policy(path, models, weights, tokenizer):
+    """save_pretrained of the policy and its tokenizer (with LoRA the adapter), from its gathered weights."""
+    models["policy"].save_pretrained(path, state_dict=weights["policy"])
+    tokenizer.save_pretrained(path)
+
+
+def check_args(args, world):
+    """Every flag out of range and every bad combination of flags, one line each, before anything is loaded."""
+    check_range(args, ">= 0", "save_every lora_r learning_rate weight_decay ent_coef beta off_policy_mask_threshold")
+    check_range(args, ">= 0", "overlong_buffer overlong_penalty eval_every sample_every num_samples")
+    check_range(args, ">= 1", "max_new_tokens max_prompt_length total_steps prompts_per_update micro_batch_size")
+    check_range(args, ">= 1", "num_iterations eval_size")
+    check_range(args, ">= 2", "num_generations")  # the group is the baseline
+    check_range(args, "> 0", "lora_alpha temperature max_grad_norm sapo_temperature_pos sapo_temperature_neg")
+    check_range(args, "in (0, 1)", "epsilon")
+    check_range(args, "in (0, 1]", "top_entropy_quantile")
+    check_range(args, ">= 0", "epsilon_high delta")  # and the bounds below
+    check_range(args, "finite", "reward_weights")
+    check_run(args, world)
+    batch_size = args.prompts_per_update // world * args.num_generations  # this process's completions
+    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # the default 64 must not refuse a smaller batch
+    high = 1 + (args.epsilon if args.epsilon_high is None else args.epsilon_high)
+    n_rewards = 1 if args.reward_model else len(args.reward_fn)
+    for bad, message in [
+        (
+            batch_size % args.micro_batch_size,
+            f"--micro-batch-size ({args.micro_batch_size}) must divide the completions per update ({batch_size} a "
+            "process)",
+        ),
+        (high < 1 + args.epsilon, f"--epsilon-high must be >= --epsilon (got {args.epsilon_high})"),
+        (args.delta is not None and args.delta <= high, f"--delta must be > 1 + --epsilon-high (got {args.delta})"),
+        (
+            not args.reward_fn or args.reward_weights is not None and len(args.reward_weights) != n_rewards,
+            f"--reward-weights needs one weight per reward ({n_rewards}), not {len(args.reward_weights or [])}",
+        ),
+    ]:
+        if bad:
+            raise SystemExit(f"error: {message}")
+
+
+def main(args: Args | None = None):
+    args = parse_args() if args is None else args
+    # TRY NOT TO MODIFY: set-up and seeding, the models, a resumed run's state, the run directory
+    (rank, world), device, autocast = setup(args)
+    check_args(args, world)
+    reward_fns = [load_reward_fn(name) for name in args.reward_fn]  # a bad name or file fails here, before loading
+    tokenizer, policy, reward_model, rm_tokenizer = load_models(args)
+    G = args.num_generations
+    batch_size = args.prompts_per_update // world * G  # this process's share of the completions
+    eval_problems = eval_rows(args, tokenizer) if args.eval_every or args.eval_only else None
+    if args.eval_only:  # no training, no run directory
+        result = evaluate(policy.to(device), tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
+        print(eval_line(result, n=len(eval_problems)))
+        return result
+    ref_policy = None  # beta 0, TRL's default: no KL term, no reference (details 5, 10)
+    if args.beta:
+        ref_policy = policy if args.lora_r else copy.deepcopy(policy)  # LoRA: the base, with the adapters off
+    params, optimizer = prepare(args, device, [policy], [ref_policy, reward_model])
+    names = [name.rpartition(":")[2] for name in args.reward_fn]
+    if args.reward_model:
+        names = [os.path.basename(args.reward_model)]
+    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(names), device=device)
+    needs_answers = reward_model is None and bool({"arithmetic", "gsm8k"} & set(args.reward_fn))
+    rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
+    models = nn.ModuleDict({"policy": policy})  # what checkpoint.pt and policy/ hold; the reference is --model's
+    checkpoint = load_checkpoint(args, models, optimizer)  # {} for a new run
+    run_dir, writer = open_run(args, rank, checkpoint)
+    first_update = update = checkpoint.get("update", 0)
+    prompts = prompt_stream(rows, args.seed, first_update * args.prompts_per_update, rank, world)
+    state, start_time = {"update": update}, time.time()  # what a resume restores besides the weights and AdamW
+    print(f"{run_dir}/checkpoint.pt: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
+    STOP.clear()
+    handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if eval_problems and not checkpoint:  # the initial policy, at update 0
+            initial = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
+            log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
+        for update in range(first_update + 1, args.total_steps + 1):
+            torch.manual_seed(hash((args.seed, update, rank)))  # each update's own random numbers: exact resumes
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
+
+            # ALGO LOGIC: 1. rollout, G completions of each prompt, contiguous (detail 1; rollout() lists the batch)
+            t0 = wall_clock(device)
+            prompt_rows = [next(prompts) for _ in range(batch_size // G)]
+            rows = [row for row in prompt_rows for _ in range(G)]
+            with unsharded(policy):  # FSDP: gathered once for generation, not once per token
+                batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, stoppable=True)
+            stop_check()
+            mask, lengths = batch["mask"], batch["mask"].sum(1)  # (B, R), (B,)
+            t1 = wall_clock(device)
+
+            # 2. rewards: the weighted reward functions, or the reward model (detail 11); DAPO's overlong penalty
+            completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+            if reward_model is None:  # an error of a reward function on one rank stops every rank here
+                scores = on_every_rank(lambda: [reward_fn(completions, rows) for reward_fn in reward_fns])
+                scores = torch.tensor(scores, dtype=torch.float, device=device).T  # (B, reward functions)
+            else:
+                scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)[:, None]
+            over = (lengths - args.max_new_tokens + args.overlong_buffer).clamp(min=0) / max(args.overlong_buffer, 1)
+            rewards = scores @ reward_weights - args.overlong_penalty * over  # overlong: 0 to -penalty on the last N
+
+            # 3. advantages relative to the group (detail 3); which completions the loss sees
+            advantages, zero_std = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)
+            dropped = torch.zeros_like(batch["ended"])
+            if args.dynamic_sampling:  # DAPO's, without resampling: the groups whose rewards are all equal
+                dropped |= zero_std.repeat_interleave(G)
+            if args.mask_truncated_completions:  # DAPO's overlong filtering: the completions that never ended
+                dropped |= ~batch["ended"]
+            loss_mask = mask * ~dropped[:, None]
+            batch |= {"loss_mask": loss_mask, "advantages": advantages, "entropy_mask": torch.ones_like(mask)}
+            batch |= {"old_logprobs": None, "ref_logprobs": None}
+
+            # 4. old log-probs (mu > 1), entropies (detail 13) and reference log-probs: the training forward (detail 5)
+            micro_batches = torch.arange(batch_size, device=device).split(args.micro_batch_size)
+            trains = all_reduce(loss_mask.sum()) > 0  # else no token is in the loss on any rank: no update
+            entropies = args.top_entropy_quantile < 1
+            if trains and (args.num_iterations > 1 or entropies):
+                with torch.no_grad(), autocast, unsharded(policy):
+                    out = [training_forward(policy, batch, mb, args, with_entropy=entropies) for mb in micro_batches]
+                if args.num_iterations > 1:
+                    batch["old_logprobs"] = torch.cat([logprobs for logprobs, _ in out])
+                if entropies:  # the whole batch's, from the rollout policy
+                    entropy = torch.cat([entropy for _, entropy in out])
+                    batch["entropy_mask"] = high_entropy_mask(entropy, loss_mask, args.top_entropy_quantile)
+            if ref_policy is not None:
+                base = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()  # LoRA: the base
+                with torch.no_grad(), autocast, base, unsharded(ref_policy):
+                    out = [training_forward(ref_policy, batch, mb, args, with_entropy=False) for mb in micro_batches]
+                batch["ref_logprobs"] = torch.cat([logprobs for logprobs, _ in out])
+            t2 = wall_clock(device)
+
+            # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 9)
+            policy.train()
+            stats, losses, grad_norms = [], [], []
+            for _ in range(args.num_iterations if trains else 0):
+                loss, micro_stats = accumulate_gradients(policy, batch, args, autocast)
+                grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
+                stats, losses = stats + micro_stats, losses + [loss]
+            state = {"update": update}  # update done: a stop from here on resumes after it
+            t3 = wall_clock(device)
+
+            # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
+            metrics = {
+                "update": update,
+                "episode": update * batch_size * world,
+                "reward": rewards.mean().item(),
+                "reward_std": rewards.view(-1, G).std(1).mean().item(),
+                "frac_reward_zero_std": zero_std.float().mean().item(),
+                "completions/mean_length": lengths.mean().item(),
+                "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(),
+                "completions/clipped_ratio": (~batch["ended"]).float().mean().item(),
+                "learning_rate": optimizer.param_groups[0]["lr"],
+            }
+            for name, reward in zip(names, scores.T):
+                metrics[f"rewards/{name}/mean"] = reward.mean().item()
+                metrics[f"rewards/{name}/std"] = global_std(reward).item()
+            if losses:  # grpo_loss's stats (importance_ratio/mean, clip_ratio/* or cispo_clip_ratio, kl) and entropy
+                metrics["loss"] = global_mean(losses)
+                metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
+                for key in stats[0]:
+                    metrics[key] = global_mean([s[key] for s in stats])
+            n_tokens = mask.sum().item()
+            times, progress = timing([t0, t1, t2, t3], start_time, first_update, update, args, n_tokens, device)
+            ops = {"completions/min_length": "min", "completions/max_length": "max", "perf/peak_memory_mb": "max"}
+            metrics = global_metrics(metrics | times, ops | {"perf/tokens_per_sec": "sum"})
+            stopping = all_reduce(torch.tensor(float(len(STOP)))).item() > 0  # a stop saves anyway: no evaluation
+            if eval_problems and not stopping and (update % args.eval_every == 0 or update == args.total_steps):
+                metrics |= evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
+            line = f"update {update}/{args.total_steps}: reward {metrics['reward']:.3f}  "
+            if "kl" in metrics:
+                line += f"kl {metrics['kl']:.4f}  "
+            if not losses:
+                line += "(no loss tokens)  "
+            samples = sampled(args, update, rows[::G], completions[::G], reward=rewards[::G].tolist())
+            for sample, advantage in zip(samples, advantages[::G].tolist()):  # one completion of each group
+                sample["advantage"] = advantage
+            log(writer, metrics, line + progress, samples)
+            if args.save_every and update % args.save_every == 0 and not stopping:
+                save_checkpoint(run_dir, models, optimizer, state, tokenizer)
+        save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=args.save_merged)
+    except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss, an error, a failed save: nothing is lost
+        save_and_exit(
+            e, update, state, run_dir, rank, lambda: save_checkpoint(run_dir, models, optimizer, state, tokenizer)
+        )
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        if writer is not None:
+            writer.close()
+    print(f"saved the policy to {run_dir}/policy")
+    if args.track and rank == 0:
+        sys.modules["wandb"].finish()
+    if dist.is_initialized():
+        dist.barrier()  # every rank waits for rank 0's save
+        dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
+    return run_dir
+
+
+# SHARED WITH the other LLM script, kept identical by tests/test_shared.py: rewards, prompts, models, sharding, set-up,
+# logging, evaluation, stops and checkpoints. Rewards are yours to extend: add one to REWARD_FNS, or pass
+# --reward-fn path/to/file.py:function.
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
 
@@ -504,8 +661,10 @@ def final_answer(text, strict=False):
         stated = [m for m in re.findall(marker, text, flags=re.IGNORECASE) if re.search(NUMBER, m)]
         if stated:
             return float(re.sub(r"[$,\s]", "", re.search(NUMBER, stated[-1]).group()))
-    found = [] if strict else re.findall(NUMBER, text)
-    return float(re.sub(r"[$,\s]", "", found[-1])) if found else None
+    found = re.findall(NUMBER, text)
+    if strict or not found:
+        return None
+    return float(re.sub(r"[$,\s]", "", found[-1]))
 
 
 REWARD_FNS = {  # f(completions, reference answers) -> a score per completion
@@ -516,33 +675,30 @@ REWARD_FNS = {  # f(completions, reference answers) -> a score per completion
 
 
 def load_reward_fn(spec):
-    """--reward-fn as f(completions, rows) -> a float per completion: a name in REWARD_FNS, or `path/to/file.py:fn` or
-    `module:fn`, called by keyword as TRL calls one: fn(completions=[str], prompts=[...], **every other column)."""
+    """--reward-fn as f(completions, rows): REWARD_FNS[name], or file.py:fn / module:fn called as TRL calls one."""
     if spec in REWARD_FNS:
         return lambda completions, rows: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
     source, _, name = spec.rpartition(":")
     try:
-        fn = (runpy.run_path if source.endswith(".py") else runpy.run_module)(source)[name]
+        fn = (runpy.run_path(source) if source.endswith(".py") else runpy.run_module(source))[name]
     except Exception as e:  # no such file, module or function, or a file that does not import (a SyntaxError, say)
         why = f" ({type(e).__name__}: {e})" if source else ""
-        raise SystemExit(f"error: --reward-fn {spec}: not one of {sorted(REWARD_FNS)}, nor a file.py:function or "
-                         f"module:function that loads{why}") from None  # fmt: skip
+        choices = f"not one of {sorted(REWARD_FNS)}, nor a file.py:function or module:function that loads"
+        raise SystemExit(f"error: --reward-fn {spec}: {choices}{why}") from None
 
     def user_fn(completions, rows):
-        columns = {k: [row["columns"][k] for row in rows] for k in rows[0]["columns"]}
+        columns = {key: [row["columns"][key] for row in rows] for key in rows[0]["columns"]}
         values = list(fn(completions=completions, **columns))
         if len(values) != len(completions):
-            raise SystemExit(
-                f"error: --reward-fn {spec} returned {len(values)} numbers for {len(completions)} completions"
-            )
+            counts = f"{len(values)} numbers for {len(completions)} completions"
+            raise SystemExit(f"error: --reward-fn {spec} returned {counts}")
         return finite_scores(values, f"--reward-fn {spec}", completions)
 
     return user_fn
 
 
 def finite_scores(values, source, completions):
-    """The scores as floats; one line that names their source, how many are not finite numbers and the first one's
-    completion, if any is not (a NaN would stop the run later as a non-finite gradient, blamed on the optimizer)."""
+    """The scores as floats, or one line naming their source and the first completion with no finite number."""
     scores = []
     for value in values:
         try:
@@ -551,51 +707,56 @@ def finite_scores(values, source, completions):
             scores.append(math.nan)
     bad = [i for i, score in enumerate(scores) if not math.isfinite(score)]
     if bad:
-        raise SystemExit(f"error: {source} scored {len(bad)} of {len(scores)} completions with no finite number (the "
-                         f"first: {values[bad[0]]!r} for {completions[bad[0]]!r})")  # fmt: skip
+        first = f"the first: {values[bad[0]]!r} for {completions[bad[0]]!r}"
+        raise SystemExit(
+            f"error: {source} scored {len(bad)} of {len(scores)} completions with no finite number ({first})"
+        )
     return scores
 
 
 def load_prompts(args, tokenizer, needs_answers):
     """--dataset's rows: {prompt (the text the policy sees), answer (text or None), messages, columns (reward fns')}."""
     datasets.disable_progress_bars()
-    fmt = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(args.dataset.rpartition(".")[2])
+    file_format = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(args.dataset.split(".")[-1])
     try:  # read whole: a byte that is not UTF-8 fails as the rows are read
-        if fmt:  # a file
-            data = datasets.load_dataset(fmt, data_files=args.dataset, split="train").to_list()
+        if file_format:
+            data = datasets.load_dataset(file_format, data_files=args.dataset, split="train").to_list()
         else:
             data = datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split).to_list()
     except Exception as e:  # datasets' own error, often wrapping the reader's
-        cause, hint = e.__cause__ or e, "" if fmt else "; a hub dataset needs the network, a local file does not"
-        raise SystemExit(f"error: --dataset {args.dataset} could not be loaded ({type(cause).__name__}: "
-                         f"{(str(cause).strip() or 'no rows').splitlines()[0]}){hint}") from None  # fmt: skip
+        cause = e.__cause__ or e
+        why = f"{type(cause).__name__}: {(str(cause).strip() or 'no rows').splitlines()[0]}"
+        hint = "" if file_format else "; a hub dataset needs the network, a local file does not"
+        raise SystemExit(f"error: --dataset {args.dataset} could not be loaded ({why}){hint}") from None
     rows = []
     for i, row in enumerate(data, 1):
-        if row.get(args.prompt_column) in (None, ""):  # an empty prompt: nothing to generate from
-            raise SystemExit(f"error: --dataset {args.dataset}: row {i} has no --prompt-column {args.prompt_column} "
-                             f"(columns: {', '.join(k for k, v in row.items() if v not in (None, ''))})")  # fmt: skip
-        answer = row.get(args.answer_column)  # a CSV column with a gap is read as floats: 2.0 must read "2"
-        answer = int(answer) if isinstance(answer, float) and answer.is_integer() else answer
-        answer = row[args.answer_column] = None if answer is None else str(answer)
-        prompt = text = row[args.prompt_column]
-        messages = None
-        if not isinstance(prompt, str) or args.chat_template or args.system_prompt is not None:  # the data decides
+        prompt, answer = row.get(args.prompt_column), row.get(args.answer_column)
+        if prompt in (None, ""):  # nothing to generate from
+            columns = ", ".join(k for k, v in row.items() if v not in (None, ""))
+            why = f"row {i} has no --prompt-column {args.prompt_column} (columns: {columns})"
+            raise SystemExit(f"error: --dataset {args.dataset}: {why}")
+        if isinstance(answer, float) and answer.is_integer():  # a CSV column with a gap is read as floats: 2.0 is "2"
+            answer = int(answer)
+        if answer is not None:
+            answer = row[args.answer_column] = str(answer)
+        text, messages = prompt, None
+        if not isinstance(prompt, str) or args.chat_template or args.system_prompt is not None:  # a conversation
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             if not (isinstance(messages, list) and messages and all({"role", "content"} <= set(m) for m in messages)):
-                raise SystemExit(f"error: --dataset {args.dataset}, row {i}: the prompt is neither a string nor a list "
-                                 "of {role, content} messages")  # fmt: skip
+                why = "the prompt is neither a string nor a list of {role, content} messages"
+                raise SystemExit(f"error: --dataset {args.dataset}, row {i}: {why}")
             if args.system_prompt is not None and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": args.system_prompt}] + messages
             if tokenizer.chat_template is None:
-                raise SystemExit(f"error: --model {args.model}: its tokenizer has no chat template, which "
-                                 "conversational prompts, --chat-template and --system-prompt need")  # fmt: skip
+                needs = "conversational prompts, --chat-template and --system-prompt need"
+                raise SystemExit(f"error: --model {args.model}: its tokenizer has no chat template, which {needs}")
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        columns = {"prompts": row[args.prompt_column]} | {k: v for k, v in row.items() if k != args.prompt_column}
+        columns = {"prompts": prompt} | {k: v for k, v in row.items() if k != args.prompt_column}
         rows.append({"prompt": text, "answer": answer, "messages": messages, "columns": columns})
     missing = [i for i, row in enumerate(rows, 1) if row["answer"] is None]
     if missing and (needs_answers or len(missing) < len(rows)):
-        raise SystemExit(f"error: --dataset {args.dataset}: row {missing[0]} has no --answer-column "
-                         f"{args.answer_column}, which the reward function needs")  # fmt: skip
+        why = f"row {missing[0]} has no --answer-column {args.answer_column}, which the reward function needs"
+        raise SystemExit(f"error: --dataset {args.dataset}: {why}")
     return rows
 
 
@@ -608,12 +769,15 @@ def prompt_stream(rows, seed, start, rank, world):
 
 def eval_rows(args, tokenizer):
     """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None."""
-    beside = args.dataset.replace("train.jsonl", "test.jsonl") if args.dataset.endswith("train.jsonl") else None
-    split = args.eval_split or (beside if beside and os.path.isfile(beside) else args.eval_only and args.dataset_split)
-    if not split:
+    split, beside = args.eval_split, args.dataset.removesuffix("train.jsonl") + "test.jsonl"
+    if split is None and args.dataset.endswith("train.jsonl") and os.path.isfile(beside):
+        split = beside
+    if split is None and args.eval_only:
+        split = args.dataset_split
+    if split is None:
         return None
     source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
-    rows = load_prompts(Args(**asdict(args) | source), tokenizer, True)
+    rows = load_prompts(Args(**asdict(args) | source), tokenizer, needs_answers=True)
     return list({row["prompt"]: row for row in rows}.values())[: args.eval_size]
 
 
@@ -623,21 +787,20 @@ def from_pretrained(cls, name, flag, **kwargs):
         return cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         where = "holds no model it can load" if os.path.isdir(name) else "is no directory, nor reachable on the hub"
-        raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}); a hub id needs the network (with "
-                         "HF_HUB_OFFLINE=1, the cache alone); offline: assets/arith-sft") from None  # fmt: skip
+        hint = "a hub id needs the network (with HF_HUB_OFFLINE=1, the cache alone); offline: assets/arith-sft"
+        raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}); {hint}") from None
 
 
 def load_model(cls, name, flag, dtype=torch.float32):
-    """Every dropout 0, in the config and in the nn.Dropout modules (detail 6); fp32 trained weights unless dtype. A
-    LoRA run's policy/ (an adapter) loads as transformers loads one: its base, from adapter_config.json, and the adapter
-    on it."""
+    """Dropout 0, in the config and every nn.Dropout (detail 6), fp32 unless dtype; an adapter on its base (LoRA)."""
     adapter = os.path.join(name, "adapter_config.json")
     base = json.load(open(adapter))["base_model_name_or_path"] if os.path.isfile(adapter) else name
     config = from_pretrained(AutoConfig, base, flag)
-    config.update({k: 0.0 for k, v in config.to_dict().items() if isinstance(v, float) and ("drop" in k)})
+    config.update({k: 0.0 for k, v in config.to_dict().items() if isinstance(v, float) and "drop" in k})
     model = from_pretrained(cls, name, flag, config=config, dtype=dtype)
-    for module in filter(lambda m: isinstance(m, nn.Dropout), model.modules()):  # for models that hard-code one
-        module.p = 0.0
+    for module in model.modules():  # for models that hard-code one
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
     return model
 
 
@@ -648,20 +811,20 @@ def add_lora(model, args):
     except ImportError:
         raise SystemExit("error: --lora-r needs peft, which is not installed: pip install peft") from None
     targets = list(args.lora_target_modules or []) or "all-linear"  # all-linear leaves out the LM head
-    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets,
-                             task_type="CAUSAL_LM" if model.get_output_embeddings() is not None else None)  # fmt: skip
+    task_type = "CAUSAL_LM" if model.get_output_embeddings() is not None else None
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, task_type=task_type)
     try:
         model = peft.get_peft_model(model, config)
     except ValueError as e:  # no module matches
-        names = {n.rpartition(".")[2] for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
-        raise SystemExit(f"error: --lora-target-modules {' '.join(targets)}: {str(e).split('. ')[0]} (the model's "
-                         f"linear layers: {' '.join(sorted(names - {'lm_head'}))})") from None  # fmt: skip
+        linear = {n.split(".")[-1] for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
+        why = f"{str(e).split('. ')[0]} (the model's linear layers: {' '.join(sorted(linear - {'lm_head'}))})"
+        raise SystemExit(f"error: --lora-target-modules {' '.join(targets)}: {why}") from None
     if hasattr(model.get_output_embeddings(), "lora_A"):
         raise SystemExit("error: --lora-target-modules: not the LM head, whose adapters would never train (detail 7)")
     return model
 
 
-def fit_tokenizer(tokenizer, models, eos_ids=()):
+def add_pad_token(tokenizer, models, eos_ids=()):
     """A pad token that ends no response (Qwen2.5's is an EOS id); the embeddings grown to the tokenizer, not shrunk."""
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id in {tokenizer.eos_token_id, *eos_ids}:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
@@ -681,95 +844,172 @@ def rm_text(rm_tokenizer, row, completion):
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args):
+def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
     """Score of each sequence (B,) at its last real token: of the ids (rm_tokenizer None), or of rm_text, cut left."""
     if rm_tokenizer is None:
-        am = r["attention_mask"]
-        inputs = dict(input_ids=r["query_responses"], attention_mask=am, position_ids=position_ids(am))
+        mask = batch["attention_mask"]
+        inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
     else:
-        context = getattr(reward_model.config, "n_positions", 0) or reward_model.config.max_position_embeddings
-        context = min(rm_tokenizer.model_max_length, context)
-        texts = [rm_text(rm_tokenizer, row, c) for row, c in zip(rows, completions)]
-        inputs = {k: v.to(reward_model.device) for k, v in tokenize_texts(rm_tokenizer, texts, context).items()}
-    n, chunk = len(completions), args.micro_batch_size
+        config = reward_model.config
+        context = min(
+            rm_tokenizer.model_max_length, getattr(config, "n_positions", 0) or config.max_position_embeddings
+        )
+        texts = [rm_text(rm_tokenizer, row, completion) for row, completion in zip(rows, completions)]
+        inputs = tokenize_texts(rm_tokenizer, texts, context).to(reward_model.device)
+    logits, n = [], args.micro_batch_size
     with unsharded(reward_model):
-        logits = [reward_model(**{k: v[i : i + chunk] for k, v in inputs.items()}).logits for i in range(0, n, chunk)]
+        for i in range(0, len(completions), n):
+            logits.append(reward_model(**{key: value[i : i + n] for key, value in inputs.items()}).logits)
     scores = torch.cat(logits)[:, args.reward_label or 0].float()
     on_every_rank(lambda: finite_scores(scores.tolist(), f"--reward-model {args.reward_model}", completions))
     return scores
 
 
-def load_models(args, device):
-    """(tokenizer, policy in fp32, frozen reward model, its tokenizer, max_prompt_length, eos_ids), on the CPU."""
+def load_models(args):
+    """(tokenizer, policy, frozen reward model, its tokenizer) on the CPU; generation settings to generation_config."""
     policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
     with torch.no_grad():  # refuse a model whose logits response_logprobs does not reproduce (an unknown family)
-        ids = torch.arange(1, 9)[None] % policy.get_output_embeddings().weight.shape[0]  # matmul in the model's dtype:
-        got, _ = response_logprobs(policy, hidden_states(policy, ids, torch.ones_like(ids), 1), ids[:, 1:], 1.0, False)
+        ids = torch.arange(1, 9)[None] % policy.get_output_embeddings().weight.shape[0]
+        hidden = hidden_states(policy, ids, torch.ones_like(ids), 1)
+        got, _ = response_logprobs(policy, hidden, ids[:, 1:], 1.0, fp32=False)  # the matmul in the model's dtype
         want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
-    if (error := (got[0] - want).abs().max().item()) > 1e-3:
-        raise SystemExit(f"error: --model {args.model}: its forward changes the logits in a way this script does not "
-                         f"reproduce (log-probs {error:.3g} apart)")  # fmt: skip
+    error = (got[0] - want).abs().max().item()
+    if error > 1e-3:
+        why = f"its forward changes the logits in a way this script does not reproduce (log-probs {error:.3g} apart)"
+        raise SystemExit(f"error: --model {args.model}: {why}")
     if args.max_new_tokens is None:
         args.max_new_tokens = policy.generation_config.max_new_tokens or 8
     context = getattr(policy.config, "n_positions", 0) or getattr(policy.config, "max_position_embeddings", 0)
     max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
     if context and (args.max_new_tokens >= context or max_prompt_length + args.max_new_tokens > context):
-        raise SystemExit(f"error: --max-new-tokens {args.max_new_tokens} and a prompt (--max-prompt-length "
-                         f"{args.max_prompt_length}) do not fit the model's context of {context} tokens")  # fmt: skip
+        flags = f"--max-new-tokens {args.max_new_tokens} and a prompt (--max-prompt-length {args.max_prompt_length})"
+        raise SystemExit(f"error: {flags} do not fit the model's context of {context} tokens")
+    args.max_prompt_length = max_prompt_length
     reward_model = rm_tokenizer = None
     if args.reward_model is not None:
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
         n = reward_model.config.num_labels
         if args.reward_label not in (range(n) if args.reward_label is not None or n > 1 else [None]):
-            raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={n}: --reward-label (0 to "
-                             f"{n - 1}) chooses the logit that is the score (got {args.reward_label})")  # fmt: skip
+            why = f"--reward-label (0 to {n - 1}) chooses the logit that is the score (got {args.reward_label})"
+            raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={n}: {why}")
         rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model", truncation_side="left")
         if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
-            rm_tokenizer = None  # the same tokens: score the ids themselves, no decode and encode
+            rm_tokenizer = None  # the same tokens: the ids are scored as they are, with no decoding and encoding
         else:
-            fit_tokenizer(rm_tokenizer, [reward_model])
+            add_pad_token(rm_tokenizer, [reward_model])
         reward_model.eval().requires_grad_(False)
     # detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
     # the chat template writes between turns (its end of turn: a base model's config names its EOS alone)
     ids = policy.generation_config.eos_token_id
     turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
     turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
-    eos_ids = sorted({tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])} | set(
-        tokenizer.convert_tokens_to_ids(sorted(turns))))  # fmt: skip
-    fit_tokenizer(tokenizer, [policy] + [reward_model] * (reward_model is not None and rm_tokenizer is None), eos_ids)
-    policy.generation_config = transformers.GenerationConfig(  # detail 4: every field set, none left to the checkpoint
-        max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)  # fmt: skip
-    policy = add_lora(policy, args) if args.lora_r else policy
-    return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
+    eos_ids = {tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])}
+    eos_ids = sorted(eos_ids | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
+    same_tokens = [reward_model] if reward_model is not None and rm_tokenizer is None else []
+    add_pad_token(tokenizer, [policy] + same_tokens, eos_ids)
+    # detail 4: a generation_config of our own, every field set, none left to the checkpoint's
+    sampling = dict(
+        do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens
+    )
+    policy.generation_config = transformers.GenerationConfig(**sampling)
+    policy.generation_config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+    if args.lora_r:
+        policy = add_lora(policy, args)
+    return tokenizer, policy, reward_model, rm_tokenizer
 
 
-# TRY NOT TO MODIFY: set-up, the run directory and logging, evaluation, checkpoints (identical in ppo_llm.py)
+def shard(model):
+    """FSDP2 (docs/scaling.md): each transformer block a unit, gathered for its forward and backward; the rest, root."""
+    blocks = getattr(model, "_no_split_modules", None) or ()  # transformers' names of its blocks
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module)
+    fully_shard(model)
+    if hasattr(model, "generate"):  # a LoRA model's generate() runs the inner model's forward, not its own
+        register_fsdp_forward_method(model, "generate")
+    # transformers returns views (GPT-2's hidden states), which FSDP warns of; none is modified in place here
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def check_ranges(args, ranges):
-    """One line for the first flag whose value breaks its rule; a flag left unset (None) passes, NaN and inf do not."""
-    for name, (rule, ok) in ranges.items():
+@contextlib.contextmanager
+def unsharded(model):
+    """Under torchrun, the model whole on every rank for a while: one all-gather, not one a forward (a token's)."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
+    for module in sharded:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
+            module.set_reshard_after_forward(module is not model, recurse=False)  # FSDP's default: not the root
+
+
+def prepare(args, device, trained, frozen):
+    """The models onto the device, sharded under torchrun; the learning rate: (trainable parameters, AdamW)."""
+    trained = [model for model in trained if model is not None]
+    frozen = [model for model in frozen if model is not None and model not in trained]  # a LoRA reference: the policy
+    for model in trained + frozen:
+        if args.gradient_checkpointing and model in trained and hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable()  # HF's, in train mode only
+        if dist.is_initialized():
+            shard(model)  # FSDP moves each unit to the device, then keeps this rank's shard: no whole model on it
+        else:
+            model.to(device)
+    n_params = sum(p.numel() for p in trained[0].parameters())
+    if device.type == "cpu" and n_params < 50e6:
+        torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
+    if args.learning_rate is None:
+        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
+        print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
+    params = [p for model in trained for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
+    return params, optimizer
+
+
+# TRY NOT TO MODIFY: set-up, seeding, the run directory, logging, evaluation
+
+RULES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2, "> 0": lambda x: x > 0}
+RULES |= {"in [0, 1]": lambda x: 0 <= x <= 1, "in (0, 1)": lambda x: 0 < x < 1, "in (0, 1]": lambda x: 0 < x <= 1}
+RULES |= {"finite": lambda x: True}  # what every rule asks of a number
+
+
+def check_range(args, rule, names):
+    """One line for the first flag of `names` that breaks RULES[rule]; unset (None) passes, NaN and inf do not."""
+    for name in names.split():
         value = getattr(args, name)
         values = value if isinstance(value, tuple) else (value,)
-        if value is not None and not all(math.isfinite(x) and ok(x) for x in values):
+        if value is not None and not all(math.isfinite(x) and RULES[rule](x) for x in values):
             raise SystemExit(f"error: --{name.replace('_', '-')} must be {rule} (got {value})")
 
 
-def check_writable(path, flag):
-    """One line if path is not, and cannot become, a directory that this run can write into; nothing is created."""
+def check_run(args, world):
+    """The checks both scripts make: a run directory writable (nothing is created), the dataset's split, and more."""
+    flag, path = ("--resume", args.resume) if args.resume else ("--output-dir", args.output_dir)
     existing = os.path.abspath(path)
-    while not os.path.exists(existing):  # what makedirs would start from
+    while not os.path.exists(existing):  # where makedirs would start
         existing = os.path.dirname(existing)
-    try:
-        if not os.path.isdir(existing):
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), existing)
-        tempfile.TemporaryFile(dir=existing).close()
+    try:  # a file there fails too, as NotADirectoryError
+        if not args.eval_only:
+            tempfile.TemporaryFile(dir=existing).close()
     except OSError as e:
         raise SystemExit(f"error: {flag} {path}: not a directory this run can write ({reason(e)})") from None
+    split = args.eval_split if args.dataset_split == "train" and args.eval_split else args.dataset_split
+    for bad, message in [
+        (
+            os.path.isfile(args.dataset) and split != "train" and not os.path.isfile(split),
+            f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead",
+        ),
+        (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
+        (args.eval_only and world > 1, "--eval-only runs in one process: python, not torchrun"),
+        (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
+    ]:
+        if bad:
+            raise SystemExit(f"error: {message}")
 
 
 def setup(args):
@@ -779,35 +1019,32 @@ def setup(args):
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if cuda else "gloo")
-        sys.stdout = open(os.devnull, "w") if dist.get_rank() else sys.stdout
+        if dist.get_rank():
+            sys.stdout = open(os.devnull, "w")
     transformers.utils.logging.disable_progress_bar()
-    # transformers takes the pad token fed to a finished sequence during generation for unmasked padding: a false
-    # alarm (tests/test_ppo_llm.py: the sampled logits are the masked forward's), once per run
-    padding_alarm = "We strongly recommend passing in an `attention_mask`"
-    transformers.utils.logging.get_logger("transformers.modeling_utils").addFilter(
-        lambda record: padding_alarm not in record.getMessage()
-    )
     transformers.set_seed(args.seed)  # python's random, numpy, torch
-    args.mixed_precision = ("bf16" if cuda else "no") if args.mixed_precision == "auto" else args.mixed_precision
+    if args.mixed_precision == "auto":
+        args.mixed_precision = "bf16" if cuda else "no"
     device, bf16 = torch.device("cuda" if cuda else "cpu"), args.mixed_precision == "bf16"
-    print(f"device: {device}, fp32 weights" + ", bf16 autocast" * bf16)
-    rank_world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    return rank_world, device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    print(f"device: {device}, fp32 weights" + (", bf16 autocast" if bf16 else ""))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return (rank, world), device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
 def parse_args(argv=None):
     """The flags; with --resume RUN_DIR the run's args.json gives the defaults: only the flags given change."""
-    if (args := tyro.cli(Args, args=argv)).resume is None:
+    args = tyro.cli(Args, args=argv)
+    if args.resume is None:
         return args
     try:
         with open(os.path.join(args.resume, "args.json")) as f:
             saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()}
     except (OSError, ValueError, AttributeError) as e:  # no such file, a damaged one, or no {flag: value} object
         raise SystemExit(f"error: --resume {args.resume}: args.json unreadable ({type(e).__name__}: {e})") from None
-    script = os.path.basename(__file__)
-    if saved.get("script", script) != script:
-        raise SystemExit(f"error: --resume {args.resume} is a run of {saved['script']}: python {saved['script']} "
-                         f"--resume {args.resume} goes on with it")  # fmt: skip
+    script = saved.get("script", os.path.basename(__file__))
+    if script != os.path.basename(__file__):
+        go_on = f"python {script} --resume {args.resume} goes on with it"
+        raise SystemExit(f"error: --resume {args.resume} is a run of {script}: {go_on}")
     saved = {f.name: saved[f.name] for f in fields(Args) if f.name in saved} | {"resume": args.resume}
     return tyro.cli(Args, args=argv, default=Args(**saved))
 
@@ -816,28 +1053,33 @@ def open_run(args, rank, checkpoint):
     """The run directory, the same on every rank; rank 0's args.json and TensorBoard writer (wandb syncs it)."""
     names = [args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")]
     if dist.is_initialized():
-        dist.broadcast_object_list(names)  # any rank may have to save: an error stops it alone
+        dist.broadcast_object_list(names)
+    run_dir, done = names[0], checkpoint.get("update", 0)
     if rank:
-        return names[0], None
-    os.makedirs(names[0], exist_ok=True)
-    for name in ["metrics.jsonl", "samples.jsonl"] if (done := checkpoint.get("update", 0)) else []:  # resuming:
-        with open(path := os.path.join(names[0], name)) as f:  # drop rows a hard kill left past the checkpoint
+        return run_dir, None
+    os.makedirs(run_dir, exist_ok=True)
+    for name in ["metrics.jsonl", "samples.jsonl"] if done else []:  # resuming: the rows past the checkpoint go
+        with open(os.path.join(run_dir, name)) as f:  # (a hard kill's, half-written ones too)
             rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= done]
-        with open(path, "w") as f:
+        with open(os.path.join(run_dir, name), "w") as f:
             f.writelines(rows)
-    for tmp in glob.glob(os.path.join(names[0], "checkpoint.*.tmp")):  # a save a hard kill cut short
+    for tmp in glob.glob(os.path.join(run_dir, "checkpoint.*.tmp")):  # a save that a hard kill cut short
         os.remove(tmp)
-    with open(os.path.join(names[0], "args.json"), "w") as f:
+    with open(os.path.join(run_dir, "args.json"), "w") as f:
         json.dump(asdict(args) | {"script": os.path.basename(__file__)}, f, indent=1)
     if args.track:  # wandb imported only here: it is slow to import
-        __import__("wandb").init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                                 name=os.path.basename(os.path.normpath(names[0])), dir=names[0], sync_tensorboard=True,
-                                 id=checkpoint.get("wandb_id"), resume="allow" if checkpoint else None)  # fmt: skip
-    return names[0], SummaryWriter(names[0], purge_step=done + 1 if done else None)  # and TensorBoard's past it
+        settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), dir=run_dir)
+        settings |= dict(name=os.path.basename(os.path.normpath(run_dir)), sync_tensorboard=True)
+        settings |= dict(id=checkpoint.get("wandb_id"), resume="allow" if checkpoint else None)  # the same run goes on
+        __import__("wandb").init(**settings)
+    return run_dir, SummaryWriter(run_dir, purge_step=done + 1 if done else None)  # and TensorBoard's events past it
 
 
-def log(writer, metrics, samples=()):
-    """A line of metrics.jsonl and the same scalars to TensorBoard at step `update`; samples to samples.jsonl."""
+def log(writer, metrics, line, samples=()):
+    """On rank 0: the progress line, metrics.jsonl and TensorBoard at step `update`, samples.jsonl and the screen."""
+    if writer is None:
+        return
+    print(f"{line}  {eval_line(metrics)}" if "eval/accuracy" in metrics else line)
     try:
         with open(os.path.join(writer.log_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(metrics) + "\n")
@@ -852,96 +1094,119 @@ def log(writer, metrics, samples=()):
         print(f"  {sample['prompt']!r} -> {sample['completion']!r}  {values}")
 
 
+def sampled(args, update, rows, completions, **values):
+    """Every --sample-every updates (0: never), the first --num-samples rows: update, prompt, completion, values."""
+    if not args.sample_every or update % args.sample_every:
+        return []
+    samples = []
+    for j in range(min(args.num_samples, len(rows))):
+        sample = {"update": update, "prompt": rows[j]["prompt"], "completion": completions[j]}
+        samples.append(sample | {name: value[j] for name, value in values.items()})
+    return samples
+
+
 def global_metrics(metrics, ops):
     """Each metric over every rank: the mean of the ranks' values (each has as many sequences), or ops[key]'s."""
-    if not dist.is_initialized():
-        return metrics
-    reduced = {k: all_reduce(torch.tensor(float(v), dtype=torch.float64), ops.get(k, "sum")).item() for k, v in
-               metrics.items()}  # fmt: skip
-    return {k: type(v)(reduced[k] if k in ops else reduced[k] / dist.get_world_size()) for k, v in metrics.items()}
+    for key, value in metrics.items():
+        if dist.is_initialized():
+            total = all_reduce(torch.tensor(float(value), dtype=torch.float64), ops.get(key, "sum")).item()
+            metrics[key] = type(value)(total if key in ops else total / dist.get_world_size())
+    return metrics
 
 
-def evaluate(policy, tokenizer, rows, reward_fn, eos_ids, max_prompt_length, autocast, chunk):
-    """Held-out accuracy: the reward function's mean over `rows`, sampled as in training, its standard error
-    std / sqrt(n) (95% of two evaluations differ by < 1.96 sqrt 2 of it), the mean length of right (> 0) and wrong.
-    Under torchrun every rank samples its share of the rows, and the metrics are of them all."""
+def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, chunk):
+    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     scores, lengths = [], []
     with unsharded(policy):
         for i in range(rank * chunk, len(rows), world * chunk):
-            batch = rows[i : i + chunk]
-            r = rollout(policy, tokenizer, [row["prompt"] for row in batch], max_prompt_length, eos_ids, autocast)
-            scores += reward_fn(tokenizer.batch_decode(r["responses"], skip_special_tokens=True), batch)
-            lengths += r["mask"].sum(1).tolist()
-    if dist.is_initialized():
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (scores, lengths))
-        scores, lengths = [x for s, _ in gathered for x in s], [x for _, n in gathered for x in n]
+            batch = rollout(policy, tokenizer, [row["prompt"] for row in rows[i : i + chunk]], args, autocast)
+            scores += reward_fn(
+                tokenizer.batch_decode(batch["responses"], skip_special_tokens=True), rows[i : i + chunk]
+            )
+            lengths += batch["mask"].sum(1).tolist()
+    if dist.is_initialized():  # every rank's
+        every_rank = [None] * world
+        dist.all_gather_object(every_rank, (scores, lengths))
+        scores, lengths = [x for s, _ in every_rank for x in s], [x for _, n in every_rank for x in n]
     scores, lengths = torch.tensor(scores, dtype=torch.float64), torch.tensor(lengths)
     stderr = scores.std(correction=0).item() / len(scores) ** 0.5
     metrics = {"eval/accuracy": scores.mean().item(), "eval/accuracy_stderr": stderr}
     for name, chosen in [("right", scores > 0), ("wrong", scores <= 0)]:
-        metrics |= {f"eval/mean_length_{name}": lengths[chosen].mean().item()} if chosen.any() else {}
+        if chosen.any():
+            metrics[f"eval/mean_length_{name}"] = lengths[chosen].mean().item()
     return metrics
 
 
-def eval_line(metrics):
-    return f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
+def eval_line(metrics, n=None):
+    """The accuracy ± its standard error; with n, the difference 95% of two evaluations stay under (1.96 sqrt 2)."""
+    line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
+    bound = 1.96 * 2**0.5 * metrics["eval/accuracy_stderr"]
+    return line if n is None else f"{line} (n={n}; two evaluations of one policy differ by < {bound:.3f})"
 
 
-def shard(model):
-    """FSDP2 under torchrun: each transformer block is a unit, gathered for its forward and its backward and freed
-    after, and the rest (embeddings, final norm, LM head, a value head) is the root unit; weights, gradients and AdamW's
-    state live 1/N on each rank, and the gradients are averaged over the ranks by reduce-scatter. A no-op in one
-    process."""
-    if model is None or isinstance(model, FSDPModule) or not dist.is_initialized():  # a LoRA reference: the policy
-        return
-    blocks = getattr(model, "_no_split_modules", None) or ()  # transformers' names of its blocks
-    for module in model.modules():
-        if type(module).__name__ in blocks:
-            fully_shard(module)
-    fully_shard(model)
-    if hasattr(model, "generate"):  # a LoRA model's generate() runs the inner model's forward, not its own
-        register_fsdp_forward_method(model, "generate")
-    # transformers returns views (GPT-2's hidden states), which FSDP warns of; none is modified in place here
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+def timing(marks, start_time, first_update, update, args, n_tokens, device):
+    """time/* and perf/* of one update from its marks (start, generated, scored, updated); '(seconds so far, ETA)'."""
+    elapsed = time.time() - start_time
+    left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (args.total_steps - update) / (update - first_update)))
+    peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    if device.type == "cuda":
+        peak_memory = torch.cuda.max_memory_allocated() / 2**20
+    metrics = {
+        "time/generation": marks[1] - marks[0],
+        "time/scoring": marks[2] - marks[1],
+        "time/update": marks[3] - marks[2],
+        "time/elapsed": elapsed,
+        "perf/tokens_per_sec": n_tokens / (marks[3] - marks[0]),
+        "perf/peak_memory_mb": peak_memory,
+    }
+    return metrics, f"{marks[3] - marks[0]:.2f}s  ({elapsed:.0f}s, ETA {left})"
 
 
-def build_optimizer(args, device, trained, frozen):
-    """Activation checkpointing, the models onto the device (sharded under torchrun), the learning rate: (trainable
-    parameters, AdamW over them)."""
-    trained, frozen = [m for m in trained if m is not None], [m for m in frozen if m is not None]
-    for model in trained + frozen:
-        if args.gradient_checkpointing and model in trained and hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable()  # HF's, in train mode only
-        if dist.is_initialized():
-            shard(model)  # FSDP moves each unit to the device, then keeps this rank's shard: no whole model on it
-        else:
-            model.to(device)
-    n_params = sum(p.numel() for p in trained[0].parameters())
-    if device.type == "cpu" and n_params < 50e6:
-        torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
-    if args.learning_rate is None:
-        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
-        print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
-    params = [p for m in trained for p in m.parameters() if p.requires_grad]
-    # fused: one kernel over all parameters (~0.05 s a step at 124M on a CPU, ~0.6 s as torch's default loop)
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
-    return params, optimizer
+def wall_clock(device):
+    """time.perf_counter() once the GPU's queued work is done, so that each step is timed by its own."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
-def saved_names(model):
-    """The names of a model's weights in checkpoint.pt: its state_dict's but a LoRA base's (frozen: --model's own)."""
-    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    return [name for name in model.state_dict() if name not in frozen]  # remove_duplicate: a tied head's name too
+# TRY NOT TO MODIFY: stops and checkpoints
+
+STOP = []  # the signals received: Ctrl-C and SIGTERM (a preemption)
+SAVING = []  # not empty while a checkpoint is gathered and written
 
 
-def gathered(model):
-    """saved_names' weights, whole: under torchrun FSDP gathers the shards into rank 0's CPU memory, a tensor at a time
-    (the other ranks get {})."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True)
-    names = saved_names(model)
-    return {name: value for name, value in get_model_state_dict(model, options=options).items() if name in names}
+def on_signal(signum, frame):
+    """A first Ctrl-C or SIGTERM stops after the update (stop_check), a second at once, but never within a save."""
+    if STOP and not SAVING:
+        signal.default_int_handler(signum, frame)
+    if STOP:
+        print(f"{signal.Signals(signum).name}: the checkpoint being written is finished first", file=sys.stderr)
+    STOP.append(signum)
+
+
+def stop_check():
+    """KeyboardInterrupt on every rank once any of them has been signalled: generation ends at its next token, and after
+    the rollout every rank stops here, before the update changes anything (a signal during an update lets it finish)."""
+    if all_reduce(torch.tensor(float(len(STOP)))).item():
+        raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")
+
+
+class EveryRank(Exception):
+    """An error on one rank, raised on every rank at the same point, so that they stop and save together."""
+
+
+def on_every_rank(fn):
+    """fn()'s result; under torchrun an error on any rank stops every rank here (one alone cannot save the shards)."""
+    try:
+        result, error = fn(), None
+    except (Exception, SystemExit) as e:
+        result, error = None, e
+    if not all_reduce(torch.tensor(float(error is not None))).item():
+        return result
+    if not dist.is_initialized():
+        raise error
+    raise EveryRank(error or "another rank's error") from error
 
 
 class SaveFailed(Exception):
@@ -949,36 +1214,46 @@ class SaveFailed(Exception):
 
 
 def reason(error):
-    """'OSError: [Errno 28] No space left on device': the OSError behind an error if there is one (torch.save reports
-    a full disk as a RuntimeError of its own, the OSError as its context), else the error itself."""
+    """'OSError: [Errno 28] No space left on device': the OSError behind an error (torch.save wraps it), else it."""
     cause = error
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     cause = cause or error
-    return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+    return f"{type(cause).__name__}: {(str(cause).strip() or ' ').splitlines()[0]}"
+
+
+def saved_names(model):
+    """The names of a model's weights in checkpoint.pt: its state_dict's but a LoRA base's (frozen, --model's own)."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {name for name in model.state_dict() if name not in frozen}  # remove_duplicate: a tied head's name too
 
 
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
-    """checkpoint.pt (the state, the weights, AdamW's state, the wandb id), written whole or not at all, then policy/.
-    Under torchrun every rank calls it, to gather the shards, and rank 0 writes. A second signal waits for it; a write
-    that fails leaves no temporary file and raises SaveFailed on every rank."""
+    """checkpoint.pt (state, weights, AdamW's, wandb id), whole or not at all, then policy/; under torchrun every rank
+    sends its shards into rank 0's CPU memory, a tensor at a time, and rank 0 writes (SaveFailed on every rank)."""
     SAVING.append(True)
     path, tmp = os.path.join(run_dir, "checkpoint.pt"), os.path.join(run_dir, f"checkpoint.{os.getpid()}.tmp")
+    failed, weights = None, {}
     try:
-        weights = {name: gathered(model) for name, model in models.items()}
-        options = StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
-        optimizer_state = get_optimizer_state_dict(models, optimizer, options=options)
-        failed = None
+        options = dcp.StateDictOptions(
+            full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True
+        )
+        for name, model in models.items():
+            names = saved_names(model)
+            weights[name] = {k: v for k, v in dcp.get_model_state_dict(model, options=options).items() if k in names}
+        optimizer_state = dcp.get_optimizer_state_dict(models, optimizer, options=options)
         if not dist.is_initialized() or dist.get_rank() == 0:
             wandb_id = getattr(getattr(sys.modules.get("wandb"), "run", None), "id", None)
             with open(tmp, "wb") as f:
-                torch.save(state | dict(weights=weights, optimizer=optimizer_state, wandb_id=wandb_id), f)
+                torch.save(state | {"weights": weights, "optimizer": optimizer_state, "wandb_id": wandb_id}, f)
                 f.flush()
                 os.fsync(f.fileno())  # on disk before the rename
             os.replace(tmp, path)  # atomic
-            save(os.path.join(run_dir, "policy"), models, weights, tokenizer)
-            if merged:
-                save_merged(os.path.join(run_dir, "policy"), tokenizer)
+            save_policy(os.path.join(run_dir, "policy"), models, weights, tokenizer)
+            if merged:  # W + (alpha / r) B A, on the CPU: the adapter loaded as peft loads one, on its base
+                adapter = __import__("peft").AutoPeftModelForCausalLM.from_pretrained(os.path.join(run_dir, "policy"))
+                adapter.merge_and_unload().save_pretrained(os.path.join(run_dir, "policy", "merged"))
+                tokenizer.save_pretrained(os.path.join(run_dir, "policy", "merged"))
     except Exception as e:  # a full disk, a file-size limit, a directory gone
         failed = e
     finally:
@@ -987,74 +1262,53 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
             os.remove(tmp)
     if all_reduce(torch.tensor(float(failed is not None))).item():
         raise SaveFailed(f"saving update {state['update']} failed ({reason(failed) if failed else 'on rank 0'})")
-    SAVED.append(state["update"])
 
 
-def save_merged(path, tokenizer):
-    """path/merged: the base with the LoRA adapter of path merged in, W + (alpha / r) B A, loaded on the CPU as peft
-    loads an adapter (its base from adapter_config.json)."""
-    import peft
-
-    model = peft.AutoPeftModelForCausalLM.from_pretrained(path).merge_and_unload()
-    model.save_pretrained(os.path.join(path, "merged"))
-    tokenizer.save_pretrained(os.path.join(path, "merged"))
-
-
-def start(args, models, optimizer):
-    """--resume's checkpoint.pt ({} for a new run), its weights and AdamW's state back in the models. Rank 0 reads it
-    and, under torchrun, FSDP sends each rank its shards: a run resumes with any number of processes."""
-    SAVED.clear()
+def load_checkpoint(args, models, optimizer):
+    """--resume's checkpoint.pt ({} if none): rank 0 reads it, and each rank gets its shards, whatever their number."""
     if not args.resume:
         return {}
     checkpoint, error = {}, None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:  # none (a run killed before its first save), a truncated or damaged one, or one of other models or flags
             checkpoint = torch.load(os.path.join(args.resume, "checkpoint.pt"), map_location="cpu", weights_only=False)
-            if models.keys() != checkpoint["weights"].keys():
-                raise KeyError(f"it holds {', '.join(checkpoint['weights'])}")
-            for name, model in models.items():  # the saved names against these models'
-                if set(saved_names(model)) != checkpoint["weights"][name].keys():
-                    raise KeyError(f"{name}'s weights differ")
+            names = {name: set(weights) for name, weights in checkpoint["weights"].items()}
+            if names != {name: saved_names(model) for name, model in models.items()}:
+                raise KeyError(f"its weights are of {', '.join(names)}, with other names")
         except Exception as e:
-            error = (f"error: --resume {args.resume}: checkpoint.pt unreadable, or not of these models "
-                     f"({type(e).__name__}: {str(e).strip().splitlines()[0][:100]})")  # fmt: skip
-    if dist.is_initialized():
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:100]}"
+            error = f"error: --resume {args.resume}: checkpoint.pt unreadable, or not of these models ({why})"
+    if dist.is_initialized():  # the other ranks: the verdict and the state, without the weights
         shared = [error, {k: v for k, v in checkpoint.items() if k not in ("weights", "optimizer")}]
         dist.broadcast_object_list(shared)
-        error, state = shared
-        checkpoint = checkpoint or state
+        error, checkpoint = shared[0], checkpoint or shared[1]
     if error:
         raise SystemExit(error)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False)
+    options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False)
     for name, model in models.items():
-        set_model_state_dict(model, checkpoint.get("weights", {}).get(name, {}), options=options)
-    set_optimizer_state_dict(models, optimizer, checkpoint.get("optimizer", {}), options=options)
-    SAVED.append(checkpoint["update"])
+        dcp.set_model_state_dict(model, checkpoint.get("weights", {}).get(name, {}), options=options)
+    dcp.set_optimizer_state_dict(models, optimizer, checkpoint.get("optimizer", {}), options=options)
     print(f"resuming after update {checkpoint['update']} of the saved run")
     optimizer.param_groups[0]["lr"] = args.learning_rate  # a flag given on resuming wins
     return checkpoint
 
 
-def stopped(error, update, state, run_dir, rank, save):
-    """A stop in the loop saves, shows an error's traceback, says what is on disk and how to go on, and exits non-zero.
-    A signal, a non-finite loss, a failed save or an error raised on every rank stops the ranks together, and they save
-    (but after a failed save); an error on one rank alone saves in one process, but under torchrun it cannot gather the
-    other ranks' shards."""
+def save_and_exit(error, update, state, run_dir, rank, save):
+    """A stop saves (every rank together; one rank alone cannot under torchrun), shows an error's traceback, says what
+    is on disk and how to go on, and exits non-zero."""
     together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
     what, saved = str(error) or type(error).__name__, None
-    if isinstance(error, SaveFailed):
-        pass  # not again
-    elif together or not dist.is_initialized():
+    if not together and dist.is_initialized():
+        what += "; one rank alone cannot gather the sharded weights to save them"
+    elif not isinstance(error, SaveFailed):  # a failed save is not tried again
         try:
             save()
             saved = f"the state after update {state['update']} is in {run_dir}/checkpoint.pt"
         except SaveFailed as e:
             what += f"; {e}"
-    else:
-        what += "; one rank alone cannot gather the sharded weights to save them"
-    go_on = f"python {os.path.basename(__file__)} --resume {run_dir} goes on"
-    if saved is None and SAVED:
-        saved = f"{run_dir}/checkpoint.pt holds update {SAVED[-1]}"
+    go_on, path = f"python {os.path.basename(__file__)} --resume {run_dir} goes on", f"{run_dir}/checkpoint.pt"
+    if saved is None and os.path.exists(path):  # the last save that was written: its update, read without the weights
+        saved = f"{path} holds update {torch.load(path, mmap=True, weights_only=False)['update']}"
     elif saved is None:
         saved, go_on = "no checkpoint.pt was written", "start the run again"
     cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
@@ -1070,243 +1324,6 @@ def stopped(error, update, state, run_dir, rank, save):
             with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
                 json.dump({"message": line, "timestamp": int(time.time())}, f)
     raise SystemExit(128 + STOP[0] if STOP else 1) from None
-
-
-def timing(t, start_time, first, update, total, n_tokens, device):
-    """time/* and perf/* of one update from its marks t, and the progress line's '(seconds so far, ETA hh:mm:ss)'."""
-    elapsed = time.time() - start_time
-    left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (total - update) / (update - first)))
-    metrics = {"time/generation": t[1] - t[0], "time/scoring": t[2] - t[1], "time/update": t[3] - t[2],
-               "time/elapsed": elapsed, "perf/tokens_per_sec": n_tokens / (t[3] - t[0]),
-               "perf/peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
-               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}  # fmt: skip
-    return metrics, f"{t[3] - t[0]:.2f}s  ({elapsed:.0f}s, ETA {left})"
-
-
-def wall_clock(device):
-    if device.type == "cuda":  # time.perf_counter() once the GPU's queued work is done: each step timed by its own
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
-# GRPO: its flags, saving
-
-
-def check_args(args, world):
-    """Every flag out of range and every bad combination of flags, one line each, before anything is loaded."""
-    check_ranges(
-        args,
-        {  # the flags' ranges, in Args' order
-            "save_every": (">= 0", lambda x: x >= 0),
-            "lora_r": (">= 0", lambda x: x >= 0),
-            "lora_alpha": ("> 0", lambda x: x > 0),
-            "max_new_tokens": (">= 1", lambda x: x >= 1),
-            "max_prompt_length": (">= 1", lambda x: x >= 1),
-            "temperature": ("> 0: log-probs divide by it", lambda x: x > 0),
-            "total_steps": (">= 1", lambda x: x >= 1),
-            "prompts_per_update": (">= 1", lambda x: x >= 1),
-            "num_generations": (">= 2: the group is the baseline", lambda x: x >= 2),
-            "micro_batch_size": (">= 1", lambda x: x >= 1),
-            "num_iterations": (">= 1", lambda x: x >= 1),
-            "learning_rate": (">= 0", lambda x: x >= 0),
-            "weight_decay": (">= 0", lambda x: x >= 0),
-            "max_grad_norm": ("> 0", lambda x: x > 0),
-            "ent_coef": (">= 0", lambda x: x >= 0),
-            "eval_every": (">= 0", lambda x: x >= 0),
-            "eval_size": (">= 1", lambda x: x >= 1),
-            "sample_every": (">= 0", lambda x: x >= 0),
-            "num_samples": (">= 0", lambda x: x >= 0),
-            "beta": (">= 0", lambda x: x >= 0),
-            "epsilon": ("in (0, 1)", lambda x: 0 < x < 1),
-            "epsilon_high": (">= --epsilon", lambda x: x >= args.epsilon),
-            "delta": ("> 1 + --epsilon-high", lambda x: x > 1 + (args.epsilon_high or args.epsilon)),
-            "sapo_temperature_pos": ("> 0", lambda x: x > 0),
-            "sapo_temperature_neg": ("> 0", lambda x: x > 0),
-            "top_entropy_quantile": ("in (0, 1]", lambda x: 0 < x <= 1),
-            "off_policy_mask_threshold": (">= 0", lambda x: x >= 0),
-            "overlong_buffer": (">= 0", lambda x: x >= 0),
-            "overlong_penalty": (">= 0", lambda x: x >= 0),
-            "reward_weights": ("finite numbers", lambda x: True),
-        },
-    )
-    if not args.eval_only:
-        check_writable(args.resume or args.output_dir, "--resume" if args.resume else "--output-dir")
-    B = args.prompts_per_update // world * args.num_generations  # each process's share
-    args.micro_batch_size = min(args.micro_batch_size, B)  # the default 64 must not refuse a smaller batch, or 8 GPUs
-    split = args.eval_split if args.dataset_split == "train" and args.eval_split else args.dataset_split
-    n_rewards = 1 if args.reward_model else len(args.reward_fn)
-    for bad, message in [
-        (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
-        (args.eval_only and world > 1, "--eval-only runs in one process: python, not torchrun"),
-        (args.micro_batch_size < 1 or B % args.micro_batch_size,
-         f"--micro-batch-size ({args.micro_batch_size}) must divide the completions per update ({B} a process)"),
-        (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
-        (os.path.isfile(args.dataset) and split != "train" and not os.path.isfile(split),
-         f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
-        (not args.reward_fn or args.reward_weights is not None and len(args.reward_weights) != n_rewards,
-         f"--reward-weights needs one weight per reward ({n_rewards}), not {len(args.reward_weights or [])}"),
-    ]:  # fmt: skip
-        if bad:
-            raise SystemExit(f"error: {message}")
-
-
-def save(path, models, weights, tokenizer):
-    """save_pretrained of the policy and its tokenizer (with LoRA the adapter), from its gathered weights."""
-    models["policy"].save_pretrained(path, state_dict=weights["policy"])
-    tokenizer.save_pretrained(path)
-
-
-def main(args: Args | None = None):
-    args = parse_args() if args is None else args
-    # TRY NOT TO MODIFY: set-up
-    (rank, world), device, autocast = setup(args)
-    check_args(args, world)
-    reward_fns = [load_reward_fn(name) for name in args.reward_fn]  # a bad name or file fails here, before loading
-    tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
-    G, B = args.num_generations, args.prompts_per_update // world * args.num_generations  # this process's share
-    eval_problems = eval_rows(args, tokenizer) if args.eval_every or args.eval_only else None
-    evaluation = eval_problems and (lambda: evaluate(policy, tokenizer, eval_problems, reward_fns[0], eos_ids,
-                                                     max_prompt_length, autocast, B))  # fmt: skip
-    if args.eval_only:  # no training, no run directory; 95% of two evaluations differ by < 1.96 sqrt 2 stderr
-        policy.to(device)
-        print(f"{eval_line(result := evaluation())} (n={len(eval_problems)}; two evaluations of one policy differ by < "
-              f"{2.8 * result['eval/accuracy_stderr']:.3f})")  # fmt: skip
-        return result
-    ref_policy = None if not args.beta else policy if args.lora_r else copy.deepcopy(policy)  # details 5, 10
-    params, optimizer = build_optimizer(args, device, [policy], [ref_policy, reward_model])
-    names = ([os.path.basename(args.reward_model)] if args.reward_model
-             else [n.rpartition(":")[2] for n in args.reward_fn])  # fmt: skip
-    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(names), device=device)
-    rows = load_prompts(args, tokenizer, reward_model is None and {"arithmetic", "gsm8k"} & set(args.reward_fn))
-    models = nn.ModuleDict(dict(policy=policy))  # what checkpoint.pt and policy/ hold; the reference is --model's
-    checkpoint = start(args, models, optimizer)  # {} for a new run
-    run_dir, writer = open_run(args, rank, checkpoint)
-    first_update = update = checkpoint.get("update", 0)
-    prompts = prompt_stream(rows, args.seed, update * args.prompts_per_update, rank, world)
-    state, start_time = dict(update=update), time.time()  # what a resume restores besides the weights and AdamW
-    print(f"{run_dir}/checkpoint.pt: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
-    STOP.clear()
-    handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        if evaluation and not checkpoint:  # the initial policy, at update 0
-            initial = evaluation()
-            if rank == 0:
-                log(writer, {"update": 0, "episode": 0} | initial)
-            print(f"update 0: {eval_line(initial)}")
-        for update in range(update + 1, args.total_steps + 1):
-            torch.manual_seed(hash((args.seed, update, rank)))  # each update's own random numbers: exact resumes
-            if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
-            # ALGO LOGIC: 1. rollout -- G completions of each prompt, contiguous (detail 1)
-            t0 = wall_clock(device)
-            rows = [row for row in (next(prompts) for _ in range(B // G)) for _ in range(G)]
-            with unsharded(policy):  # FSDP: gathered once for generation, not once per token
-                r = rollout(
-                    policy, tokenizer, [row["prompt"] for row in rows], max_prompt_length, eos_ids, autocast, True
-                )
-            stop_check()  # a signal on any rank: every rank stops here, before the update changes anything
-            responses, mask = r["responses"], r["mask"]  # (B, R)
-            t1 = wall_clock(device)
-
-            # 2. rewards: the weighted reward functions, or the reward model (detail 11); DAPO's overlong penalty
-            completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            if reward_model is None:
-                # an error of a reward function on one rank stops every rank here
-                scores = on_every_rank(lambda: [fn(completions, rows) for fn in reward_fns])
-                scores = torch.tensor(scores, dtype=torch.float, device=device).T
-            else:
-                scores = reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args)[:, None]
-            rewards, lengths = scores @ reward_weights, mask.sum(1)  # (B,)
-            over = (lengths - args.max_new_tokens + args.overlong_buffer).clamp(min=0) / max(args.overlong_buffer, 1)
-            rewards = rewards - args.overlong_penalty * over  # 0 to -penalty over the last --overlong-buffer lengths
-
-            # 3. advantages relative to the group (detail 3); which completions the loss sees
-            advantages, zero_std = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)
-            truncated = ~torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
-            dropped = (zero_std.repeat_interleave(G) & args.dynamic_sampling
-                       | truncated & args.mask_truncated_completions)  # fmt: skip
-            loss_mask = mask * ~dropped[:, None]  # DAPO's dynamic sampling (without resampling), overlong filtering
-
-            # 4. old log-probs (mu > 1), entropies (detail 13) and reference log-probs: the training forward (detail 5)
-            micro_batches, q = torch.arange(B, device=device).split(args.micro_batch_size), args.top_entropy_quantile
-            r |= dict(loss_mask=loss_mask, advantages=advantages, entropy_mask=torch.ones_like(mask), old_logprobs=None)
-            trains = all_reduce(loss_mask.sum()) > 0  # else no token is in the loss on any rank: no update
-            with torch.no_grad(), autocast:
-                if trains and (args.num_iterations > 1 or q < 1):
-                    with unsharded(policy):
-                        out = [training_forward(policy, r, mc, args, q < 1) for mc in micro_batches]
-                    if args.num_iterations > 1:
-                        r["old_logprobs"] = torch.cat([o[0] for o in out])
-                    if q < 1:  # the whole batch's entropies, from the rollout policy
-                        r["entropy_mask"] = high_entropy_mask(torch.cat([o[1] for o in out]), loss_mask, q)
-                r["ref_logprobs"] = None
-                if ref_policy is not None:
-                    with (
-                        ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext(),
-                        unsharded(ref_policy),
-                    ):
-                        out = [training_forward(ref_policy, r, mc, args, False) for mc in micro_batches]
-                    r["ref_logprobs"] = torch.cat([o[0] for o in out])
-            t2 = wall_clock(device)
-
-            # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 9)
-            policy.train()
-            stats, losses, grad_norms = [], [], []
-            for _ in range(args.num_iterations if trains else 0):
-                loss_sum, mb_stats = accumulate_gradients(policy, r, args, autocast)
-                grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
-                stats, losses = stats + mb_stats, losses + [loss_sum]
-            state = dict(update=update)  # update done: a stop from here on resumes after it
-            t3 = wall_clock(device)
-
-            # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
-            metrics = {"update": update, "episode": update * B * world, "reward": rewards.mean().item(), "reward_std":
-                       rewards.view(-1, G).std(1).mean().item(), "frac_reward_zero_std": zero_std.float().mean().item(),
-                       "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-                       "completions/max_length": lengths.max().item(), "completions/clipped_ratio":
-                       truncated.float().mean().item(), "learning_rate": optimizer.param_groups[0]["lr"]}  # fmt: skip
-            times, progress = timing((t0, t1, t2, t3), start_time, first_update, update, args.total_steps,
-                                     mask.sum().item(), device)  # fmt: skip
-            metrics |= times
-            for name, s in zip(names, scores.T):
-                metrics[f"rewards/{name}/mean"] = s.mean().item()
-                metrics[f"rewards/{name}/std"] = global_mean_var(s, torch.ones_like(s))[1].sqrt().item()
-            if losses:  # grpo_loss's stats (importance_ratio/mean, clip_ratio/* or cispo_clip_ratio, kl) and entropy
-                metrics |= {"loss": global_mean(losses), "grad_norm": torch.stack(grad_norms).mean().item()}
-                metrics |= {k: global_mean([s[k] for s in stats]) for k in stats[0]}
-            metrics = global_metrics(metrics, {"completions/min_length": "min", "completions/max_length": "max",
-                                               "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"})  # fmt: skip
-            stopping = all_reduce(torch.tensor(float(len(STOP)))).item() > 0  # a stop saves anyway: same on every rank
-            if evaluation and not stopping and (update % args.eval_every == 0 or update == args.total_steps):
-                metrics |= evaluation()
-            if rank == 0:  # samples: one completion per group
-                shown = (range(0, min(args.num_samples * G, B), G)
-                         if args.sample_every and not update % args.sample_every else [])  # fmt: skip
-                line = f"reward {metrics['reward']:.3f}  " + (f"kl {metrics['kl']:.4f}  " if "kl" in metrics else "")
-                line += ("" if losses else "(no loss tokens)  ") + (
-                    f"{eval_line(metrics)}  " if "eval/accuracy" in metrics else ""
-                )
-                print(f"update {update}/{args.total_steps}: {line}{progress}")
-                samples = [{"update": update, "prompt": rows[j]["prompt"], "completion": completions[j],
-                            "reward": rewards[j].item(), "advantage": advantages[j].item()} for j in shown]  # fmt: skip
-                log(writer, metrics, samples)
-            if args.save_every and update % args.save_every == 0 and not stopping:
-                save_checkpoint(run_dir, models, optimizer, state, tokenizer)
-        save_checkpoint(run_dir, models, optimizer, state, tokenizer, args.save_merged)
-    except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss, an error, a failed save: nothing is lost
-        stopped(e, update, state, run_dir, rank, lambda: save_checkpoint(run_dir, models, optimizer, state, tokenizer))
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        if writer is not None:
-            writer.close()
-    print(f"saved the policy to {run_dir}/policy")
-    if args.track and rank == 0:
-        sys.modules["wandb"].finish()
-    if dist.is_initialized():
-        dist.barrier()  # the other ranks wait while rank 0 writes
-        dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
-    return run_dir
 
 
 if __name__ == "__main__":

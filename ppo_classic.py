@@ -136,11 +136,29 @@ class Args:
 
 # detail 17: CleanRL ppo.py's defaults for Discrete actions; for Box actions, ones measured to learn Pendulum-v1
 DEFAULTS = {
-    "Discrete": dict(learning_rate=2.5e-4, num_envs=4, num_steps=128, num_minibatches=4, update_epochs=4,
-                     ent_coef=0.01, gamma=0.99, norm_obs=False, norm_reward=False),
-    "Box": dict(learning_rate=1e-3, num_envs=4, num_steps=512, num_minibatches=16, update_epochs=10,
-                ent_coef=0.0, gamma=0.9, norm_obs=True, norm_reward=True),
-}  # fmt: skip
+    "Discrete": dict(
+        learning_rate=2.5e-4,
+        num_envs=4,
+        num_steps=128,
+        num_minibatches=4,
+        update_epochs=4,
+        ent_coef=0.01,
+        gamma=0.99,
+        norm_obs=False,
+        norm_reward=False,
+    ),
+    "Box": dict(
+        learning_rate=1e-3,
+        num_envs=4,
+        num_steps=512,
+        num_minibatches=16,
+        update_epochs=10,
+        ent_coef=0.0,
+        gamma=0.9,
+        norm_obs=True,
+        norm_reward=True,
+    ),
+}
 
 
 # ALGO LOGIC: numerics
@@ -341,11 +359,13 @@ def main():
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
     if num_iterations < 1:
-        raise SystemExit(f"error: --total-timesteps must be at least one batch, --num-envs * --num-steps "
-                         f"(got {args.total_timesteps} and {batch_size})")  # fmt: skip
+        got = f"got {args.total_timesteps} and {batch_size}"
+        raise SystemExit(f"error: --total-timesteps must be at least one batch, --num-envs * --num-steps ({got})")
     if args.norm_adv and minibatch_size < 2:
-        raise SystemExit("error: --norm-adv needs minibatches of 2 or more samples (one has no std): lower "
-                         f"--num-minibatches (got {args.num_minibatches} for a batch of {batch_size})")  # fmt: skip
+        got = f"got {args.num_minibatches} for a batch of {batch_size}"
+        raise SystemExit(
+            f"error: --norm-adv needs minibatches of 2 or more (one has no std): lower --num-minibatches ({got})"
+        )
 
     run_name = f"{args.exp_name}__{args.env_id.replace('/', '-').replace(':', '-')}__{args.seed}__{int(time.time())}"
     run_dir = f"runs/{run_name}"

@@ -22,7 +22,7 @@ Implementation details (after "The N+ Implementation Details of RLHF with PPO", 
 7. The LM head runs on response positions only, in chunks recomputed in backward (torch.utils.checkpoint): memory does
    not grow with length x vocabulary. One fp32 log-softmax gives the log-probs and the entropy.
 8. Values: a zero-initialised scalar head in fp32, on a critic initialised from the reward model (same tokenizer) or
-   the policy; --critic head puts it on the policy's trunk (cheaper, learns slower).
+   the policy; --critic head puts it on the policy's trunk (one trunk to train instead of two).
 9. GAE (gamma 1, lambda 0.95) over the response tokens, returns = advantages + values; the advantages are whitened
    over the batch's real tokens, the rewards optionally (scale only).
 10. Clipped surrogate and clipped value loss, each a mean over real tokens; an optional entropy bonus.
@@ -31,15 +31,12 @@ Implementation details (after "The N+ Implementation Details of RLHF with PPO", 
 12. beta fixed, or adapted towards a target KL (Ziegler et al.'s proportional controller).
 13. An optional missing-EOS penalty and score clip; a reward model's scores (of arbitrary scale) are whitened per batch.
 
-Running it for real (docs/ppo_llm.md): any causal LM of transformers, chat templates, bf16 autocast on CUDA, LoRA
-(--lora-r), torchrun (sharded with FSDP2; each update is the one-process update on the union of the ranks' batches).
-Nothing is lost when a run stops: checkpoint.pt is written every --save-every updates and on Ctrl-C, SIGTERM, a
-non-finite loss or an error.
+Running it for real (docs/ppo_llm.md): any causal LM, chat templates, bf16 autocast on CUDA, LoRA, torchrun (FSDP2);
+nothing is lost when a run stops (checkpoint.pt, --resume).
 """
 
 import contextlib
 import copy
-import errno
 import glob
 import itertools
 import json
@@ -61,18 +58,12 @@ from typing import Literal
 import datasets
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp
 import torch.distributed.nn  # noqa: F401  before init_process_group: its defaults (group=WORLD) would hold the group
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 import tyro
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -188,8 +179,9 @@ def masked_whiten(values, mask, shift_mean=True):
 def kl_penalty(logprobs, ref_logprobs, estimator):
     """Per-token estimate of KL(pi || pi_ref) from the sampled token's r = logp - ref_logp (Schulman 2020):
     k1 = r (unbiased, can be < 0); k2 = r^2 / 2 (biased, low variance); k3 = exp(-r) - 1 + r (unbiased, >= 0)."""
-    r = logprobs - ref_logprobs
-    return {"k1": r, "k2": 0.5 * r**2, "k3": torch.expm1(-r) + r}[estimator]
+    log_ratio = logprobs - ref_logprobs
+    estimates = {"k1": lambda r: r, "k2": lambda r: 0.5 * r**2, "k3": lambda r: torch.expm1(-r) + r}
+    return estimates[estimator](log_ratio)
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
@@ -215,8 +207,11 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_range):
     losses, clipped_losses = -advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range)
     loss = masked_mean(torch.max(losses, clipped_losses), mask)
     with torch.no_grad():
-        stats = {"policy/clipfrac_avg": masked_mean((clipped_losses > losses).float(), mask), "val/ratio":
-                 masked_mean(ratio, mask), "policy/approxkl_avg": 0.5 * masked_mean(log_ratio**2, mask)}  # fmt: skip
+        stats = {
+            "policy/clipfrac_avg": masked_mean((clipped_losses > losses).float(), mask),
+            "val/ratio": masked_mean(ratio, mask),
+            "policy/approxkl_avg": 0.5 * masked_mean(log_ratio**2, mask),
+        }
     return loss, stats
 
 
@@ -232,8 +227,11 @@ def value_loss(values, old_values, returns, mask, clip_range):
 
 def normalize_scores(scores, whiten, clip):
     """Detail 13: the scores (B,) whitened over the batch when `whiten`, then clipped to [-clip, clip] unless None."""
-    scores = masked_whiten(scores, torch.ones_like(scores)) if whiten else scores
-    return scores if clip is None else scores.clamp(-clip, clip)
+    if whiten:
+        scores = masked_whiten(scores, torch.ones_like(scores))
+    if clip is not None:
+        scores = scores.clamp(-clip, clip)
+    return scores
 
 
 def adaptive_kl_coef(kl_coef, kl, target, horizon, n_steps):
@@ -259,11 +257,15 @@ def lm_head_logprobs(
     for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
     where F.linear would run it (autocast's dtype)."""
     (B, T), device = labels.shape, hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-    dtype = torch.float32 if fp32 else dtype  # else as F.linear would run it
+    dtype = head.weight.dtype
+    if fp32:
+        dtype = torch.float32
+    elif torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
 
     def logits(h):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place where it can be
-        z = F.linear(h.to(dtype), head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)).float()
+        bias = None if head.bias is None else head.bias.to(dtype)
+        z = F.linear(h.to(dtype), head.weight.to(dtype), bias).float()
         if softcap:
             z = z.mul_(scale / softcap).tanh_()
             if torch.is_grad_enabled():
@@ -287,29 +289,20 @@ def lm_head_logprobs(
     n = max(1, LM_HEAD_CHUNK // head.weight.shape[0])  # tokens per chunk
     hidden, labels = hidden.reshape(B * T, -1), labels.reshape(B * T)
     chunks = [checkpoint(chunk, hidden[i : i + n], labels[i : i + n], use_reentrant=False) for i in range(0, B * T, n)]
-    logprobs = torch.cat([c[0] for c in chunks]).view(B, T)
+    logprobs = torch.cat([logprobs for logprobs, _ in chunks]).view(B, T)
     if not with_entropy:
         return logprobs, None
-    return logprobs, torch.cat([c[1] for c in chunks]).view(B, T)
+    return logprobs, torch.cat([entropy for _, entropy in chunks]).view(B, T)
 
 
 def response_logprobs(model, hidden, labels, temperature, fp32=True, with_entropy=False, entropy_grad=False):
     """lm_head_logprobs with the model's output embedding and logit post-processing: logits * scale (Cohere's
     logit_scale, Granite's 1 / logits_scaling), then Gemma's final_logit_softcapping."""
-    c = model.config
-    scale = (getattr(c, "logit_scale", None) or 1.0) / (getattr(c, "logits_scaling", None) or 1.0)
-    softcap, head = getattr(c, "final_logit_softcapping", None), model.get_output_embeddings()
-    return lm_head_logprobs(
-        hidden,
-        head,
-        labels,
-        temperature,
-        scale,
-        softcap,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        fp32=fp32,
-    )
+    config = model.config
+    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    options = dict(fp32=fp32, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    return lm_head_logprobs(hidden, model.get_output_embeddings(), labels, temperature, scale, softcap, **options)
 
 
 def position_ids(attention_mask):
@@ -323,145 +316,93 @@ def hidden_states(model, query_responses, attention_mask, prompt_width):
     where FSDP gathers its weights, with the LM head on the last position only (the chunked head does the rest)."""
     inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
     if model.get_output_embeddings() is None:  # a trunk: the critic
-        hidden = model(**inputs, use_cache=False).last_hidden_state
-    else:
-        hidden = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
-    return hidden[:, prompt_width - 1 : -1]
-
-
-@contextlib.contextmanager
-def unsharded(model):
-    """Under torchrun, the FSDP-sharded model whole on every rank for the block's duration: one all-gather of its
-    weights, not one a forward (generation runs a forward a token, and the ranks stop at different lengths). A no-op
-    in one process. Costs a whole copy of the model's weights per rank while it lasts (docs/scaling.md)."""
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
-    for module in sharded:
-        module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for module in sharded:
-            module.reshard()
-            module.set_reshard_after_forward(module is not model, recurse=False)  # FSDP's default: not the root
+        return model(**inputs, use_cache=False).last_hidden_state[:, prompt_width - 1 : -1]
+    out = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1][:, prompt_width - 1 : -1]
 
 
 def truncate_after_eos(responses, eos_ids, pad_token_id):
-    """Detail 2: keep the tokens up to and including the first EOS (any of eos_ids). Returns (responses, mask)."""
+    """Detail 2: keep the tokens up to and including the first EOS (any of eos_ids). Returns (responses, mask, ended),
+    ended (B,) whether a response has an EOS at all (else it ran to --max-new-tokens)."""
     is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
     after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # an EOS strictly before this position
-    return responses.masked_fill(after_eos, pad_token_id), ~after_eos
+    return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
 
 
 def tokenize_texts(tokenizer, texts, max_length):
     """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
-    special = not (tokenizer.bos_token and all(t.startswith(tokenizer.bos_token) for t in texts))
-    return tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length,
-                     add_special_tokens=special, return_tensors="pt")  # fmt: skip
-
-
-STOP = []  # the signals received: Ctrl-C and SIGTERM (a preemption)
-SAVING = []  # not empty while a checkpoint is gathered and written
-SAVED = []  # the update of each checkpoint.pt this run has written (a resumed run: its checkpoint's)
-
-
-def on_signal(signum, frame):
-    """Ctrl-C or SIGTERM: the first asks the run to stop after the update it is in (stop_check), a second stops it at
-    once, but never in the middle of writing a checkpoint: that finishes first."""
-    if STOP and not SAVING:
-        signal.default_int_handler(signum, frame)
-    if STOP:
-        print(f"{signal.Signals(signum).name}: the checkpoint being written is finished first", file=sys.stderr)
-    STOP.append(signum)
-
-
-class EveryRank(Exception):
-    """An error on one rank, raised on every rank at the same point, so that they stop and save together."""
-
-
-def on_every_rank(fn):
-    """fn()'s result. Under torchrun, an error on any rank stops every rank here: a rank alone could not save the
-    sharded weights."""
-    try:
-        return_value, error = fn(), None
-    except (Exception, SystemExit) as e:
-        return_value, error = None, e
-    if all_reduce(torch.tensor(float(error is not None))).item() == 0:
-        return return_value
-    if not dist.is_initialized():
-        raise error
-    raise EveryRank(error or "another rank's error") from error
-
-
-def stop_check():
-    """KeyboardInterrupt on every rank once any of them has been signalled: generation ends at its next token, and after
-    the rollout every rank stops here, before the update changes anything (a signal during an update lets it finish)."""
-    if all_reduce(torch.tensor(float(len(STOP)))).item():
-        raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")
+    has_bos = bool(tokenizer.bos_token) and all(text.startswith(tokenizer.bos_token) for text in texts)
+    options = dict(padding=True, truncation=max_length is not None, max_length=max_length, return_tensors="pt")
+    return tokenizer(texts, add_special_tokens=not has_bos, **options)
 
 
 @torch.no_grad()
-def rollout(policy, tokenizer, prompts, max_prompt_length, eos_ids, autocast, stoppable=False):
-    """Step 1: the prompts left-padded (detail 6) and cut on the left, a sampled response each, cut after its first EOS
-    (detail 2). Returns {query_responses, attention_mask (B, Q + R), responses, mask (B, R) float, prompt_width Q}."""
-    enc = tokenize_texts(tokenizer, prompts, max_prompt_length).to(policy.device)
+def rollout(policy, tokenizer, prompts, args, autocast, stoppable=False):
+    """Step 1: the prompts left-padded (detail 6) and cut on the left to --max-prompt-length, a response sampled for
+    each with the policy's generation_config (detail 4), cut after its first EOS (detail 2). The rollout batch:
+        query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens
+        responses, mask                  (B, R)      the response tokens (pad after EOS), 1.0 on the real ones
+        ended                            (B,)        whether the response has an EOS
+        prompt_width                     Q
+    A stoppable rollout ends at the next token once a signal has come."""
+    inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
-    stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)] * stoppable
-    with autocast:  # sampled with the policy's generation_config (detail 4); a signal ends it at the next token
-        out = policy.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, stopping_criteria=stop)
-    responses, mask = truncate_after_eos(out[:, enc.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
-    return dict(
-        query_responses=torch.cat([enc.input_ids, responses], 1), prompt_width=enc.input_ids.shape[1],
-        attention_mask=torch.cat([enc.attention_mask, mask.long()], 1), responses=responses, mask=mask.float(),
-    )  # fmt: skip
+    stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)] if stoppable else []
+    with autocast:
+        out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
+    eos_ids = policy.generation_config.eos_token_id
+    responses, mask, ended = truncate_after_eos(out[:, inputs.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
+    return {
+        "query_responses": torch.cat([inputs.input_ids, responses], 1),
+        "attention_mask": torch.cat([inputs.attention_mask, mask.long()], 1),
+        "responses": responses,
+        "mask": mask.float(),
+        "ended": ended,
+        "prompt_width": inputs.input_ids.shape[1],
+    }
 
 
-def training_forward(policy, critic, value_head, r, mc, args, with_entropy=True):
-    """Micro-batch mc of the rollout r: the responses' log-probs and entropies (B, R) under `policy`, and with a value
-    head their values (B, R) in fp32, on the critic's trunk or the policy's (detail 8)."""
-    qr, am = r["query_responses"][mc], r["attention_mask"][mc]
-    hidden = hidden_states(policy, qr, am, r["prompt_width"])
-    responses = r["responses"][mc]
-    logprobs, entropy = response_logprobs(
-        policy,
-        hidden,
-        responses,
-        args.temperature,
-        fp32=args.cast_lm_head_to_fp32,
-        with_entropy=with_entropy,
-        entropy_grad=args.ent_coef != 0,  # else the entropy is for the logs alone, computed without autograd
-    )
+def training_forward(policy, critic, value_head, batch, micro_batch, args, with_entropy=True):
+    """The rows micro_batch of the rollout batch: the responses' log-probs and entropies (B, R) under `policy`, and
+    with a value head their values (B, R) in fp32, on the critic's trunk or the policy's (detail 8)."""
+    query_responses, attention_mask = batch["query_responses"][micro_batch], batch["attention_mask"][micro_batch]
+    hidden = hidden_states(policy, query_responses, attention_mask, batch["prompt_width"])
+    entropy_grad = args.ent_coef != 0  # else the entropy is for the logs alone, computed without autograd
+    options = dict(fp32=args.cast_lm_head_to_fp32, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    logprobs, entropy = response_logprobs(policy, hidden, batch["responses"][micro_batch], args.temperature, **options)
     if value_head is None:
         return logprobs, entropy, None
     if critic is not None:
-        hidden = hidden_states(critic, qr, am, r["prompt_width"])
+        hidden = hidden_states(critic, query_responses, attention_mask, batch["prompt_width"])
     with torch.autocast(hidden.device.type, enabled=False):
         return logprobs, entropy, value_head(hidden.float()).squeeze(-1)
 
 
-def accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast):
-    """Forward and backward one minibatch, micro-batch by micro-batch (detail 11); returns each micro-batch's stats.
-    Under torchrun n_tokens is the union minibatch's real tokens per rank, as optimizer_step averages the ranks'."""
-    stats, n_tokens = [], global_mean([r["mask"][mb_inds].sum()])
-    for mc in mb_inds.split(args.micro_batch_size):
-        mask = r["mask"][mc]
+def accumulate_gradients(policy, critic, value_head, batch, minibatch, args, autocast):
+    """Forward and backward the rows minibatch, micro-batch by micro-batch (detail 11); returns each micro-batch's
+    stats. Under torchrun n_tokens is the union minibatch's real tokens per rank, as FSDP averages the ranks'."""
+    stats, n_tokens = [], global_mean([batch["mask"][minibatch].sum()])
+    for micro_batch in minibatch.split(args.micro_batch_size):
+        mask, old_logprobs = batch["mask"][micro_batch], batch["old_logprobs"][micro_batch]
         with autocast:
-            logprobs, entropy, values = training_forward(policy, critic, value_head, r, mc, args)
-        pg_loss, pg_stats = policy_loss(logprobs, r["old_logprobs"][mc], r["advantages"][mc], mask, args.cliprange)
-        vf_loss, vf_stats = value_loss(values, r["values"][mc], r["returns"][mc], mask, args.cliprange_value)
+            logprobs, entropy, values = training_forward(policy, critic, value_head, batch, micro_batch, args)
+        pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, batch["advantages"][micro_batch], mask, args.cliprange)
+        vf_loss, vf_stats = value_loss(
+            values, batch["values"][micro_batch], batch["returns"][micro_batch], mask, args.cliprange_value
+        )
         entropy = masked_mean(entropy, mask)
         loss = pg_loss + args.vf_coef * vf_loss
         if args.ent_coef:  # only then does backward go through the entropy
             loss = loss - args.ent_coef * entropy
         (loss * mask.sum() / n_tokens).backward()  # weighted by its share of the minibatch's real tokens (detail 11)
-        stats.append(pg_stats | vf_stats | {"loss/policy_avg": pg_loss.detach(), "loss/value_avg": vf_loss.detach(),
-                                            "policy/entropy_avg": entropy.detach()})  # fmt: skip
+        losses = {"loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "policy/entropy_avg": entropy}
+        stats.append(pg_stats | vf_stats | {key: value.detach() for key, value in losses.items()})
     return stats
 
 
 def optimizer_step(optimizer, params, max_grad_norm):
     """One AdamW step, the gradients clipped to a global norm, returned; a non-finite one stops the run. Under torchrun
-    FSDP's reduce-scatter has already averaged the gradients over the ranks, and the norm is of every rank's shards."""
+    FSDP's reduce-scatter has averaged the gradients over the ranks already, and the norm is of every rank's shards."""
     grad_norm = nn.utils.clip_grad_norm_(params, max_grad_norm)
     if isinstance(grad_norm, DTensor):  # a sharded norm: the same total on every rank
         grad_norm = grad_norm.full_tensor()
@@ -472,7 +413,230 @@ def optimizer_step(optimizer, params, max_grad_norm):
     return grad_norm
 
 
-# TRY NOT TO MODIFY: rewards, prompts, models (identical in grpo_llm.py)
+# PPO's own: the value model, its files, the flags' checks; then main()
+
+
+def build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer):
+    """Detail 8: (critic: None with --critic head, else from the reward model if it reads our tokens, value head)."""
+    critic = None
+    if args.critic == "separate":
+        source = args.reward_model if reward_model is not None and rm_tokenizer is None else args.model
+        critic = load_model(AutoModel, source, "--critic source", "auto" if args.lora_r else torch.float32)
+        add_pad_token(tokenizer, [critic])
+        if args.lora_r:
+            critic = add_lora(critic, args)  # adapters of its own; the value head trains in full
+    value_head = nn.Linear((critic or policy).config.hidden_size, 1)
+    nn.init.zeros_(value_head.weight)
+    nn.init.zeros_(value_head.bias)
+    return critic, value_head
+
+
+def save_policy(path, models, weights, tokenizer):
+    """save_pretrained of the policy and its tokenizer (with LoRA the adapter), from its gathered weights, and the value
+    model (critic and value_head.pt in path/critic, or in path with --critic head; docs/ppo_llm.md loads it back)."""
+    models["policy"].save_pretrained(path, state_dict=weights["policy"])
+    tokenizer.save_pretrained(path)
+    if "critic" in models:
+        path = os.path.join(path, "critic")
+        models["critic"].save_pretrained(path, state_dict=weights["critic"])
+        tokenizer.save_pretrained(path)
+    torch.save(weights["value_head"], os.path.join(path, "value_head.pt"))
+
+
+def check_args(args, world):
+    """Every flag out of range and every bad combination of flags, one line each, before anything is loaded."""
+    check_range(args, ">= 0", "save_every lora_r learning_rate weight_decay vf_coef ent_coef kl_coef ref_update_every")
+    check_range(args, ">= 0", "missing_eos_penalty eval_every sample_every num_samples")
+    check_range(args, ">= 1", "max_new_tokens max_prompt_length total_steps prompts_per_update num_mini_batches")
+    check_range(args, ">= 1", "micro_batch_size num_ppo_epochs kl_horizon eval_size")
+    check_range(args, "> 0", "lora_alpha temperature cliprange cliprange_value max_grad_norm target_kl kl_target")
+    check_range(args, "> 0", "score_clip")
+    check_range(args, "in [0, 1]", "gamma lam")
+    check_run(args, world)
+    batch_size = args.prompts_per_update // world  # this process's share
+    minibatch_size = batch_size // args.num_mini_batches
+    if args.micro_batch_size > minibatch_size > 0:  # the default 64 must not refuse a smaller batch, or 8 GPUs
+        args.micro_batch_size = minibatch_size
+    if args.score_norm == "auto":
+        args.score_norm = "on" if args.reward_model else "off"
+    for bad, message in [
+        (
+            batch_size % args.num_mini_batches or minibatch_size % args.micro_batch_size or not minibatch_size,
+            f"--num-mini-batches must divide --prompts-per-update ({batch_size} a process), and --micro-batch-size "
+            f"({args.micro_batch_size}) the minibatch",
+        ),
+        (args.lora_r and args.ref_update_every, "--ref-update-every cannot refresh a LoRA run's reference, its base"),
+        (args.score_norm == "on" and args.prompts_per_update < 2, "--score-norm on needs --prompts-per-update >= 2"),
+        (args.kl_target and not args.kl_coef, "--kl-target scales --kl-coef up or down: start it above 0 (got 0)"),
+    ]:
+        if bad:
+            raise SystemExit(f"error: {message}")
+
+
+def main(args: Args | None = None):
+    args = parse_args() if args is None else args
+    # TRY NOT TO MODIFY: set-up and seeding, the models, a resumed run's state, the run directory
+    (rank, world), device, autocast = setup(args)
+    check_args(args, world)
+    reward_fn = load_reward_fn(args.reward_fn)  # a bad name or file fails here, before anything is loaded
+    tokenizer, policy, reward_model, rm_tokenizer = load_models(args)
+    batch_size = args.prompts_per_update // world  # this process's share of the prompts, one response each
+    eval_problems = eval_rows(args, tokenizer) if args.eval_every or args.eval_only else None
+    if args.eval_only:  # no training, no run directory
+        result = evaluate(policy.to(device), tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
+        print(eval_line(result, n=len(eval_problems)))
+        return result
+    critic, value_head = build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer)
+    ref_policy = None  # beta 0 without --kl-target: no KL penalty, no reference
+    if args.kl_coef or args.kl_target:
+        ref_policy = policy if args.lora_r else copy.deepcopy(policy)  # LoRA: the base, with the adapters off
+    params, optimizer = prepare(args, device, [policy, critic, value_head], [ref_policy, reward_model])
+    models = {"policy": policy, "critic": critic, "value_head": value_head}  # what checkpoint.pt and policy/ hold
+    if args.ref_update_every:  # else the reference is --model's
+        models["ref_policy"] = ref_policy
+    models = nn.ModuleDict({name: model for name, model in models.items() if model is not None})
+    checkpoint = load_checkpoint(args, models, optimizer)  # {} for a new run
+    needs_answers = reward_model is None and args.reward_fn in ("arithmetic", "gsm8k")
+    rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
+    run_dir, writer = open_run(args, rank, checkpoint)
+    first_update = update = checkpoint.get("update", 0)
+    kl_coef, start_time = checkpoint.get("kl_coef", args.kl_coef), time.time()
+    prompts = prompt_stream(rows, args.seed, first_update * args.prompts_per_update, rank, world)
+    state = {"update": update, "kl_coef": kl_coef}  # what a resume restores besides the weights and AdamW
+    print(f"{run_dir}/checkpoint.pt: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
+    STOP.clear()
+    handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if eval_problems and not checkpoint:  # the initial policy, at update 0
+            initial = evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
+            log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
+        for update in range(first_update + 1, args.total_steps + 1):
+            torch.manual_seed(hash((args.seed, update, rank)))  # each update's own random numbers: exact resumes
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
+
+            # ALGO LOGIC: 1. rollout, a response for each prompt (rollout() lists the batch's keys and shapes)
+            t0 = wall_clock(device)
+            rows = [next(prompts) for _ in range(batch_size)]
+            with unsharded(policy):  # FSDP: gathered once for generation, not once per token
+                batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, stoppable=True)
+            stop_check()
+            mask = batch["mask"]  # (B, R)
+            t1 = wall_clock(device)
+
+            # 2. old and reference log-probs and values: the training forward in its shapes (detail 5); scores
+            micro_batches = torch.arange(batch_size, device=device).split(args.micro_batch_size)
+            with torch.no_grad(), autocast, unsharded(policy):
+                out = [training_forward(policy, critic, value_head, batch, mb, args, False) for mb in micro_batches]
+            old_logprobs, values = torch.cat([o[0] for o in out]), torch.cat([o[2] for o in out])
+            ref_logprobs = old_logprobs
+            if ref_policy is not None:
+                base = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()  # LoRA: the base
+                with torch.no_grad(), autocast, base, unsharded(ref_policy):
+                    out = [training_forward(ref_policy, None, None, batch, mb, args, False) for mb in micro_batches]
+                ref_logprobs = torch.cat([o[0] for o in out])
+            completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+            verdicts = None  # the reward function's, beside a reward model too when the rows have answers
+            if reward_model is None or rows[0]["answer"] is not None:  # an error on one rank stops every rank here
+                verdicts = on_every_rank(lambda: reward_fn(completions, rows))
+            if reward_model is None:
+                scores = torch.tensor(verdicts, dtype=torch.float, device=device)
+            else:
+                scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)
+            if args.missing_eos_penalty is not None:
+                scores = scores - args.missing_eos_penalty * (~batch["ended"]).float()
+            t2 = wall_clock(device)
+
+            # 3. per-token rewards: -beta * KL everywhere, plus the score at the last real token (detail 3)
+            kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator) * mask
+            non_score_reward = -kl_coef * kl
+            rewards = non_score_reward.clone()
+            normalized = normalize_scores(scores, args.score_norm == "on", args.score_clip)  # detail 13
+            rewards[torch.arange(batch_size, device=device), mask.long().sum(1) - 1] += normalized
+            if args.whiten_rewards:
+                rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
+
+            # 4. advantages: GAE over the response tokens, whitened over the batch (detail 9)
+            advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, mask)
+            batch |= {"old_logprobs": old_logprobs, "values": values, "advantages": advantages, "returns": returns}
+
+            # 5. PPO update: epochs of shuffled minibatches, micro-batches accumulate gradients (details 10, 11)
+            policy.train()  # HF's activation checkpointing acts in train mode only
+            if critic is not None:
+                critic.train()
+            stats = []
+            for _ in range(args.num_ppo_epochs):
+                epoch_stats = []
+                for minibatch in torch.randperm(batch_size, device=device).split(batch_size // args.num_mini_batches):
+                    epoch_stats += accumulate_gradients(policy, critic, value_head, batch, minibatch, args, autocast)
+                    optimizer_step(optimizer, params, args.max_grad_norm)
+                stats += epoch_stats
+                approxkl = global_mean([s["policy/approxkl_avg"] for s in epoch_stats])  # every rank stops together
+                if args.target_kl is not None and approxkl > args.target_kl:
+                    break
+            t3 = wall_clock(device)
+
+            # 6. KL controller and reference refresh
+            mean_kl = global_mean([kl.sum(1).mean()])
+            if args.kl_target:
+                kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, args.prompts_per_update)
+            if args.ref_update_every and update % args.ref_update_every == 0:
+                ref_policy.load_state_dict(policy.state_dict())
+            state = {"update": update, "kl_coef": kl_coef}  # update done: a stop from here on resumes after it
+
+            # TRY NOT TO MODIFY: log (TRL's metric names), evaluate, show samples, save
+            n_tokens = mask.sum().item()
+            metrics = {
+                "update": update,
+                "episode": update * args.prompts_per_update,
+                "objective/kl": mean_kl,
+                "objective/kl_coef": kl_coef,
+                "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
+                "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
+                "objective/scores": scores.mean().item(),
+                "val/num_eos_tokens": int(batch["ended"].sum().item()),
+                "val/mean_length": n_tokens / batch_size,
+                "lr": optimizer.param_groups[0]["lr"],
+            }
+            for key in stats[0]:  # policy_loss's (policy/*, val/ratio), value_loss's (val/clipfrac_avg), the losses
+                metrics[key] = torch.stack([s[key] for s in stats]).mean().item()
+            metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
+            if verdicts is not None:  # the reward function's verdict, beside a reward model too
+                metrics["objective/accuracy"] = sum(verdicts) / batch_size
+            times, progress = timing([t0, t1, t2, t3], start_time, first_update, update, args, n_tokens, device)
+            summed = {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"}
+            metrics = global_metrics(metrics | times, summed)
+            stopping = all_reduce(torch.tensor(float(len(STOP)))).item() > 0  # a stop saves anyway: no evaluation
+            if eval_problems and not stopping and (update % args.eval_every == 0 or update == args.total_steps):
+                metrics |= evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
+            line = f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
+            line += f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
+            log(writer, metrics, line + progress, sampled(args, update, rows, completions, score=scores.tolist()))
+            if args.save_every and update % args.save_every == 0 and not stopping:
+                save_checkpoint(run_dir, models, optimizer, state, tokenizer)
+        save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=args.save_merged)
+    except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss, an error, a failed save: nothing is lost
+        save_and_exit(
+            e, update, state, run_dir, rank, lambda: save_checkpoint(run_dir, models, optimizer, state, tokenizer)
+        )
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        if writer is not None:
+            writer.close()
+    print(f"saved the policy to {run_dir}/policy")
+    if args.track and rank == 0:
+        sys.modules["wandb"].finish()
+    if dist.is_initialized():
+        dist.barrier()  # every rank waits for rank 0's save
+        dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
+    return run_dir
+
+
+# SHARED WITH the other LLM script, kept identical by tests/test_shared.py: rewards, prompts, models, sharding, set-up,
+# logging, evaluation, stops and checkpoints. Rewards are yours to extend: add one to REWARD_FNS, or pass
+# --reward-fn path/to/file.py:function.
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
 
@@ -484,8 +648,10 @@ def final_answer(text, strict=False):
         stated = [m for m in re.findall(marker, text, flags=re.IGNORECASE) if re.search(NUMBER, m)]
         if stated:
             return float(re.sub(r"[$,\s]", "", re.search(NUMBER, stated[-1]).group()))
-    found = [] if strict else re.findall(NUMBER, text)
-    return float(re.sub(r"[$,\s]", "", found[-1])) if found else None
+    found = re.findall(NUMBER, text)
+    if strict or not found:
+        return None
+    return float(re.sub(r"[$,\s]", "", found[-1]))
 
 
 REWARD_FNS = {  # f(completions, reference answers) -> a score per completion
@@ -496,33 +662,30 @@ REWARD_FNS = {  # f(completions, reference answers) -> a score per completion
 
 
 def load_reward_fn(spec):
-    """--reward-fn as f(completions, rows) -> a float per completion: a name in REWARD_FNS, or `path/to/file.py:fn` or
-    `module:fn`, called by keyword as TRL calls one: fn(completions=[str], prompts=[...], **every other column)."""
+    """--reward-fn as f(completions, rows): REWARD_FNS[name], or file.py:fn / module:fn called as TRL calls one."""
     if spec in REWARD_FNS:
         return lambda completions, rows: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
     source, _, name = spec.rpartition(":")
     try:
-        fn = (runpy.run_path if source.endswith(".py") else runpy.run_module)(source)[name]
+        fn = (runpy.run_path(source) if source.endswith(".py") else runpy.run_module(source))[name]
     except Exception as e:  # no such file, module or function, or a file that does not import (a SyntaxError, say)
         why = f" ({type(e).__name__}: {e})" if source else ""
-        raise SystemExit(f"error: --reward-fn {spec}: not one of {sorted(REWARD_FNS)}, nor a file.py:function or "
-                         f"module:function that loads{why}") from None  # fmt: skip
+        choices = f"not one of {sorted(REWARD_FNS)}, nor a file.py:function or module:function that loads"
+        raise SystemExit(f"error: --reward-fn {spec}: {choices}{why}") from None
 
     def user_fn(completions, rows):
-        columns = {k: [row["columns"][k] for row in rows] for k in rows[0]["columns"]}
+        columns = {key: [row["columns"][key] for row in rows] for key in rows[0]["columns"]}
         values = list(fn(completions=completions, **columns))
         if len(values) != len(completions):
-            raise SystemExit(
-                f"error: --reward-fn {spec} returned {len(values)} numbers for {len(completions)} completions"
-            )
+            counts = f"{len(values)} numbers for {len(completions)} completions"
+            raise SystemExit(f"error: --reward-fn {spec} returned {counts}")
         return finite_scores(values, f"--reward-fn {spec}", completions)
 
     return user_fn
 
 
 def finite_scores(values, source, completions):
-    """The scores as floats; one line that names their source, how many are not finite numbers and the first one's
-    completion, if any is not (a NaN would stop the run later as a non-finite gradient, blamed on the optimizer)."""
+    """The scores as floats, or one line naming their source and the first completion with no finite number."""
     scores = []
     for value in values:
         try:
@@ -531,51 +694,56 @@ def finite_scores(values, source, completions):
             scores.append(math.nan)
     bad = [i for i, score in enumerate(scores) if not math.isfinite(score)]
     if bad:
-        raise SystemExit(f"error: {source} scored {len(bad)} of {len(scores)} completions with no finite number (the "
-                         f"first: {values[bad[0]]!r} for {completions[bad[0]]!r})")  # fmt: skip
+        first = f"the first: {values[bad[0]]!r} for {completions[bad[0]]!r}"
+        raise SystemExit(
+            f"error: {source} scored {len(bad)} of {len(scores)} completions with no finite number ({first})"
+        )
     return scores
 
 
 def load_prompts(args, tokenizer, needs_answers):
     """--dataset's rows: {prompt (the text the policy sees), answer (text or None), messages, columns (reward fns')}."""
     datasets.disable_progress_bars()
-    fmt = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(args.dataset.rpartition(".")[2])
+    file_format = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(args.dataset.split(".")[-1])
     try:  # read whole: a byte that is not UTF-8 fails as the rows are read
-        if fmt:  # a file
-            data = datasets.load_dataset(fmt, data_files=args.dataset, split="train").to_list()
+        if file_format:
+            data = datasets.load_dataset(file_format, data_files=args.dataset, split="train").to_list()
         else:
             data = datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split).to_list()
     except Exception as e:  # datasets' own error, often wrapping the reader's
-        cause, hint = e.__cause__ or e, "" if fmt else "; a hub dataset needs the network, a local file does not"
-        raise SystemExit(f"error: --dataset {args.dataset} could not be loaded ({type(cause).__name__}: "
-                         f"{(str(cause).strip() or 'no rows').splitlines()[0]}){hint}") from None  # fmt: skip
+        cause = e.__cause__ or e
+        why = f"{type(cause).__name__}: {(str(cause).strip() or 'no rows').splitlines()[0]}"
+        hint = "" if file_format else "; a hub dataset needs the network, a local file does not"
+        raise SystemExit(f"error: --dataset {args.dataset} could not be loaded ({why}){hint}") from None
     rows = []
     for i, row in enumerate(data, 1):
-        if row.get(args.prompt_column) in (None, ""):  # an empty prompt: nothing to generate from
-            raise SystemExit(f"error: --dataset {args.dataset}: row {i} has no --prompt-column {args.prompt_column} "
-                             f"(columns: {', '.join(k for k, v in row.items() if v not in (None, ''))})")  # fmt: skip
-        answer = row.get(args.answer_column)  # a CSV column with a gap is read as floats: 2.0 must read "2"
-        answer = int(answer) if isinstance(answer, float) and answer.is_integer() else answer
-        answer = row[args.answer_column] = None if answer is None else str(answer)
-        prompt = text = row[args.prompt_column]
-        messages = None
-        if not isinstance(prompt, str) or args.chat_template or args.system_prompt is not None:  # the data decides
+        prompt, answer = row.get(args.prompt_column), row.get(args.answer_column)
+        if prompt in (None, ""):  # nothing to generate from
+            columns = ", ".join(k for k, v in row.items() if v not in (None, ""))
+            why = f"row {i} has no --prompt-column {args.prompt_column} (columns: {columns})"
+            raise SystemExit(f"error: --dataset {args.dataset}: {why}")
+        if isinstance(answer, float) and answer.is_integer():  # a CSV column with a gap is read as floats: 2.0 is "2"
+            answer = int(answer)
+        if answer is not None:
+            answer = row[args.answer_column] = str(answer)
+        text, messages = prompt, None
+        if not isinstance(prompt, str) or args.chat_template or args.system_prompt is not None:  # a conversation
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             if not (isinstance(messages, list) and messages and all({"role", "content"} <= set(m) for m in messages)):
-                raise SystemExit(f"error: --dataset {args.dataset}, row {i}: the prompt is neither a string nor a list "
-                                 "of {role, content} messages")  # fmt: skip
+                why = "the prompt is neither a string nor a list of {role, content} messages"
+                raise SystemExit(f"error: --dataset {args.dataset}, row {i}: {why}")
             if args.system_prompt is not None and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": args.system_prompt}] + messages
             if tokenizer.chat_template is None:
-                raise SystemExit(f"error: --model {args.model}: its tokenizer has no chat template, which "
-                                 "conversational prompts, --chat-template and --system-prompt need")  # fmt: skip
+                needs = "conversational prompts, --chat-template and --system-prompt need"
+                raise SystemExit(f"error: --model {args.model}: its tokenizer has no chat template, which {needs}")
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        columns = {"prompts": row[args.prompt_column]} | {k: v for k, v in row.items() if k != args.prompt_column}
+        columns = {"prompts": prompt} | {k: v for k, v in row.items() if k != args.prompt_column}
         rows.append({"prompt": text, "answer": answer, "messages": messages, "columns": columns})
     missing = [i for i, row in enumerate(rows, 1) if row["answer"] is None]
     if missing and (needs_answers or len(missing) < len(rows)):
-        raise SystemExit(f"error: --dataset {args.dataset}: row {missing[0]} has no --answer-column "
-                         f"{args.answer_column}, which the reward function needs")  # fmt: skip
+        why = f"row {missing[0]} has no --answer-column {args.answer_column}, which the reward function needs"
+        raise SystemExit(f"error: --dataset {args.dataset}: {why}")
     return rows
 
 
@@ -588,12 +756,15 @@ def prompt_stream(rows, seed, start, rank, world):
 
 def eval_rows(args, tokenizer):
     """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None."""
-    beside = args.dataset.replace("train.jsonl", "test.jsonl") if args.dataset.endswith("train.jsonl") else None
-    split = args.eval_split or (beside if beside and os.path.isfile(beside) else args.eval_only and args.dataset_split)
-    if not split:
+    split, beside = args.eval_split, args.dataset.removesuffix("train.jsonl") + "test.jsonl"
+    if split is None and args.dataset.endswith("train.jsonl") and os.path.isfile(beside):
+        split = beside
+    if split is None and args.eval_only:
+        split = args.dataset_split
+    if split is None:
         return None
     source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
-    rows = load_prompts(Args(**asdict(args) | source), tokenizer, True)
+    rows = load_prompts(Args(**asdict(args) | source), tokenizer, needs_answers=True)
     return list({row["prompt"]: row for row in rows}.values())[: args.eval_size]
 
 
@@ -603,21 +774,20 @@ def from_pretrained(cls, name, flag, **kwargs):
         return cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         where = "holds no model it can load" if os.path.isdir(name) else "is no directory, nor reachable on the hub"
-        raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}); a hub id needs the network (with "
-                         "HF_HUB_OFFLINE=1, the cache alone); offline: assets/arith-sft") from None  # fmt: skip
+        hint = "a hub id needs the network (with HF_HUB_OFFLINE=1, the cache alone); offline: assets/arith-sft"
+        raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}); {hint}") from None
 
 
 def load_model(cls, name, flag, dtype=torch.float32):
-    """Every dropout 0, in the config and in the nn.Dropout modules (detail 6); fp32 trained weights unless dtype. A
-    LoRA run's policy/ (an adapter) loads as transformers loads one: its base, from adapter_config.json, and the adapter
-    on it."""
+    """Dropout 0, in the config and every nn.Dropout (detail 6), fp32 unless dtype; an adapter on its base (LoRA)."""
     adapter = os.path.join(name, "adapter_config.json")
     base = json.load(open(adapter))["base_model_name_or_path"] if os.path.isfile(adapter) else name
     config = from_pretrained(AutoConfig, base, flag)
-    config.update({k: 0.0 for k, v in config.to_dict().items() if isinstance(v, float) and ("drop" in k)})
+    config.update({k: 0.0 for k, v in config.to_dict().items() if isinstance(v, float) and "drop" in k})
     model = from_pretrained(cls, name, flag, config=config, dtype=dtype)
-    for module in filter(lambda m: isinstance(m, nn.Dropout), model.modules()):  # for models that hard-code one
-        module.p = 0.0
+    for module in model.modules():  # for models that hard-code one
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
     return model
 
 
@@ -628,20 +798,20 @@ def add_lora(model, args):
     except ImportError:
         raise SystemExit("error: --lora-r needs peft, which is not installed: pip install peft") from None
     targets = list(args.lora_target_modules or []) or "all-linear"  # all-linear leaves out the LM head
-    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets,
-                             task_type="CAUSAL_LM" if model.get_output_embeddings() is not None else None)  # fmt: skip
+    task_type = "CAUSAL_LM" if model.get_output_embeddings() is not None else None
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, task_type=task_type)
     try:
         model = peft.get_peft_model(model, config)
     except ValueError as e:  # no module matches
-        names = {n.rpartition(".")[2] for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
-        raise SystemExit(f"error: --lora-target-modules {' '.join(targets)}: {str(e).split('. ')[0]} (the model's "
-                         f"linear layers: {' '.join(sorted(names - {'lm_head'}))})") from None  # fmt: skip
+        linear = {n.split(".")[-1] for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
+        why = f"{str(e).split('. ')[0]} (the model's linear layers: {' '.join(sorted(linear - {'lm_head'}))})"
+        raise SystemExit(f"error: --lora-target-modules {' '.join(targets)}: {why}") from None
     if hasattr(model.get_output_embeddings(), "lora_A"):
         raise SystemExit("error: --lora-target-modules: not the LM head, whose adapters would never train (detail 7)")
     return model
 
 
-def fit_tokenizer(tokenizer, models, eos_ids=()):
+def add_pad_token(tokenizer, models, eos_ids=()):
     """A pad token that ends no response (Qwen2.5's is an EOS id); the embeddings grown to the tokenizer, not shrunk."""
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id in {tokenizer.eos_token_id, *eos_ids}:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
@@ -661,95 +831,172 @@ def rm_text(rm_tokenizer, row, completion):
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args):
+def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
     """Score of each sequence (B,) at its last real token: of the ids (rm_tokenizer None), or of rm_text, cut left."""
     if rm_tokenizer is None:
-        am = r["attention_mask"]
-        inputs = dict(input_ids=r["query_responses"], attention_mask=am, position_ids=position_ids(am))
+        mask = batch["attention_mask"]
+        inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
     else:
-        context = getattr(reward_model.config, "n_positions", 0) or reward_model.config.max_position_embeddings
-        context = min(rm_tokenizer.model_max_length, context)
-        texts = [rm_text(rm_tokenizer, row, c) for row, c in zip(rows, completions)]
-        inputs = {k: v.to(reward_model.device) for k, v in tokenize_texts(rm_tokenizer, texts, context).items()}
-    n, chunk = len(completions), args.micro_batch_size
+        config = reward_model.config
+        context = min(
+            rm_tokenizer.model_max_length, getattr(config, "n_positions", 0) or config.max_position_embeddings
+        )
+        texts = [rm_text(rm_tokenizer, row, completion) for row, completion in zip(rows, completions)]
+        inputs = tokenize_texts(rm_tokenizer, texts, context).to(reward_model.device)
+    logits, n = [], args.micro_batch_size
     with unsharded(reward_model):
-        logits = [reward_model(**{k: v[i : i + chunk] for k, v in inputs.items()}).logits for i in range(0, n, chunk)]
+        for i in range(0, len(completions), n):
+            logits.append(reward_model(**{key: value[i : i + n] for key, value in inputs.items()}).logits)
     scores = torch.cat(logits)[:, args.reward_label or 0].float()
     on_every_rank(lambda: finite_scores(scores.tolist(), f"--reward-model {args.reward_model}", completions))
     return scores
 
 
-def load_models(args, device):
-    """(tokenizer, policy in fp32, frozen reward model, its tokenizer, max_prompt_length, eos_ids), on the CPU."""
+def load_models(args):
+    """(tokenizer, policy, frozen reward model, its tokenizer) on the CPU; generation settings to generation_config."""
     policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
     with torch.no_grad():  # refuse a model whose logits response_logprobs does not reproduce (an unknown family)
-        ids = torch.arange(1, 9)[None] % policy.get_output_embeddings().weight.shape[0]  # matmul in the model's dtype:
-        got, _ = response_logprobs(policy, hidden_states(policy, ids, torch.ones_like(ids), 1), ids[:, 1:], 1.0, False)
+        ids = torch.arange(1, 9)[None] % policy.get_output_embeddings().weight.shape[0]
+        hidden = hidden_states(policy, ids, torch.ones_like(ids), 1)
+        got, _ = response_logprobs(policy, hidden, ids[:, 1:], 1.0, fp32=False)  # the matmul in the model's dtype
         want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
-    if (error := (got[0] - want).abs().max().item()) > 1e-3:
-        raise SystemExit(f"error: --model {args.model}: its forward changes the logits in a way this script does not "
-                         f"reproduce (log-probs {error:.3g} apart)")  # fmt: skip
+    error = (got[0] - want).abs().max().item()
+    if error > 1e-3:
+        why = f"its forward changes the logits in a way this script does not reproduce (log-probs {error:.3g} apart)"
+        raise SystemExit(f"error: --model {args.model}: {why}")
     if args.max_new_tokens is None:
         args.max_new_tokens = policy.generation_config.max_new_tokens or 8
     context = getattr(policy.config, "n_positions", 0) or getattr(policy.config, "max_position_embeddings", 0)
     max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
     if context and (args.max_new_tokens >= context or max_prompt_length + args.max_new_tokens > context):
-        raise SystemExit(f"error: --max-new-tokens {args.max_new_tokens} and a prompt (--max-prompt-length "
-                         f"{args.max_prompt_length}) do not fit the model's context of {context} tokens")  # fmt: skip
+        flags = f"--max-new-tokens {args.max_new_tokens} and a prompt (--max-prompt-length {args.max_prompt_length})"
+        raise SystemExit(f"error: {flags} do not fit the model's context of {context} tokens")
+    args.max_prompt_length = max_prompt_length
     reward_model = rm_tokenizer = None
     if args.reward_model is not None:
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
         n = reward_model.config.num_labels
         if args.reward_label not in (range(n) if args.reward_label is not None or n > 1 else [None]):
-            raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={n}: --reward-label (0 to "
-                             f"{n - 1}) chooses the logit that is the score (got {args.reward_label})")  # fmt: skip
+            why = f"--reward-label (0 to {n - 1}) chooses the logit that is the score (got {args.reward_label})"
+            raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={n}: {why}")
         rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model", truncation_side="left")
         if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
-            rm_tokenizer = None  # the same tokens: score the ids themselves, no decode and encode
+            rm_tokenizer = None  # the same tokens: the ids are scored as they are, with no decoding and encoding
         else:
-            fit_tokenizer(rm_tokenizer, [reward_model])
+            add_pad_token(rm_tokenizer, [reward_model])
         reward_model.eval().requires_grad_(False)
     # detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
     # the chat template writes between turns (its end of turn: a base model's config names its EOS alone)
     ids = policy.generation_config.eos_token_id
     turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
     turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
-    eos_ids = sorted({tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])} | set(
-        tokenizer.convert_tokens_to_ids(sorted(turns))))  # fmt: skip
-    fit_tokenizer(tokenizer, [policy] + [reward_model] * (reward_model is not None and rm_tokenizer is None), eos_ids)
-    policy.generation_config = transformers.GenerationConfig(  # detail 4: every field set, none left to the checkpoint
-        max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)  # fmt: skip
-    policy = add_lora(policy, args) if args.lora_r else policy
-    return tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids
+    eos_ids = {tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])}
+    eos_ids = sorted(eos_ids | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
+    same_tokens = [reward_model] if reward_model is not None and rm_tokenizer is None else []
+    add_pad_token(tokenizer, [policy] + same_tokens, eos_ids)
+    # detail 4: a generation_config of our own, every field set, none left to the checkpoint's
+    sampling = dict(
+        do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens
+    )
+    policy.generation_config = transformers.GenerationConfig(**sampling)
+    policy.generation_config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+    if args.lora_r:
+        policy = add_lora(policy, args)
+    return tokenizer, policy, reward_model, rm_tokenizer
 
 
-# TRY NOT TO MODIFY: set-up, the run directory and logging, evaluation, checkpoints (identical in grpo_llm.py)
+def shard(model):
+    """FSDP2 (docs/scaling.md): each transformer block a unit, gathered for its forward and backward; the rest, root."""
+    blocks = getattr(model, "_no_split_modules", None) or ()  # transformers' names of its blocks
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module)
+    fully_shard(model)
+    if hasattr(model, "generate"):  # a LoRA model's generate() runs the inner model's forward, not its own
+        register_fsdp_forward_method(model, "generate")
+    # transformers returns views (GPT-2's hidden states), which FSDP warns of; none is modified in place here
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def check_ranges(args, ranges):
-    """One line for the first flag whose value breaks its rule; a flag left unset (None) passes, NaN and inf do not."""
-    for name, (rule, ok) in ranges.items():
+@contextlib.contextmanager
+def unsharded(model):
+    """Under torchrun, the model whole on every rank for a while: one all-gather, not one a forward (a token's)."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
+    for module in sharded:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
+            module.set_reshard_after_forward(module is not model, recurse=False)  # FSDP's default: not the root
+
+
+def prepare(args, device, trained, frozen):
+    """The models onto the device, sharded under torchrun; the learning rate: (trainable parameters, AdamW)."""
+    trained = [model for model in trained if model is not None]
+    frozen = [model for model in frozen if model is not None and model not in trained]  # a LoRA reference: the policy
+    for model in trained + frozen:
+        if args.gradient_checkpointing and model in trained and hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable()  # HF's, in train mode only
+        if dist.is_initialized():
+            shard(model)  # FSDP moves each unit to the device, then keeps this rank's shard: no whole model on it
+        else:
+            model.to(device)
+    n_params = sum(p.numel() for p in trained[0].parameters())
+    if device.type == "cpu" and n_params < 50e6:
+        torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
+    if args.learning_rate is None:
+        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
+        print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
+    params = [p for model in trained for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
+    return params, optimizer
+
+
+# TRY NOT TO MODIFY: set-up, seeding, the run directory, logging, evaluation
+
+RULES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2, "> 0": lambda x: x > 0}
+RULES |= {"in [0, 1]": lambda x: 0 <= x <= 1, "in (0, 1)": lambda x: 0 < x < 1, "in (0, 1]": lambda x: 0 < x <= 1}
+RULES |= {"finite": lambda x: True}  # what every rule asks of a number
+
+
+def check_range(args, rule, names):
+    """One line for the first flag of `names` that breaks RULES[rule]; unset (None) passes, NaN and inf do not."""
+    for name in names.split():
         value = getattr(args, name)
         values = value if isinstance(value, tuple) else (value,)
-        if value is not None and not all(math.isfinite(x) and ok(x) for x in values):
+        if value is not None and not all(math.isfinite(x) and RULES[rule](x) for x in values):
             raise SystemExit(f"error: --{name.replace('_', '-')} must be {rule} (got {value})")
 
 
-def check_writable(path, flag):
-    """One line if path is not, and cannot become, a directory that this run can write into; nothing is created."""
+def check_run(args, world):
+    """The checks both scripts make: a run directory writable (nothing is created), the dataset's split, and more."""
+    flag, path = ("--resume", args.resume) if args.resume else ("--output-dir", args.output_dir)
     existing = os.path.abspath(path)
-    while not os.path.exists(existing):  # what makedirs would start from
+    while not os.path.exists(existing):  # where makedirs would start
         existing = os.path.dirname(existing)
-    try:
-        if not os.path.isdir(existing):
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), existing)
-        tempfile.TemporaryFile(dir=existing).close()
+    try:  # a file there fails too, as NotADirectoryError
+        if not args.eval_only:
+            tempfile.TemporaryFile(dir=existing).close()
     except OSError as e:
         raise SystemExit(f"error: {flag} {path}: not a directory this run can write ({reason(e)})") from None
+    split = args.eval_split if args.dataset_split == "train" and args.eval_split else args.dataset_split
+    for bad, message in [
+        (
+            os.path.isfile(args.dataset) and split != "train" and not os.path.isfile(split),
+            f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead",
+        ),
+        (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
+        (args.eval_only and world > 1, "--eval-only runs in one process: python, not torchrun"),
+        (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
+    ]:
+        if bad:
+            raise SystemExit(f"error: {message}")
 
 
 def setup(args):
@@ -759,35 +1006,32 @@ def setup(args):
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if cuda else "gloo")
-        sys.stdout = open(os.devnull, "w") if dist.get_rank() else sys.stdout
+        if dist.get_rank():
+            sys.stdout = open(os.devnull, "w")
     transformers.utils.logging.disable_progress_bar()
-    # transformers takes the pad token fed to a finished sequence during generation for unmasked padding: a false
-    # alarm (tests/test_ppo_llm.py: the sampled logits are the masked forward's), once per run
-    padding_alarm = "We strongly recommend passing in an `attention_mask`"
-    transformers.utils.logging.get_logger("transformers.modeling_utils").addFilter(
-        lambda record: padding_alarm not in record.getMessage()
-    )
     transformers.set_seed(args.seed)  # python's random, numpy, torch
-    args.mixed_precision = ("bf16" if cuda else "no") if args.mixed_precision == "auto" else args.mixed_precision
+    if args.mixed_precision == "auto":
+        args.mixed_precision = "bf16" if cuda else "no"
     device, bf16 = torch.device("cuda" if cuda else "cpu"), args.mixed_precision == "bf16"
-    print(f"device: {device}, fp32 weights" + ", bf16 autocast" * bf16)
-    rank_world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    return rank_world, device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    print(f"device: {device}, fp32 weights" + (", bf16 autocast" if bf16 else ""))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return (rank, world), device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
 def parse_args(argv=None):
     """The flags; with --resume RUN_DIR the run's args.json gives the defaults: only the flags given change."""
-    if (args := tyro.cli(Args, args=argv)).resume is None:
+    args = tyro.cli(Args, args=argv)
+    if args.resume is None:
         return args
     try:
         with open(os.path.join(args.resume, "args.json")) as f:
             saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()}
     except (OSError, ValueError, AttributeError) as e:  # no such file, a damaged one, or no {flag: value} object
         raise SystemExit(f"error: --resume {args.resume}: args.json unreadable ({type(e).__name__}: {e})") from None
-    script = os.path.basename(__file__)
-    if saved.get("script", script) != script:
-        raise SystemExit(f"error: --resume {args.resume} is a run of {saved['script']}: python {saved['script']} "
-                         f"--resume {args.resume} goes on with it")  # fmt: skip
+    script = saved.get("script", os.path.basename(__file__))
+    if script != os.path.basename(__file__):
+        go_on = f"python {script} --resume {args.resume} goes on with it"
+        raise SystemExit(f"error: --resume {args.resume} is a run of {script}: {go_on}")
     saved = {f.name: saved[f.name] for f in fields(Args) if f.name in saved} | {"resume": args.resume}
     return tyro.cli(Args, args=argv, default=Args(**saved))
 
@@ -796,28 +1040,33 @@ def open_run(args, rank, checkpoint):
     """The run directory, the same on every rank; rank 0's args.json and TensorBoard writer (wandb syncs it)."""
     names = [args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")]
     if dist.is_initialized():
-        dist.broadcast_object_list(names)  # any rank may have to save: an error stops it alone
+        dist.broadcast_object_list(names)
+    run_dir, done = names[0], checkpoint.get("update", 0)
     if rank:
-        return names[0], None
-    os.makedirs(names[0], exist_ok=True)
-    for name in ["metrics.jsonl", "samples.jsonl"] if (done := checkpoint.get("update", 0)) else []:  # resuming:
-        with open(path := os.path.join(names[0], name)) as f:  # drop rows a hard kill left past the checkpoint
+        return run_dir, None
+    os.makedirs(run_dir, exist_ok=True)
+    for name in ["metrics.jsonl", "samples.jsonl"] if done else []:  # resuming: the rows past the checkpoint go
+        with open(os.path.join(run_dir, name)) as f:  # (a hard kill's, half-written ones too)
             rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= done]
-        with open(path, "w") as f:
+        with open(os.path.join(run_dir, name), "w") as f:
             f.writelines(rows)
-    for tmp in glob.glob(os.path.join(names[0], "checkpoint.*.tmp")):  # a save a hard kill cut short
+    for tmp in glob.glob(os.path.join(run_dir, "checkpoint.*.tmp")):  # a save that a hard kill cut short
         os.remove(tmp)
-    with open(os.path.join(names[0], "args.json"), "w") as f:
+    with open(os.path.join(run_dir, "args.json"), "w") as f:
         json.dump(asdict(args) | {"script": os.path.basename(__file__)}, f, indent=1)
     if args.track:  # wandb imported only here: it is slow to import
-        __import__("wandb").init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                                 name=os.path.basename(os.path.normpath(names[0])), dir=names[0], sync_tensorboard=True,
-                                 id=checkpoint.get("wandb_id"), resume="allow" if checkpoint else None)  # fmt: skip
-    return names[0], SummaryWriter(names[0], purge_step=done + 1 if done else None)  # and TensorBoard's past it
+        settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), dir=run_dir)
+        settings |= dict(name=os.path.basename(os.path.normpath(run_dir)), sync_tensorboard=True)
+        settings |= dict(id=checkpoint.get("wandb_id"), resume="allow" if checkpoint else None)  # the same run goes on
+        __import__("wandb").init(**settings)
+    return run_dir, SummaryWriter(run_dir, purge_step=done + 1 if done else None)  # and TensorBoard's events past it
 
 
-def log(writer, metrics, samples=()):
-    """A line of metrics.jsonl and the same scalars to TensorBoard at step `update`; samples to samples.jsonl."""
+def log(writer, metrics, line, samples=()):
+    """On rank 0: the progress line, metrics.jsonl and TensorBoard at step `update`, samples.jsonl and the screen."""
+    if writer is None:
+        return
+    print(f"{line}  {eval_line(metrics)}" if "eval/accuracy" in metrics else line)
     try:
         with open(os.path.join(writer.log_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(metrics) + "\n")
@@ -832,96 +1081,119 @@ def log(writer, metrics, samples=()):
         print(f"  {sample['prompt']!r} -> {sample['completion']!r}  {values}")
 
 
+def sampled(args, update, rows, completions, **values):
+    """Every --sample-every updates (0: never), the first --num-samples rows: update, prompt, completion, values."""
+    if not args.sample_every or update % args.sample_every:
+        return []
+    samples = []
+    for j in range(min(args.num_samples, len(rows))):
+        sample = {"update": update, "prompt": rows[j]["prompt"], "completion": completions[j]}
+        samples.append(sample | {name: value[j] for name, value in values.items()})
+    return samples
+
+
 def global_metrics(metrics, ops):
     """Each metric over every rank: the mean of the ranks' values (each has as many sequences), or ops[key]'s."""
-    if not dist.is_initialized():
-        return metrics
-    reduced = {k: all_reduce(torch.tensor(float(v), dtype=torch.float64), ops.get(k, "sum")).item() for k, v in
-               metrics.items()}  # fmt: skip
-    return {k: type(v)(reduced[k] if k in ops else reduced[k] / dist.get_world_size()) for k, v in metrics.items()}
+    for key, value in metrics.items():
+        if dist.is_initialized():
+            total = all_reduce(torch.tensor(float(value), dtype=torch.float64), ops.get(key, "sum")).item()
+            metrics[key] = type(value)(total if key in ops else total / dist.get_world_size())
+    return metrics
 
 
-def evaluate(policy, tokenizer, rows, reward_fn, eos_ids, max_prompt_length, autocast, chunk):
-    """Held-out accuracy: the reward function's mean over `rows`, sampled as in training, its standard error
-    std / sqrt(n) (95% of two evaluations differ by < 1.96 sqrt 2 of it), the mean length of right (> 0) and wrong.
-    Under torchrun every rank samples its share of the rows, and the metrics are of them all."""
+def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, chunk):
+    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     scores, lengths = [], []
     with unsharded(policy):
         for i in range(rank * chunk, len(rows), world * chunk):
-            batch = rows[i : i + chunk]
-            r = rollout(policy, tokenizer, [row["prompt"] for row in batch], max_prompt_length, eos_ids, autocast)
-            scores += reward_fn(tokenizer.batch_decode(r["responses"], skip_special_tokens=True), batch)
-            lengths += r["mask"].sum(1).tolist()
-    if dist.is_initialized():
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (scores, lengths))
-        scores, lengths = [x for s, _ in gathered for x in s], [x for _, n in gathered for x in n]
+            batch = rollout(policy, tokenizer, [row["prompt"] for row in rows[i : i + chunk]], args, autocast)
+            scores += reward_fn(
+                tokenizer.batch_decode(batch["responses"], skip_special_tokens=True), rows[i : i + chunk]
+            )
+            lengths += batch["mask"].sum(1).tolist()
+    if dist.is_initialized():  # every rank's
+        every_rank = [None] * world
+        dist.all_gather_object(every_rank, (scores, lengths))
+        scores, lengths = [x for s, _ in every_rank for x in s], [x for _, n in every_rank for x in n]
     scores, lengths = torch.tensor(scores, dtype=torch.float64), torch.tensor(lengths)
     stderr = scores.std(correction=0).item() / len(scores) ** 0.5
     metrics = {"eval/accuracy": scores.mean().item(), "eval/accuracy_stderr": stderr}
     for name, chosen in [("right", scores > 0), ("wrong", scores <= 0)]:
-        metrics |= {f"eval/mean_length_{name}": lengths[chosen].mean().item()} if chosen.any() else {}
+        if chosen.any():
+            metrics[f"eval/mean_length_{name}"] = lengths[chosen].mean().item()
     return metrics
 
 
-def eval_line(metrics):
-    return f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
+def eval_line(metrics, n=None):
+    """The accuracy ± its standard error; with n, the difference 95% of two evaluations stay under (1.96 sqrt 2)."""
+    line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
+    bound = 1.96 * 2**0.5 * metrics["eval/accuracy_stderr"]
+    return line if n is None else f"{line} (n={n}; two evaluations of one policy differ by < {bound:.3f})"
 
 
-def shard(model):
-    """FSDP2 under torchrun: each transformer block is a unit, gathered for its forward and its backward and freed
-    after, and the rest (embeddings, final norm, LM head, a value head) is the root unit; weights, gradients and AdamW's
-    state live 1/N on each rank, and the gradients are averaged over the ranks by reduce-scatter. A no-op in one
-    process."""
-    if model is None or isinstance(model, FSDPModule) or not dist.is_initialized():  # a LoRA reference: the policy
-        return
-    blocks = getattr(model, "_no_split_modules", None) or ()  # transformers' names of its blocks
-    for module in model.modules():
-        if type(module).__name__ in blocks:
-            fully_shard(module)
-    fully_shard(model)
-    if hasattr(model, "generate"):  # a LoRA model's generate() runs the inner model's forward, not its own
-        register_fsdp_forward_method(model, "generate")
-    # transformers returns views (GPT-2's hidden states), which FSDP warns of; none is modified in place here
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+def timing(marks, start_time, first_update, update, args, n_tokens, device):
+    """time/* and perf/* of one update from its marks (start, generated, scored, updated); '(seconds so far, ETA)'."""
+    elapsed = time.time() - start_time
+    left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (args.total_steps - update) / (update - first_update)))
+    peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    if device.type == "cuda":
+        peak_memory = torch.cuda.max_memory_allocated() / 2**20
+    metrics = {
+        "time/generation": marks[1] - marks[0],
+        "time/scoring": marks[2] - marks[1],
+        "time/update": marks[3] - marks[2],
+        "time/elapsed": elapsed,
+        "perf/tokens_per_sec": n_tokens / (marks[3] - marks[0]),
+        "perf/peak_memory_mb": peak_memory,
+    }
+    return metrics, f"{marks[3] - marks[0]:.2f}s  ({elapsed:.0f}s, ETA {left})"
 
 
-def build_optimizer(args, device, trained, frozen):
-    """Activation checkpointing, the models onto the device (sharded under torchrun), the learning rate: (trainable
-    parameters, AdamW over them)."""
-    trained, frozen = [m for m in trained if m is not None], [m for m in frozen if m is not None]
-    for model in trained + frozen:
-        if args.gradient_checkpointing and model in trained and hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable()  # HF's, in train mode only
-        if dist.is_initialized():
-            shard(model)  # FSDP moves each unit to the device, then keeps this rank's shard: no whole model on it
-        else:
-            model.to(device)
-    n_params = sum(p.numel() for p in trained[0].parameters())
-    if device.type == "cpu" and n_params < 50e6:
-        torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
-    if args.learning_rate is None:
-        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
-        print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
-    params = [p for m in trained for p in m.parameters() if p.requires_grad]
-    # fused: one kernel over all parameters (~0.05 s a step at 124M on a CPU, ~0.6 s as torch's default loop)
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
-    return params, optimizer
+def wall_clock(device):
+    """time.perf_counter() once the GPU's queued work is done, so that each step is timed by its own."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
-def saved_names(model):
-    """The names of a model's weights in checkpoint.pt: its state_dict's but a LoRA base's (frozen: --model's own)."""
-    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    return [name for name in model.state_dict() if name not in frozen]  # remove_duplicate: a tied head's name too
+# TRY NOT TO MODIFY: stops and checkpoints
+
+STOP = []  # the signals received: Ctrl-C and SIGTERM (a preemption)
+SAVING = []  # not empty while a checkpoint is gathered and written
 
 
-def gathered(model):
-    """saved_names' weights, whole: under torchrun FSDP gathers the shards into rank 0's CPU memory, a tensor at a time
-    (the other ranks get {})."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True)
-    names = saved_names(model)
-    return {name: value for name, value in get_model_state_dict(model, options=options).items() if name in names}
+def on_signal(signum, frame):
+    """A first Ctrl-C or SIGTERM stops after the update (stop_check), a second at once, but never within a save."""
+    if STOP and not SAVING:
+        signal.default_int_handler(signum, frame)
+    if STOP:
+        print(f"{signal.Signals(signum).name}: the checkpoint being written is finished first", file=sys.stderr)
+    STOP.append(signum)
+
+
+def stop_check():
+    """KeyboardInterrupt on every rank once any of them has been signalled: generation ends at its next token, and after
+    the rollout every rank stops here, before the update changes anything (a signal during an update lets it finish)."""
+    if all_reduce(torch.tensor(float(len(STOP)))).item():
+        raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")
+
+
+class EveryRank(Exception):
+    """An error on one rank, raised on every rank at the same point, so that they stop and save together."""
+
+
+def on_every_rank(fn):
+    """fn()'s result; under torchrun an error on any rank stops every rank here (one alone cannot save the shards)."""
+    try:
+        result, error = fn(), None
+    except (Exception, SystemExit) as e:
+        result, error = None, e
+    if not all_reduce(torch.tensor(float(error is not None))).item():
+        return result
+    if not dist.is_initialized():
+        raise error
+    raise EveryRank(error or "another rank's error") from error
 
 
 class SaveFailed(Exception):
@@ -929,36 +1201,46 @@ class SaveFailed(Exception):
 
 
 def reason(error):
-    """'OSError: [Errno 28] No space left on device': the OSError behind an error if there is one (torch.save reports
-    a full disk as a RuntimeError of its own, the OSError as its context), else the error itself."""
+    """'OSError: [Errno 28] No space left on device': the OSError behind an error (torch.save wraps it), else it."""
     cause = error
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     cause = cause or error
-    return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+    return f"{type(cause).__name__}: {(str(cause).strip() or ' ').splitlines()[0]}"
+
+
+def saved_names(model):
+    """The names of a model's weights in checkpoint.pt: its state_dict's but a LoRA base's (frozen, --model's own)."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {name for name in model.state_dict() if name not in frozen}  # remove_duplicate: a tied head's name too
 
 
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
-    """checkpoint.pt (the state, the weights, AdamW's state, the wandb id), written whole or not at all, then policy/.
-    Under torchrun every rank calls it, to gather the shards, and rank 0 writes. A second signal waits for it; a write
-    that fails leaves no temporary file and raises SaveFailed on every rank."""
+    """checkpoint.pt (state, weights, AdamW's, wandb id), whole or not at all, then policy/; under torchrun every rank
+    sends its shards into rank 0's CPU memory, a tensor at a time, and rank 0 writes (SaveFailed on every rank)."""
     SAVING.append(True)
     path, tmp = os.path.join(run_dir, "checkpoint.pt"), os.path.join(run_dir, f"checkpoint.{os.getpid()}.tmp")
+    failed, weights = None, {}
     try:
-        weights = {name: gathered(model) for name, model in models.items()}
-        options = StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
-        optimizer_state = get_optimizer_state_dict(models, optimizer, options=options)
-        failed = None
+        options = dcp.StateDictOptions(
+            full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True
+        )
+        for name, model in models.items():
+            names = saved_names(model)
+            weights[name] = {k: v for k, v in dcp.get_model_state_dict(model, options=options).items() if k in names}
+        optimizer_state = dcp.get_optimizer_state_dict(models, optimizer, options=options)
         if not dist.is_initialized() or dist.get_rank() == 0:
             wandb_id = getattr(getattr(sys.modules.get("wandb"), "run", None), "id", None)
             with open(tmp, "wb") as f:
-                torch.save(state | dict(weights=weights, optimizer=optimizer_state, wandb_id=wandb_id), f)
+                torch.save(state | {"weights": weights, "optimizer": optimizer_state, "wandb_id": wandb_id}, f)
                 f.flush()
                 os.fsync(f.fileno())  # on disk before the rename
             os.replace(tmp, path)  # atomic
-            save(os.path.join(run_dir, "policy"), models, weights, tokenizer)
-            if merged:
-                save_merged(os.path.join(run_dir, "policy"), tokenizer)
+            save_policy(os.path.join(run_dir, "policy"), models, weights, tokenizer)
+            if merged:  # W + (alpha / r) B A, on the CPU: the adapter loaded as peft loads one, on its base
+                adapter = __import__("peft").AutoPeftModelForCausalLM.from_pretrained(os.path.join(run_dir, "policy"))
+                adapter.merge_and_unload().save_pretrained(os.path.join(run_dir, "policy", "merged"))
+                tokenizer.save_pretrained(os.path.join(run_dir, "policy", "merged"))
     except Exception as e:  # a full disk, a file-size limit, a directory gone
         failed = e
     finally:
@@ -967,74 +1249,53 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
             os.remove(tmp)
     if all_reduce(torch.tensor(float(failed is not None))).item():
         raise SaveFailed(f"saving update {state['update']} failed ({reason(failed) if failed else 'on rank 0'})")
-    SAVED.append(state["update"])
 
 
-def save_merged(path, tokenizer):
-    """path/merged: the base with the LoRA adapter of path merged in, W + (alpha / r) B A, loaded on the CPU as peft
-    loads an adapter (its base from adapter_config.json)."""
-    import peft
-
-    model = peft.AutoPeftModelForCausalLM.from_pretrained(path).merge_and_unload()
-    model.save_pretrained(os.path.join(path, "merged"))
-    tokenizer.save_pretrained(os.path.join(path, "merged"))
-
-
-def start(args, models, optimizer):
-    """--resume's checkpoint.pt ({} for a new run), its weights and AdamW's state back in the models. Rank 0 reads it
-    and, under torchrun, FSDP sends each rank its shards: a run resumes with any number of processes."""
-    SAVED.clear()
+def load_checkpoint(args, models, optimizer):
+    """--resume's checkpoint.pt ({} if none): rank 0 reads it, and each rank gets its shards, whatever their number."""
     if not args.resume:
         return {}
     checkpoint, error = {}, None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:  # none (a run killed before its first save), a truncated or damaged one, or one of other models or flags
             checkpoint = torch.load(os.path.join(args.resume, "checkpoint.pt"), map_location="cpu", weights_only=False)
-            if models.keys() != checkpoint["weights"].keys():
-                raise KeyError(f"it holds {', '.join(checkpoint['weights'])}")
-            for name, model in models.items():  # the saved names against these models'
-                if set(saved_names(model)) != checkpoint["weights"][name].keys():
-                    raise KeyError(f"{name}'s weights differ")
+            names = {name: set(weights) for name, weights in checkpoint["weights"].items()}
+            if names != {name: saved_names(model) for name, model in models.items()}:
+                raise KeyError(f"its weights are of {', '.join(names)}, with other names")
         except Exception as e:
-            error = (f"error: --resume {args.resume}: checkpoint.pt unreadable, or not of these models "
-                     f"({type(e).__name__}: {str(e).strip().splitlines()[0][:100]})")  # fmt: skip
-    if dist.is_initialized():
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:100]}"
+            error = f"error: --resume {args.resume}: checkpoint.pt unreadable, or not of these models ({why})"
+    if dist.is_initialized():  # the other ranks: the verdict and the state, without the weights
         shared = [error, {k: v for k, v in checkpoint.items() if k not in ("weights", "optimizer")}]
         dist.broadcast_object_list(shared)
-        error, state = shared
-        checkpoint = checkpoint or state
+        error, checkpoint = shared[0], checkpoint or shared[1]
     if error:
         raise SystemExit(error)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False)
+    options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False)
     for name, model in models.items():
-        set_model_state_dict(model, checkpoint.get("weights", {}).get(name, {}), options=options)
-    set_optimizer_state_dict(models, optimizer, checkpoint.get("optimizer", {}), options=options)
-    SAVED.append(checkpoint["update"])
+        dcp.set_model_state_dict(model, checkpoint.get("weights", {}).get(name, {}), options=options)
+    dcp.set_optimizer_state_dict(models, optimizer, checkpoint.get("optimizer", {}), options=options)
     print(f"resuming after update {checkpoint['update']} of the saved run")
     optimizer.param_groups[0]["lr"] = args.learning_rate  # a flag given on resuming wins
     return checkpoint
 
 
-def stopped(error, update, state, run_dir, rank, save):
-    """A stop in the loop saves, shows an error's traceback, says what is on disk and how to go on, and exits non-zero.
-    A signal, a non-finite loss, a failed save or an error raised on every rank stops the ranks together, and they save
-    (but after a failed save); an error on one rank alone saves in one process, but under torchrun it cannot gather the
-    other ranks' shards."""
+def save_and_exit(error, update, state, run_dir, rank, save):
+    """A stop saves (every rank together; one rank alone cannot under torchrun), shows an error's traceback, says what
+    is on disk and how to go on, and exits non-zero."""
     together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
     what, saved = str(error) or type(error).__name__, None
-    if isinstance(error, SaveFailed):
-        pass  # not again
-    elif together or not dist.is_initialized():
+    if not together and dist.is_initialized():
+        what += "; one rank alone cannot gather the sharded weights to save them"
+    elif not isinstance(error, SaveFailed):  # a failed save is not tried again
         try:
             save()
             saved = f"the state after update {state['update']} is in {run_dir}/checkpoint.pt"
         except SaveFailed as e:
             what += f"; {e}"
-    else:
-        what += "; one rank alone cannot gather the sharded weights to save them"
-    go_on = f"python {os.path.basename(__file__)} --resume {run_dir} goes on"
-    if saved is None and SAVED:
-        saved = f"{run_dir}/checkpoint.pt holds update {SAVED[-1]}"
+    go_on, path = f"python {os.path.basename(__file__)} --resume {run_dir} goes on", f"{run_dir}/checkpoint.pt"
+    if saved is None and os.path.exists(path):  # the last save that was written: its update, read without the weights
+        saved = f"{path} holds update {torch.load(path, mmap=True, weights_only=False)['update']}"
     elif saved is None:
         saved, go_on = "no checkpoint.pt was written", "start the run again"
     cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
@@ -1050,274 +1311,6 @@ def stopped(error, update, state, run_dir, rank, save):
             with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
                 json.dump({"message": line, "timestamp": int(time.time())}, f)
     raise SystemExit(128 + STOP[0] if STOP else 1) from None
-
-
-def timing(t, start_time, first, update, total, n_tokens, device):
-    """time/* and perf/* of one update from its marks t, and the progress line's '(seconds so far, ETA hh:mm:ss)'."""
-    elapsed = time.time() - start_time
-    left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (total - update) / (update - first)))
-    metrics = {"time/generation": t[1] - t[0], "time/scoring": t[2] - t[1], "time/update": t[3] - t[2],
-               "time/elapsed": elapsed, "perf/tokens_per_sec": n_tokens / (t[3] - t[0]),
-               "perf/peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
-               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}  # fmt: skip
-    return metrics, f"{t[3] - t[0]:.2f}s  ({elapsed:.0f}s, ETA {left})"
-
-
-def wall_clock(device):
-    if device.type == "cuda":  # time.perf_counter() once the GPU's queued work is done: each step timed by its own
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
-# PPO: its flags, the value model, saving
-
-
-def check_args(args, world):
-    """Every flag out of range and every bad combination of flags, one line each, before anything is loaded."""
-    check_ranges(
-        args,
-        {  # the flags' ranges, in Args' order
-            "save_every": (">= 0", lambda x: x >= 0),
-            "lora_r": (">= 0", lambda x: x >= 0),
-            "lora_alpha": ("> 0", lambda x: x > 0),
-            "max_new_tokens": (">= 1", lambda x: x >= 1),
-            "max_prompt_length": (">= 1", lambda x: x >= 1),
-            "temperature": ("> 0: log-probs divide by it", lambda x: x > 0),
-            "total_steps": (">= 1", lambda x: x >= 1),
-            "prompts_per_update": (">= 1", lambda x: x >= 1),
-            "num_mini_batches": (">= 1", lambda x: x >= 1),
-            "micro_batch_size": (">= 1", lambda x: x >= 1),
-            "num_ppo_epochs": (">= 1", lambda x: x >= 1),
-            "learning_rate": (">= 0", lambda x: x >= 0),
-            "weight_decay": (">= 0", lambda x: x >= 0),
-            "max_grad_norm": ("> 0", lambda x: x > 0),
-            "ent_coef": (">= 0", lambda x: x >= 0),
-            "eval_every": (">= 0", lambda x: x >= 0),
-            "eval_size": (">= 1", lambda x: x >= 1),
-            "sample_every": (">= 0", lambda x: x >= 0),
-            "num_samples": (">= 0", lambda x: x >= 0),
-            "gamma": ("in [0, 1]", lambda x: 0 <= x <= 1),
-            "lam": ("in [0, 1]", lambda x: 0 <= x <= 1),
-            "cliprange": ("> 0", lambda x: x > 0),
-            "cliprange_value": ("> 0", lambda x: x > 0),
-            "vf_coef": (">= 0", lambda x: x >= 0),
-            "target_kl": ("> 0", lambda x: x > 0),
-            "kl_coef": (">= 0", lambda x: x >= 0),
-            "kl_target": ("> 0", lambda x: x > 0),
-            "kl_horizon": (">= 1", lambda x: x >= 1),
-            "ref_update_every": (">= 0", lambda x: x >= 0),
-            "missing_eos_penalty": (">= 0", lambda x: x >= 0),
-            "score_clip": ("> 0", lambda x: x > 0),
-        },
-    )
-    if not args.eval_only:
-        check_writable(args.resume or args.output_dir, "--resume" if args.resume else "--output-dir")
-    B, n_mb = args.prompts_per_update // world, max(args.num_mini_batches, 1)  # each process's share, minibatches
-    if args.micro_batch_size > B // n_mb > 0:  # the default 64 must not refuse a smaller batch, or 8 GPUs
-        args.micro_batch_size = B // n_mb
-    args.score_norm = ("on" if args.reward_model else "off") if args.score_norm == "auto" else args.score_norm
-    split = args.eval_split if args.dataset_split == "train" and args.eval_split else args.dataset_split
-    for bad, message in [
-        (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
-        (args.eval_only and world > 1, "--eval-only runs in one process: python, not torchrun"),
-        (min(args.num_mini_batches, args.micro_batch_size, B) < 1 or B % n_mb or B // n_mb % args.micro_batch_size,
-         f"--num-mini-batches must divide --prompts-per-update ({B} a process), and --micro-batch-size "
-         f"({args.micro_batch_size}) the minibatch"),
-        (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
-        (args.lora_r and args.ref_update_every, "--ref-update-every cannot refresh a LoRA run's reference, its base"),
-        (os.path.isfile(args.dataset) and split != "train" and not os.path.isfile(split),
-         f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
-        (args.score_norm == "on" and args.prompts_per_update < 2, "--score-norm on needs --prompts-per-update >= 2"),
-        (args.kl_target and not args.kl_coef, "--kl-target scales --kl-coef up or down: start it above 0 (got 0)"),
-    ]:  # fmt: skip
-        if bad:
-            raise SystemExit(f"error: {message}")
-
-
-def build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer):
-    """Detail 8: (critic: None with --critic head, else from the reward model if it reads our tokens, value head)."""
-    critic = None
-    if args.critic == "separate":
-        source = args.reward_model if reward_model is not None and rm_tokenizer is None else args.model
-        critic = load_model(AutoModel, source, "--critic source", "auto" if args.lora_r else torch.float32)
-        fit_tokenizer(tokenizer, [critic])
-        critic = add_lora(critic, args) if args.lora_r else critic  # adapters of its own; the head trains in full
-    value_head = nn.Linear((critic or policy).config.hidden_size, 1)
-    nn.init.zeros_(value_head.weight)
-    nn.init.zeros_(value_head.bias)
-    return critic, value_head
-
-
-def save(path, models, weights, tokenizer):
-    """save_pretrained of the policy and its tokenizer (with LoRA the adapter), from its gathered weights, and the value
-    model (critic and value_head.pt in path/critic, or in path with --critic head; docs/ppo_llm.md loads it back)."""
-    models["policy"].save_pretrained(path, state_dict=weights["policy"])
-    tokenizer.save_pretrained(path)
-    value_dir = os.path.join(path, "critic") if "critic" in models else path
-    if "critic" in models:
-        models["critic"].save_pretrained(value_dir, state_dict=weights["critic"])
-        tokenizer.save_pretrained(value_dir)
-    torch.save(weights["value_head"], os.path.join(value_dir, "value_head.pt"))
-
-
-def main(args: Args | None = None):
-    args = parse_args() if args is None else args
-    # TRY NOT TO MODIFY: set-up
-    (rank, world), device, autocast = setup(args)
-    check_args(args, world)
-    reward_fn = load_reward_fn(args.reward_fn)  # a bad name or file fails here, before anything is loaded
-    tokenizer, policy, reward_model, rm_tokenizer, max_prompt_length, eos_ids = load_models(args, device)
-    B = args.prompts_per_update // world  # this process's share
-    eval_problems = eval_rows(args, tokenizer) if args.eval_every or args.eval_only else None
-    evaluation = eval_problems and (lambda: evaluate(policy, tokenizer, eval_problems, reward_fn, eos_ids,
-                                                     max_prompt_length, autocast, B))  # fmt: skip
-    if args.eval_only:  # no training, no run directory; 95% of two evaluations differ by < 1.96 sqrt 2 stderr
-        policy.to(device)
-        print(f"{eval_line(result := evaluation())} (n={len(eval_problems)}; two evaluations of one policy differ by < "
-              f"{2.8 * result['eval/accuracy_stderr']:.3f})")  # fmt: skip
-        return result
-    critic, value_head = build_value_model(args, policy, tokenizer, reward_model, rm_tokenizer)
-    ref_policy = None if not (args.kl_coef or args.kl_target) else policy if args.lora_r else copy.deepcopy(policy)
-    params, optimizer = build_optimizer(args, device, [policy, critic, value_head], [ref_policy, reward_model])
-    models = dict(policy=policy, critic=critic, value_head=value_head)  # what checkpoint.pt and policy/ hold
-    models["ref_policy"] = ref_policy if args.ref_update_every else None  # else the reference is --model's
-    models = nn.ModuleDict({name: model for name, model in models.items() if model is not None})
-    checkpoint = start(args, models, optimizer)  # {} for a new run
-    rows = load_prompts(args, tokenizer, reward_model is None and args.reward_fn in ("arithmetic", "gsm8k"))
-    run_dir, writer = open_run(args, rank, checkpoint)
-    first_update = update = checkpoint.get("update", 0)
-    kl_coef, start_time = checkpoint.get("kl_coef", args.kl_coef), time.time()
-    prompts = prompt_stream(rows, args.seed, update * args.prompts_per_update, rank, world)
-    state = dict(update=update, kl_coef=kl_coef)  # what a resume restores besides the weights and AdamW
-    print(f"{run_dir}/checkpoint.pt: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
-    STOP.clear()
-    handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        if evaluation and not checkpoint:  # the initial policy, at update 0
-            initial = evaluation()
-            if rank == 0:
-                log(writer, {"update": 0, "episode": 0} | initial)
-            print(f"update 0: {eval_line(initial)}")
-        for update in range(update + 1, args.total_steps + 1):
-            torch.manual_seed(hash((args.seed, update, rank)))  # each update's own random numbers: exact resumes
-            if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
-            # ALGO LOGIC: 1. rollout -- one response per prompt
-            t0 = wall_clock(device)
-            rows = [next(prompts) for _ in range(B)]
-            with unsharded(policy):  # FSDP: gathered once for generation, not once per token
-                r = rollout(
-                    policy, tokenizer, [row["prompt"] for row in rows], max_prompt_length, eos_ids, autocast, True
-                )
-            stop_check()  # a signal on any rank: every rank stops here, before the update changes anything
-            responses, mask = r["responses"], r["mask"]  # (B, R)
-            t1 = wall_clock(device)
-
-            # 2. old and reference log-probs and values: the training forward in its shapes (detail 5); scores
-            micro_batches = torch.arange(B, device=device).split(args.micro_batch_size)
-            with torch.no_grad(), autocast:
-                with unsharded(policy):
-                    out = [training_forward(policy, critic, value_head, r, mc, args, False) for mc in micro_batches]
-                old_logprobs, values = torch.cat([o[0] for o in out]), torch.cat([o[2] for o in out])
-                ref_logprobs = old_logprobs
-                if ref_policy is not None:
-                    with (
-                        ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext(),
-                        unsharded(ref_policy),
-                    ):
-                        out = [training_forward(ref_policy, None, None, r, mc, args, False) for mc in micro_batches]
-                    ref_logprobs = torch.cat([o[0] for o in out])
-            completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            verdicts = None
-            if reward_model is None or rows[0]["answer"] is not None:  # an error on one rank stops every rank here
-                verdicts = on_every_rank(lambda: reward_fn(completions, rows))
-            scores = (torch.tensor(verdicts, dtype=torch.float, device=device) if reward_model is None
-                      else reward_model_scores(reward_model, rm_tokenizer, r, rows, completions, args))  # fmt: skip
-            contains_eos = torch.isin(responses, torch.tensor(eos_ids, device=device)).any(1)
-            if args.missing_eos_penalty is not None:
-                scores = scores - args.missing_eos_penalty * (~contains_eos).float()
-            t2 = wall_clock(device)
-
-            # 3. per-token rewards: -beta * KL everywhere, plus the score at the last real token (detail 3)
-            kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator) * mask
-            non_score_reward = -kl_coef * kl
-            rewards = non_score_reward.clone()
-            normalized = normalize_scores(scores, args.score_norm == "on", args.score_clip)  # detail 13
-            rewards[torch.arange(B, device=device), mask.long().sum(1) - 1] += normalized
-            if args.whiten_rewards:
-                rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
-
-            # 4. advantages: GAE over the response tokens, whitened over the batch (detail 9)
-            advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, mask)
-
-            # 5. PPO update: epochs of shuffled minibatches, micro-batches accumulate gradients (details 10, 11)
-            r |= dict(old_logprobs=old_logprobs, values=values, advantages=advantages, returns=returns)
-            for model in [m for m in (policy, critic) if m is not None]:
-                model.train()  # HF's activation checkpointing acts in train mode only
-            stats = []
-            for _ in range(args.num_ppo_epochs):
-                epoch_stats = []
-                for mb_inds in torch.randperm(B, device=device).split(B // args.num_mini_batches):
-                    epoch_stats += accumulate_gradients(policy, critic, value_head, r, mb_inds, args, autocast)
-                    optimizer_step(optimizer, params, args.max_grad_norm)
-                stats += epoch_stats
-                approxkl = global_mean([s["policy/approxkl_avg"] for s in epoch_stats])  # all ranks stop together
-                if args.target_kl is not None and approxkl > args.target_kl:
-                    break
-            t3 = wall_clock(device)
-
-            # 6. KL controller and reference refresh
-            mean_kl = global_mean([kl.sum(1).mean()])
-            if args.kl_target:
-                kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, args.prompts_per_update)
-            if args.ref_update_every and update % args.ref_update_every == 0 and ref_policy is not None:
-                ref_policy.load_state_dict(policy.state_dict())
-            state = dict(update=update, kl_coef=kl_coef)  # update done: a stop from here on resumes after it
-
-            # TRY NOT TO MODIFY: log (TRL's metric names), evaluate, show samples, save
-            n_tokens = mask.sum().item()
-            metrics = {"update": update, "episode": update * args.prompts_per_update, "objective/kl": mean_kl,
-                       "objective/kl_coef": kl_coef, "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
-                       "objective/non_score_reward": non_score_reward.sum(1).mean().item(), "objective/scores":
-                       scores.mean().item(), "val/num_eos_tokens": int(contains_eos.sum().item()), "val/mean_length":
-                       n_tokens / B, "lr": optimizer.param_groups[0]["lr"]}  # fmt: skip
-            times, progress = timing((t0, t1, t2, t3), start_time, first_update, update, args.total_steps, n_tokens,
-                                     device)  # fmt: skip
-            # the stats of policy_loss (policy/*, val/ratio), value_loss (val/clipfrac_avg), the losses and entropy
-            metrics |= times | {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
-            metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
-            if rows[0]["answer"] is not None:  # the reward function's verdict, beside a reward model too
-                metrics["objective/accuracy"] = sum(verdicts) / B
-            metrics = global_metrics(metrics, {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum",
-                                               "perf/peak_memory_mb": "max"})  # fmt: skip
-            stopping = all_reduce(torch.tensor(float(len(STOP)))).item() > 0  # a stop saves anyway: same on every rank
-            if evaluation and not stopping and (update % args.eval_every == 0 or update == args.total_steps):
-                metrics |= evaluation()
-            if rank == 0:
-                shown = range(min(args.num_samples, B)) if args.sample_every and update % args.sample_every == 0 else []
-                print(f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
-                      f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
-                      + (f"{eval_line(metrics)}  " if "eval/accuracy" in metrics else "") + progress)  # fmt: skip
-                log(writer, metrics, [{"update": update, "prompt": rows[j]["prompt"], "completion": completions[j],
-                                       "score": scores[j].item()} for j in shown])  # fmt: skip
-            if args.save_every and update % args.save_every == 0 and not stopping:
-                save_checkpoint(run_dir, models, optimizer, state, tokenizer)
-        save_checkpoint(run_dir, models, optimizer, state, tokenizer, args.save_merged)
-    except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss, an error, a failed save: nothing is lost
-        stopped(e, update, state, run_dir, rank, lambda: save_checkpoint(run_dir, models, optimizer, state, tokenizer))
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        if writer is not None:
-            writer.close()
-    print(f"saved the policy to {run_dir}/policy")
-    if args.track and rank == 0:
-        sys.modules["wandb"].finish()
-    if dist.is_initialized():
-        dist.barrier()  # the other ranks wait while rank 0 writes
-        dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
-    return run_dir
 
 
 if __name__ == "__main__":

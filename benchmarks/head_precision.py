@@ -32,10 +32,11 @@ def main():
     torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args = ppo_llm.Args(max_new_tokens=8)
-    tokenizer, policy, *_, eos_ids = ppo_llm.load_models(args, device)
+    tokenizer, policy, *_ = ppo_llm.load_models(args)
+    policy.to(device)
     with open(os.path.join(ROOT, "assets", "arith", "test.jsonl")) as f:
         prompts = [json.loads(line)["prompt"] for line in f]
-    r = ppo_llm.rollout(policy, tokenizer, prompts, None, eos_ids, contextlib.nullcontext())
+    r = ppo_llm.rollout(policy, tokenizer, prompts, args, contextlib.nullcontext())
     qr, am, width, responses, mask = (
         r["query_responses"],
         r["attention_mask"],
@@ -47,7 +48,7 @@ def main():
     for name, bf16, fp32_head in [("fp32", False, True), ("bf16, fp32 head", True, True), ("bf16", True, False)]:
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             hidden = ppo_llm.hidden_states(policy, qr, am, width)
-            results[name] = ppo_llm.response_logprobs(policy, hidden, responses, 1.0, fp32_head)[0]
+            results[name] = ppo_llm.response_logprobs(policy, hidden, responses, 1.0, fp32=fp32_head)[0]
     rows = []
     for name in ["bf16, fp32 head", "bf16"]:
         error = (results[name] - results["fp32"]).abs()[mask]

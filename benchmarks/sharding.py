@@ -62,15 +62,15 @@ def child(spec):
     sys.path.insert(0, ROOT)
     script = __import__(spec["script"].removesuffix(".py"))
     models, counts = [], {}
-    build_optimizer, optimizer_step, save_checkpoint = (
-        script.build_optimizer,
+    prepare, optimizer_step, save_checkpoint = (
+        script.prepare,
         script.optimizer_step,
         script.save_checkpoint,
     )
 
     def counting_build(args, device, trained, frozen):
         models.extend(m for m in trained + frozen if m is not None)
-        built = build_optimizer(args, device, trained, frozen)
+        built = prepare(args, device, trained, frozen)
         counts["loading_peak_mb"] = peak_mb()  # every rank reads the whole checkpoints before sharding
         reset_peak()
         return built
@@ -90,7 +90,7 @@ def child(spec):
             counts.update(params=local_bytes(weights), grads=grads, optimizer=local_bytes(state))
         return norm
 
-    script.build_optimizer, script.optimizer_step, script.save_checkpoint = counting_build, counting_step, counting_save
+    script.prepare, script.optimizer_step, script.save_checkpoint = counting_build, counting_step, counting_save
     rank = int(os.environ.get("RANK", 0))
     script.main(script.parse_args(spec["argv"]))
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
@@ -118,9 +118,9 @@ def launch(name, n, updates):
     model = build("llama-34m")
     script, *flags = CONFIGS[name]
     with tempfile.TemporaryDirectory() as out:
-        argv = ["--model", model, "--dataset", f"{model}/prompts.jsonl", "--max-new-tokens", "16", "--total-steps",
-                str(updates), "--micro-batch-size", "4", "--eval-every", "0", "--sample-every", "0", "--save-every",
-                "0", "--output-dir", out] + [f"{model}/rm" if x == "RM" else x for x in flags]  # fmt: skip
+        argv = ["--model", model, "--dataset", f"{model}/prompts.jsonl", "--max-new-tokens", "16", "--output-dir", out]
+        argv += ["--total-steps", str(updates), "--micro-batch-size", "4", "--eval-every", "0", "--sample-every", "0"]
+        argv += ["--save-every", "0"] + [f"{model}/rm" if x == "RM" else x for x in flags]
         spec = json.dumps({"script": script, "argv": argv, "out": out})
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
         command = [torchrun, "--standalone", "--nproc_per_node", str(n), __file__, "--child", spec]
@@ -138,16 +138,17 @@ def launch(name, n, updates):
 def table(results, device):
     """The markdown table: per configuration and N, the largest rank's bytes, their share of one process's, peak
     memory and seconds."""
-    lines = [f"Machine: {results['machine']}, {'NCCL' if device == 'cuda' else 'gloo'}, torch {results['torch']}. "
-             f"Command: `{results['command']}`; {results['updates']} updates a launch, seconds the median after the "
-             "first. State = parameters of every model + gradients + AdamW, the largest rank's; share = state / (the "
-             "one-process state / N), 1.00 being a perfect split. Peak memory of the largest rank while loading (every "
-             "rank reads whole checkpoints), training, and saving at the end (rank 0 gathers the whole state into its "
-             "CPU memory): max_memory_allocated on a GPU, the RSS on a CPU (glibc's mmap threshold fixed at 128 KiB).",
-             "",
-             "| script | N | parameters MiB | gradients MiB | AdamW MiB | state share | peak MiB: loading | training | "
-             "saving | s/update |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    backend = "NCCL" if device == "cuda" else "gloo"
+    caption = (
+        f"Machine: {results['machine']}, {backend}, torch {results['torch']}. Command: `{results['command']}`; "
+        f"{results['updates']} updates a launch, seconds the median after the first. State = parameters of every "
+        "model + gradients + AdamW, the largest rank's; share = state / (the one-process state / N), 1.00 being a "
+        "perfect split. Peak memory of the largest rank while loading (every rank reads whole checkpoints), training, "
+        "and saving at the end (rank 0 gathers the whole state into its CPU memory): max_memory_allocated on a GPU, "
+        "the RSS on a CPU (glibc's mmap threshold fixed at 128 KiB)."
+    )
+    header = "| script | N | parameters MiB | gradients MiB | AdamW MiB | state share | peak MiB: loading | training "
+    lines = [caption, "", header + "| saving | s/update |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in CONFIGS:
         runs = {int(n): r for n, r in results["runs"].get(name, {}).items()}
         if 1 not in runs:
@@ -158,8 +159,9 @@ def table(results, device):
             share = (top["params"] + top["grads"] + top["optimizer"]) / (one / n)
             mib = [top[k] / 2**20 for k in ("params", "grads", "optimizer")]
             peaks = [max(x[f"{k}_peak_mb"] for x in r["ranks"]) for k in ("loading", "training", "saving")]
-            lines.append(f"| {CONFIGS[name][0]} | {n} | {mib[0]:.1f} | {mib[1]:.1f} | {mib[2]:.1f} | {share:.2f} | "
-                         + " | ".join(f"{p:.0f}" for p in peaks) + f" | {r['s_per_update']:.2f} |")  # fmt: skip
+            cells = [CONFIGS[name][0], n, f"{mib[0]:.1f}", f"{mib[1]:.1f}", f"{mib[2]:.1f}", f"{share:.2f}"]
+            cells += [f"{p:.0f}" for p in peaks] + [f"{r['s_per_update']:.2f}"]
+            lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines)
 
 
@@ -175,8 +177,8 @@ def main():
         results = json.load(open(path))
     else:
         command = " ".join(["python benchmarks/sharding.py", *sys.argv[1:]])
-        results = {"machine": machine_name(device), "torch": torch.__version__, "command": command,
-                   "updates": args.updates, "runs": {}}  # fmt: skip
+        results = {"machine": machine_name(device), "torch": torch.__version__, "command": command}
+        results |= {"updates": args.updates, "runs": {}}
         for name in args.configs:
             for n in args.nproc:
                 print(f"{name} on {n} processes ...", flush=True)

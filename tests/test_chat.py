@@ -156,13 +156,13 @@ def test_end_of_turn_token_ends_a_response(chat):
     # ids: <pad> 0, <eos> 1, <unk> 2, <s> 3, <|system|> 4, <|user|> 5, <|assistant|> 6, <|end|> 7. The template's text
     # writes <|assistant|> and <|end|> literally (the role headers come from '<|' + role + '|>'), so the response
     # ends at the EOS 1 (the tokenizer's and the generation_config's), at 6 or at 7: [1, 6, 7]
-    tokenizer, policy, *_, eos_ids = ppo_llm.load_models(ppo_llm.Args(model=chat["policy"]), torch.device("cpu"))
+    tokenizer, policy, *_ = ppo_llm.load_models(ppo_llm.Args(model=chat["policy"]))
+    eos_ids = policy.generation_config.eos_token_id  # generate() stops there, and truncate_after_eos
     assert eos_ids == [1, 6, 7] and tokenizer.convert_tokens_to_ids("<|end|>") == 7
-    assert policy.generation_config.eos_token_id == eos_ids  # generate() stops there too
     assert tokenizer.pad_token_id == 0  # <pad> ends nothing: kept
     # no chat template: the EOS alone
-    *_, eos_ids = ppo_llm.load_models(ppo_llm.Args(model=chat["tiny_policy"]), torch.device("cpu"))
-    assert eos_ids == [1]
+    _, policy, *_ = ppo_llm.load_models(ppo_llm.Args(model=chat["tiny_policy"]))
+    assert policy.generation_config.eos_token_id == [1]
 
 
 @pytest.mark.parametrize(
@@ -188,8 +188,8 @@ def test_end_of_turn_of_family_templates(specials, template, ends, tmp_path):
     tok = chat_tokenizer(specials, template)
     GPT2LMHeadModel(tiny_config(tok)).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    *_, eos_ids = ppo_llm.load_models(ppo_llm.Args(model=str(tmp_path)), torch.device("cpu"))
-    assert eos_ids == ends
+    _, policy, *_ = ppo_llm.load_models(ppo_llm.Args(model=str(tmp_path)))
+    assert policy.generation_config.eos_token_id == ends
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=["ppo", "grpo"])
@@ -231,7 +231,7 @@ def test_reward_fn_as_module_with_weights(chat, tmp_path, monkeypatch):
 def test_reward_model_reads_the_whole_response(chat):
     # a prompt of 64 tokens and a reward model of 32 positions: the text loses its start, never the response
     args = ppo_llm.Args(model=chat["policy"], reward_model=chat["rm_other"], micro_batch_size=4)
-    _, _, reward_model, rm_tokenizer, _, _ = ppo_llm.load_models(args, torch.device("cpu"))
+    _, _, reward_model, rm_tokenizer = ppo_llm.load_models(args)
     rows = [{"prompt": "1" * 60 + "+1=", "messages": None}]
     r = {"query_responses": None, "attention_mask": None}  # the policy's ids: unused, the text is encoded again
     got = ppo_llm.reward_model_scores(reward_model, rm_tokenizer, r, rows, ["61"], args)
@@ -255,7 +255,7 @@ def test_a_policy_without_a_pad_token_beside_a_reward_model_of_another_tokenizer
     GPT2LMHeadModel(tiny_config(tok)).save_pretrained(tmp_path / "policy")
     tok.save_pretrained(tmp_path / "policy")
     args = ppo_llm.Args(model=str(tmp_path / "policy"), reward_model=tiny["rm_other"])
-    tokenizer, policy, _, rm_tokenizer, _, _ = ppo_llm.load_models(args, torch.device("cpu"))
+    tokenizer, policy, _, rm_tokenizer = ppo_llm.load_models(args)
     assert rm_tokenizer is not None and tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == len(tok)
     assert policy.get_input_embeddings().num_embeddings == len(tok) + 1
 

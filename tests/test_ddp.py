@@ -46,7 +46,8 @@ def ppo_models(critic):
     critic_model = ppo_llm.load_model(AutoModel, SFT, "--model") if critic == "separate" else None
     value_head = torch.nn.Linear(policy.config.hidden_size, 1)  # random, so that the critic gets a gradient
     for model in [policy, critic_model, value_head]:
-        ppo_llm.shard(model)  # under torchrun (FSDP2); nothing in one process
+        if dist.is_initialized() and model is not None:
+            ppo_llm.shard(model)  # under torchrun (FSDP2)
     return [policy, critic_model, value_head]
 
 
@@ -68,7 +69,8 @@ def update(case, r):
         args = grpo_llm.Args(micro_batch_size=2, epsilon_high=0.28, beta=0.04, max_new_tokens=R, **loss)
         if args.lora_r:
             models = [grpo_llm.add_lora(models[0], args)]
-        grpo_llm.shard(models[0])
+        if dist.is_initialized():
+            grpo_llm.shard(models[0])
         loss, stats = grpo_llm.accumulate_gradients(models[0], r, args, nullcontext())
         stats = {k: grpo_llm.global_mean([s[k] for s in stats]) for k in stats[0]} | {
             "loss": grpo_llm.global_mean([loss])

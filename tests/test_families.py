@@ -78,7 +78,7 @@ def families(tmp_path_factory, tiny):
 
 def load(path, **kwargs):
     args = ppo_llm.Args(model=path, max_new_tokens=4, **kwargs)
-    return args, ppo_llm.load_models(args, torch.device("cpu"))
+    return args, ppo_llm.load_models(args)
 
 
 MATRIX = [("gpt2", "no"), ("llama", "no"), ("qwen2", "no"), ("gemma2", "no"), ("qwen2", "bf16"), ("gemma2", "bf16")]
@@ -89,7 +89,8 @@ def test_logprobs_are_the_models_own(families, family, precision):
     # At the sampled tokens, the scripts' log-probs equal log_softmax(model(...).logits / T) of the model's own forward.
     # Tolerance: 1e-5 in fp32; under bf16 autocast 0.05 nats (theirs runs the head's matmul in bf16, ours in fp32:
     # bf16 keeps 8 bits of mantissa, so logits of size ~1 differ by ~0.01).
-    args, (tokenizer, policy, *_, eos_ids) = load(families[family], temperature=0.7)
+    args, (tokenizer, policy, *_) = load(families[family], temperature=0.7)
+    eos_ids = policy.generation_config.eos_token_id
     assert all(p.dtype == torch.float32 for p in policy.parameters())  # fp32 master weights, bf16 on disk or not
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     torch.manual_seed(0)
@@ -97,7 +98,7 @@ def test_logprobs_are_the_models_own(families, family, precision):
     width = enc.input_ids.shape[1]
     with torch.no_grad(), autocast:
         responses = policy.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask)[:, width:]
-        responses, mask = ppo_llm.truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
+        responses, mask, _ = ppo_llm.truncate_after_eos(responses, eos_ids, tokenizer.pad_token_id)
         qr = torch.cat([enc.input_ids, responses], 1)
         am = torch.cat([enc.attention_mask, mask.long()], 1)
         hidden = ppo_llm.hidden_states(policy, qr, am, width)
@@ -117,7 +118,8 @@ def test_a_logit_change_the_scripts_do_not_reproduce_is_refused(families):
 def test_sampling_ignores_the_checkpoints_generation_config(families):
     # the Llama checkpoint asks for repetition_penalty 5 and top_k 3: the scripts sample from softmax(logits / T)
     # alone, so every processed score equals the raw logit / T; its two EOS ids both end a response
-    args, (tokenizer, policy, *_, eos_ids) = load(families["llama"], temperature=0.7)
+    args, (tokenizer, policy, *_) = load(families["llama"], temperature=0.7)
+    eos_ids = policy.generation_config.eos_token_id
     assert eos_ids == sorted([tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(".")])
     enc = tokenizer(["1+2=", "33+4="], padding=True, return_tensors="pt")
     out = policy.generate(**enc, output_scores=True, output_logits=True, return_dict_in_generate=True)

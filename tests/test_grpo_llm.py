@@ -562,7 +562,7 @@ def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(num_generations=1), "error: --num-generations must be >= 2: the group is the baseline (got 1)"),
+        (dict(num_generations=1), "error: --num-generations must be >= 2 (got 1)"),
         (dict(num_generations=3), "error: --micro-batch-size (4) must divide the completions per update (6 a process)"),
         (dict(micro_batch_size=3), "--micro-batch-size (3) must divide the completions per update (8 a process)"),
         (dict(num_iterations=0), "error: --num-iterations must be >= 1 (got 0)"),

@@ -173,13 +173,15 @@ def test_adaptive_kl_controller():
 
 
 def test_truncate_after_eos():
-    responses, mask = truncate_after_eos(T([[5, 1, 7, 1], [5, 6, 7, 8]]), eos_ids=[1], pad_token_id=0)
+    responses, mask, ended = truncate_after_eos(T([[5, 1, 7, 1], [5, 6, 7, 8]]), eos_ids=[1], pad_token_id=0)
     assert responses.tolist() == [[5, 1, 0, 0], [5, 6, 7, 8]]  # the first EOS stays, what follows is pad
     assert mask.tolist() == [[True, True, False, False], [True, True, True, True]]
+    assert ended.tolist() == [True, False]  # the second ran to the end without an EOS
     # two EOS ids (a chat model's end of turn and end of text): whichever comes first ends the response
-    responses, mask = truncate_after_eos(T([[5, 9, 1, 7], [1, 9, 6, 7]]), eos_ids=[1, 9], pad_token_id=0)
+    responses, mask, ended = truncate_after_eos(T([[5, 9, 1, 7], [1, 9, 6, 7]]), eos_ids=[1, 9], pad_token_id=0)
     assert responses.tolist() == [[5, 9, 0, 0], [1, 0, 0, 0]]
     assert mask.tolist() == [[True, True, False, False], [True, False, False, False]]
+    assert ended.tolist() == [True, True]
 
 
 def test_reward_functions():
@@ -225,7 +227,7 @@ def test_sampling_sees_the_mask_of_left_padded_prompts(tiny):
     torch.manual_seed(0)
     out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=0, eos_token_id=1,
                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
-    responses, response_mask = ppo_llm.truncate_after_eos(out.sequences[:, 4:], [1], 0)
+    responses, response_mask, _ = ppo_llm.truncate_after_eos(out.sequences[:, 4:], [1], 0)
     full_mask = torch.cat([mask, response_mask.long()], 1)
     with torch.no_grad():
         scored = policy(input_ids=out.sequences, attention_mask=full_mask, position_ids=ppo_llm.position_ids(full_mask))
@@ -311,7 +313,7 @@ def test_value_model_reloads_in_the_documented_lines(tiny, tmp_path, critic):
         _, _, expected = ppo_llm.training_forward(policy, trunk, value_head, r, torch.arange(1), args, False)
     path = str(tmp_path / "policy")
     models = torch.nn.ModuleDict(dict(policy=policy, value_head=value_head) | ({"critic": trunk} if trunk else {}))
-    ppo_llm.save(path, models, {name: model.state_dict() for name, model in models.items()}, tokenizer)
+    ppo_llm.save_policy(path, models, {name: model.state_dict() for name, model in models.items()}, tokenizer)
     critic_dir = os.path.join(path, "critic") if critic == "separate" else path
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "ppo_llm.md")) as f:
         recipe = re.search(r"```python\n(# reload the value model\n.*?)```", f.read(), re.S).group(1)
@@ -353,7 +355,7 @@ def test_a_stop_inside_an_update_resumes_by_redoing_it(tiny, tmp_path, monkeypat
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(model.parameters())
-    monkeypatch.setattr(ppo_llm, "save", lambda *args: None)  # checkpoint.pt alone
+    monkeypatch.setattr(ppo_llm, "save_policy", lambda *args: None)  # checkpoint.pt alone
     models = torch.nn.ModuleDict({"policy": model})
     ppo_llm.save_checkpoint(str(tmp_path), models, optimizer, {"update": 1}, None)
     real_save = torch.save
@@ -384,10 +386,10 @@ def test_prompt_stream_shards_and_resumes():
 def test_pad_token_never_ends_a_response():
     # Qwen2.5-Instruct's pad <|endoftext|> is one of its EOS ids: a reward model would read a padded end as padding
     tokenizer = char_tokenizer("ab")  # <pad> 0, <eos> 1
-    ppo_llm.fit_tokenizer(tokenizer, [], [1, 0])
+    ppo_llm.add_pad_token(tokenizer, [], [1, 0])
     assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == 5
     tokenizer = char_tokenizer("ab")
-    ppo_llm.fit_tokenizer(tokenizer, [], [1])
+    ppo_llm.add_pad_token(tokenizer, [], [1])
     assert tokenizer.pad_token_id == 0  # a pad that ends nothing stays
 
 

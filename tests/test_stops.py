@@ -118,7 +118,9 @@ def test_a_signal_during_an_update_lets_it_finish(script, tiny, tmp_path, monkey
         return real(*args)
 
     saves, real_save = [], script.save_checkpoint
-    monkeypatch.setattr(script, "save_checkpoint", lambda *args: saves.append(1) or real_save(*args))
+    monkeypatch.setattr(
+        script, "save_checkpoint", lambda *args, **kwargs: saves.append(1) or real_save(*args, **kwargs)
+    )
     monkeypatch.setattr(script, "optimizer_step", step)
     with pytest.raises(SystemExit) as stop:
         run(script, tiny, tmp_path / "split", save_every=2)  # update 2's periodic save waits for the stop's
@@ -291,7 +293,7 @@ def test_a_reward_that_is_no_finite_number_is_refused_by_name(script, tiny, tmp_
         (grpo_llm, ["--epsilon", "1.5"], "--epsilon must be in (0, 1) (got 1.5)"),
         (grpo_llm, ["--beta", "-0.1"], "--beta must be >= 0 (got -0.1)"),
         (grpo_llm, ["--total-steps", "0"], "--total-steps must be >= 1 (got 0)"),
-        (grpo_llm, ["--reward-weights", "1", "nan"], "--reward-weights must be finite numbers (got (1.0, nan))"),
+        (grpo_llm, ["--reward-weights", "1", "nan"], "--reward-weights must be finite (got (1.0, nan))"),
         (grpo_llm, ["--overlong-buffer", "-1"], "--overlong-buffer must be >= 0 (got -1)"),
     ],
 )
@@ -350,7 +352,7 @@ def test_logs_that_cannot_be_written_are_one_line(tmp_path):
     (tmp_path / "metrics.jsonl").mkdir()
     writer = types.SimpleNamespace(log_dir=str(tmp_path))
     with pytest.raises(SystemExit) as e:
-        ppo_llm.log(writer, {"update": 1, "reward": 0.5})
+        ppo_llm.log(writer, {"update": 1, "reward": 0.5}, "update 1/1")
     assert str(e.value) == f"error: {tmp_path}: the logs could not be written (IsADirectoryError: [Errno 21] Is a " + (
         f"directory: '{tmp_path / 'metrics.jsonl'}')"
     )
