@@ -28,8 +28,9 @@ Implementation details, cited "detail N":
 10. The KL is a loss term beta * k3, out of the advantages (beta 0, TRL's default, loads no reference); with
     --use-bias-correction-kl (on) it is rho k3, whose gradient is KL(pi || ref)'s even at rho = 1 (k3's: KL(ref || pi)).
 11. Several reward functions are summed with --reward-weights; a reward model scores alone.
-12. cispo (MiniMax-M1): REINFORCE weighted by the detached ratio capped at 1 + --epsilon-high (TRL's 5 is our 4);
-    sapo (Gao et al. 2025): a sigmoid gate instead of the clip; --delta (INTELLECT-2): the unclipped ratio capped.
+12. cispo (MiniMax-M1): REINFORCE weighted by the detached ratio capped at 1 + --epsilon-high (TRL caps it at its
+    epsilon_high: its 5 is our 4); sapo (Gao et al. 2025): a sigmoid gate instead of the clip; --delta (INTELLECT-2):
+    the unclipped ratio capped.
 13. --top-entropy-quantile q (Wang et al. 2025): the batch's top q of tokens by entropy alone carry the policy gradient
     and bonus; --off-policy-mask-threshold (DeepSeek-V3.2): completions with A < 0 far from pi_old leave it.
 
@@ -203,6 +204,15 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
     return advantages.masked_fill(zero_std[:, None], 0.0).view(-1), zero_std
 
 
+def overlong_penalty(lengths, max_new_tokens, buffer, penalty):
+    """DAPO's soft overlong punishment of each completion of L tokens (L (B,) -> (B,)): from 0 at L = max_new_tokens -
+    buffer to `penalty` at max_new_tokens, linearly: penalty * max(0, L - (max_new_tokens - buffer)) / buffer; none
+    when buffer is 0."""
+    if buffer == 0:
+        return torch.zeros_like(lengths, dtype=torch.float)
+    return penalty * (lengths - (max_new_tokens - buffer)).clamp(min=0) / buffer
+
+
 def high_entropy_mask(entropy, mask, quantile):
     """1 on the real tokens whose entropy is in the top `quantile` of every rank's real tokens (detail 13), else 0."""
     values = entropy[mask.bool()].float()
@@ -246,11 +256,10 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, entr
         off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
         per_token_loss = per_token_loss * ~((advantages < 0) & (off_policy_kl > args.off_policy_mask_threshold))
     kl = None
-    if ref_logprobs is not None:
+    if args.beta:  # the reference's log-probs are there only then
         kl = kl_penalty(logprobs, ref_logprobs, "k3")
         if args.use_bias_correction_kl:  # detail 10: rho k3 has the gradient of KL(pi || ref)
             kl = kl * ratio
-    if args.beta:
         per_token_loss = per_token_loss + args.beta * kl
     n = logprobs.shape[0]  # completions
     normaliser = mask.sum().clamp(min=1)  # dapo, cispo
@@ -262,8 +271,10 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, entr
     with torch.no_grad():  # where each loss type acts, as TRL logs it
         low, high = (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
         means = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
-        if args.loss_type in ("cispo", "sapo"):
-            means = {"cispo_clip_ratio": high} if args.loss_type == "cispo" else {}
+        if args.loss_type == "cispo":
+            means = {"cispo_clip_ratio": high}
+        elif args.loss_type == "sapo":
+            means = {}
         means["importance_ratio/mean"] = ratio.expand_as(mask)
         if kl is not None:
             means["kl"] = kl
@@ -359,6 +370,17 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
     return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
 
 
+def end_of_response_ids(tokenizer, generation_config):
+    """Detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
+    the chat template writes between turns (its end of turn: a base model's config names its EOS alone)."""
+    configured = generation_config.eos_token_id or []  # None, an id or a list of them
+    if isinstance(configured, int):
+        configured = [configured]
+    turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
+    turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
+    return sorted({tokenizer.eos_token_id, *configured} | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
+
+
 def tokenize_texts(tokenizer, texts, max_length):
     """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
     has_bos = bool(tokenizer.bos_token) and all(text.startswith(tokenizer.bos_token) for text in texts)
@@ -392,7 +414,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stoppable=False):
     }
 
 
-def training_forward(policy, batch, micro_batch, args, with_entropy=True):
+def training_forward(policy, batch, micro_batch, args, with_entropy=False):
     """The rows micro_batch of the rollout batch: the completions' log-probs and entropies (B, R) under `policy`."""
     query_responses, attention_mask = batch["query_responses"][micro_batch], batch["attention_mask"][micro_batch]
     hidden = hidden_states(policy, query_responses, attention_mask, batch["prompt_width"])
@@ -410,7 +432,7 @@ def accumulate_gradients(policy, batch, args, autocast):
     n_tokens, n_bonus = global_mean([loss_mask.sum()]), global_mean([bonus_mask.sum()])
     for micro_batch in torch.arange(batch_size, device=loss_mask.device).split(args.micro_batch_size):
         with autocast:
-            logprobs, entropy = training_forward(policy, batch, micro_batch, args)
+            logprobs, entropy = training_forward(policy, batch, micro_batch, args, with_entropy=True)
         old_logprobs = logprobs.detach()  # --num-iterations 1 (detail 5)
         if batch["old_logprobs"] is not None:
             old_logprobs = batch["old_logprobs"][micro_batch]
@@ -479,7 +501,7 @@ def check_args(args, world):
         (high < 1 + args.epsilon, f"--epsilon-high must be >= --epsilon (got {args.epsilon_high})"),
         (args.delta is not None and args.delta <= high, f"--delta must be > 1 + --epsilon-high (got {args.delta})"),
         (
-            not args.reward_fn or args.reward_weights is not None and len(args.reward_weights) != n_rewards,
+            not args.reward_fn or (args.reward_weights is not None and len(args.reward_weights) != n_rewards),
             f"--reward-weights needs one weight per reward ({n_rewards}), not {len(args.reward_weights or [])}",
         ),
     ]:
@@ -525,7 +547,8 @@ def main(args: Args | None = None):
             initial = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
-            torch.manual_seed(hash((args.seed, update, rank)))  # each update's own random numbers: exact resumes
+            # each update's own random numbers, so that a resume repeats them (ints hash alike in every process)
+            torch.manual_seed(hash((args.seed, update, rank)))
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
 
@@ -546,8 +569,8 @@ def main(args: Args | None = None):
                 scores = torch.tensor(scores, dtype=torch.float, device=device).T  # (B, reward functions)
             else:
                 scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)[:, None]
-            over = (lengths - args.max_new_tokens + args.overlong_buffer).clamp(min=0) / max(args.overlong_buffer, 1)
-            rewards = scores @ reward_weights - args.overlong_penalty * over  # overlong: 0 to -penalty on the last N
+            overlong = overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer, args.overlong_penalty)
+            rewards = scores @ reward_weights - overlong
 
             # 3. advantages relative to the group (detail 3); which completions the loss sees
             advantages, zero_std = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)
@@ -562,30 +585,35 @@ def main(args: Args | None = None):
 
             # 4. old log-probs (mu > 1), entropies (detail 13) and reference log-probs: the training forward (detail 5)
             micro_batches = torch.arange(batch_size, device=device).split(args.micro_batch_size)
-            trains = all_reduce(loss_mask.sum()) > 0  # else no token is in the loss on any rank: no update
-            entropies = args.top_entropy_quantile < 1
-            if trains and (args.num_iterations > 1 or entropies):
+            has_loss_tokens = all_reduce(loss_mask.sum()) > 0  # on any rank; else no update
+            mask_by_entropy = args.top_entropy_quantile < 1
+            if has_loss_tokens and (args.num_iterations > 1 or mask_by_entropy):
                 with torch.no_grad(), autocast, unsharded(policy):
-                    out = [training_forward(policy, batch, mb, args, with_entropy=entropies) for mb in micro_batches]
+                    out = [
+                        training_forward(policy, batch, mb, args, with_entropy=mask_by_entropy) for mb in micro_batches
+                    ]
                 if args.num_iterations > 1:
                     batch["old_logprobs"] = torch.cat([logprobs for logprobs, _ in out])
-                if entropies:  # the whole batch's, from the rollout policy
+                if mask_by_entropy:  # the whole batch's, from the rollout policy
                     entropy = torch.cat([entropy for _, entropy in out])
                     batch["entropy_mask"] = high_entropy_mask(entropy, loss_mask, args.top_entropy_quantile)
             if ref_policy is not None:
-                base = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()  # LoRA: the base
+                base = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()
                 with torch.no_grad(), autocast, base, unsharded(ref_policy):
-                    out = [training_forward(ref_policy, batch, mb, args, with_entropy=False) for mb in micro_batches]
+                    out = [training_forward(ref_policy, batch, mb, args) for mb in micro_batches]
                 batch["ref_logprobs"] = torch.cat([logprobs for logprobs, _ in out])
             t2 = wall_clock(device)
 
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 9)
             policy.train()
             stats, losses, grad_norms = [], [], []
-            for _ in range(args.num_iterations if trains else 0):
+            for _ in range(args.num_iterations):
+                if not has_loss_tokens:
+                    break
                 loss, micro_stats = accumulate_gradients(policy, batch, args, autocast)
                 grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
-                stats, losses = stats + micro_stats, losses + [loss]
+                stats += micro_stats
+                losses.append(loss)
             state = {"update": update}  # update done: a stop from here on resumes after it
             t3 = wall_clock(device)
 
@@ -614,7 +642,7 @@ def main(args: Args | None = None):
             times, progress = timing([t0, t1, t2, t3], start_time, first_update, update, args, n_tokens, device)
             ops = {"completions/min_length": "min", "completions/max_length": "max", "perf/peak_memory_mb": "max"}
             metrics = global_metrics(metrics | times, ops | {"perf/tokens_per_sec": "sum"})
-            stopping = all_reduce(torch.tensor(float(len(STOP)))).item() > 0  # a stop saves anyway: no evaluation
+            stopping = stop_requested()  # a stop saves anyway: no evaluation
             if eval_problems and not stopping and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics |= evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
             line = f"update {update}/{args.total_steps}: reward {metrics['reward']:.3f}  "
@@ -622,7 +650,7 @@ def main(args: Args | None = None):
                 line += f"kl {metrics['kl']:.4f}  "
             if not losses:
                 line += "(no loss tokens)  "
-            samples = sampled(args, update, rows[::G], completions[::G], reward=rewards[::G].tolist())
+            samples = samples_to_log(args, update, rows[::G], completions[::G], reward=rewards[::G].tolist())
             for sample, advantage in zip(samples, advantages[::G].tolist()):  # one completion of each group
                 sample["advantage"] = advantage
             log(writer, metrics, line + progress, samples)
@@ -667,9 +695,15 @@ def final_answer(text, strict=False):
     return float(re.sub(r"[$,\s]", "", found[-1]))
 
 
+def same_answer(completion, reference):
+    """1.0 if the completion states a final answer and it is the reference's, else 0.0."""
+    answer = final_answer(completion)
+    return float(answer is not None and answer == final_answer(reference))
+
+
 REWARD_FNS = {  # f(completions, reference answers) -> a score per completion
     "arithmetic": lambda cs, refs: [float(c.strip() == r) for c, r in zip(cs, refs)],  # exactly the answer
-    "gsm8k": lambda cs, refs: [float(final_answer(c) == final_answer(r) is not None) for c, r in zip(cs, refs)],
+    "gsm8k": lambda cs, refs: [same_answer(c, r) for c, r in zip(cs, refs)],  # the number after '####'
     "format": lambda cs, refs: [float(final_answer(c, strict=True) is not None) for c in cs],  # any stated answer
 }
 
@@ -892,7 +926,7 @@ def load_models(args):
     if args.reward_model is not None:
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
         n = reward_model.config.num_labels
-        if args.reward_label not in (range(n) if args.reward_label is not None or n > 1 else [None]):
+        if args.reward_label not in range(n) and not (args.reward_label is None and n == 1):
             why = f"--reward-label (0 to {n - 1}) chooses the logit that is the score (got {args.reward_label})"
             raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={n}: {why}")
         rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model", truncation_side="left")
@@ -901,13 +935,7 @@ def load_models(args):
         else:
             add_pad_token(rm_tokenizer, [reward_model])
         reward_model.eval().requires_grad_(False)
-    # detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
-    # the chat template writes between turns (its end of turn: a base model's config names its EOS alone)
-    ids = policy.generation_config.eos_token_id
-    turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
-    turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
-    eos_ids = {tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])}
-    eos_ids = sorted(eos_ids | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
+    eos_ids = end_of_response_ids(tokenizer, policy.generation_config)
     same_tokens = [reward_model] if reward_model is not None and rm_tokenizer is None else []
     add_pad_token(tokenizer, [policy] + same_tokens, eos_ids)
     # detail 4: a generation_config of our own, every field set, none left to the checkpoint's
@@ -1058,11 +1086,12 @@ def open_run(args, rank, checkpoint):
     if rank:
         return run_dir, None
     os.makedirs(run_dir, exist_ok=True)
-    for name in ["metrics.jsonl", "samples.jsonl"] if done else []:  # resuming: the rows past the checkpoint go
-        with open(os.path.join(run_dir, name)) as f:  # (a hard kill's, half-written ones too)
-            rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= done]
-        with open(os.path.join(run_dir, name), "w") as f:
-            f.writelines(rows)
+    if done:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
+        for name in ["metrics.jsonl", "samples.jsonl"]:
+            with open(os.path.join(run_dir, name)) as f:
+                rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= done]
+            with open(os.path.join(run_dir, name), "w") as f:
+                f.writelines(rows)
     for tmp in glob.glob(os.path.join(run_dir, "checkpoint.*.tmp")):  # a save that a hard kill cut short
         os.remove(tmp)
     with open(os.path.join(run_dir, "args.json"), "w") as f:
@@ -1094,7 +1123,7 @@ def log(writer, metrics, line, samples=()):
         print(f"  {sample['prompt']!r} -> {sample['completion']!r}  {values}")
 
 
-def sampled(args, update, rows, completions, **values):
+def samples_to_log(args, update, rows, completions, **values):
     """Every --sample-every updates (0: never), the first --num-samples rows: update, prompt, completion, values."""
     if not args.sample_every or update % args.sample_every:
         return []
@@ -1110,7 +1139,9 @@ def global_metrics(metrics, ops):
     for key, value in metrics.items():
         if dist.is_initialized():
             total = all_reduce(torch.tensor(float(value), dtype=torch.float64), ops.get(key, "sum")).item()
-            metrics[key] = type(value)(total if key in ops else total / dist.get_world_size())
+            if key not in ops:
+                total = total / dist.get_world_size()
+            metrics[key] = type(value)(total)
     return metrics
 
 
@@ -1185,10 +1216,15 @@ def on_signal(signum, frame):
     STOP.append(signum)
 
 
+def stop_requested():
+    """Whether any rank has had a Ctrl-C or SIGTERM: the same answer on every rank."""
+    return all_reduce(torch.tensor(float(len(STOP)))).item() > 0
+
+
 def stop_check():
     """KeyboardInterrupt on every rank once any of them has been signalled: generation ends at its next token, and after
     the rollout every rank stops here, before the update changes anything (a signal during an update lets it finish)."""
-    if all_reduce(torch.tensor(float(len(STOP)))).item():
+    if stop_requested():
         raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")
 
 

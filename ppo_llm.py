@@ -329,6 +329,17 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
     return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
 
 
+def end_of_response_ids(tokenizer, generation_config):
+    """Detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
+    the chat template writes between turns (its end of turn: a base model's config names its EOS alone)."""
+    configured = generation_config.eos_token_id or []  # None, an id or a list of them
+    if isinstance(configured, int):
+        configured = [configured]
+    turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
+    turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
+    return sorted({tokenizer.eos_token_id, *configured} | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
+
+
 def tokenize_texts(tokenizer, texts, max_length):
     """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
     has_bos = bool(tokenizer.bos_token) and all(text.startswith(tokenizer.bos_token) for text in texts)
@@ -362,7 +373,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stoppable=False):
     }
 
 
-def training_forward(policy, critic, value_head, batch, micro_batch, args, with_entropy=True):
+def training_forward(policy, critic, value_head, batch, micro_batch, args, with_entropy=False):
     """The rows micro_batch of the rollout batch: the responses' log-probs and entropies (B, R) under `policy`, and
     with a value head their values (B, R) in fp32, on the critic's trunk or the policy's (detail 8)."""
     query_responses, attention_mask = batch["query_responses"][micro_batch], batch["attention_mask"][micro_batch]
@@ -385,7 +396,9 @@ def accumulate_gradients(policy, critic, value_head, batch, minibatch, args, aut
     for micro_batch in minibatch.split(args.micro_batch_size):
         mask, old_logprobs = batch["mask"][micro_batch], batch["old_logprobs"][micro_batch]
         with autocast:
-            logprobs, entropy, values = training_forward(policy, critic, value_head, batch, micro_batch, args)
+            logprobs, entropy, values = training_forward(
+                policy, critic, value_head, batch, micro_batch, args, with_entropy=True
+            )
         pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, batch["advantages"][micro_batch], mask, args.cliprange)
         vf_loss, vf_stats = value_loss(
             values, batch["values"][micro_batch], batch["returns"][micro_batch], mask, args.cliprange_value
@@ -511,7 +524,8 @@ def main(args: Args | None = None):
             initial = evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
-            torch.manual_seed(hash((args.seed, update, rank)))  # each update's own random numbers: exact resumes
+            # each update's own random numbers, so that a resume repeats them (ints hash alike in every process)
+            torch.manual_seed(hash((args.seed, update, rank)))
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
 
@@ -524,23 +538,26 @@ def main(args: Args | None = None):
             mask = batch["mask"]  # (B, R)
             t1 = wall_clock(device)
 
-            # 2. old and reference log-probs and values: the training forward in its shapes (detail 5); scores
+            # 2a. old and reference log-probs and values: the training forward in its shapes (detail 5)
             micro_batches = torch.arange(batch_size, device=device).split(args.micro_batch_size)
             with torch.no_grad(), autocast, unsharded(policy):
-                out = [training_forward(policy, critic, value_head, batch, mb, args, False) for mb in micro_batches]
-            old_logprobs, values = torch.cat([o[0] for o in out]), torch.cat([o[2] for o in out])
+                out = [training_forward(policy, critic, value_head, batch, mb, args) for mb in micro_batches]
+            old_logprobs = torch.cat([logprobs for logprobs, _, _ in out])
+            values = torch.cat([values for _, _, values in out])
             ref_logprobs = old_logprobs
             if ref_policy is not None:
-                base = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()  # LoRA: the base
+                base = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()
                 with torch.no_grad(), autocast, base, unsharded(ref_policy):
-                    out = [training_forward(ref_policy, None, None, batch, mb, args, False) for mb in micro_batches]
-                ref_logprobs = torch.cat([o[0] for o in out])
+                    out = [training_forward(ref_policy, None, None, batch, mb, args) for mb in micro_batches]
+                ref_logprobs = torch.cat([logprobs for logprobs, _, _ in out])
+            # 2b. scores: the reward function's, or the reward model's (and the function's too, when rows have answers)
             completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-            verdicts = None  # the reward function's, beside a reward model too when the rows have answers
-            if reward_model is None or rows[0]["answer"] is not None:  # an error on one rank stops every rank here
-                verdicts = on_every_rank(lambda: reward_fn(completions, rows))
+            has_answers = rows[0]["answer"] is not None
+            fn_scores = None
+            if reward_model is None or has_answers:  # an error on one rank stops every rank here
+                fn_scores = on_every_rank(lambda: reward_fn(completions, rows))
             if reward_model is None:
-                scores = torch.tensor(verdicts, dtype=torch.float, device=device)
+                scores = torch.tensor(fn_scores, dtype=torch.float, device=device)
             else:
                 scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)
             if args.missing_eos_penalty is not None:
@@ -602,17 +619,19 @@ def main(args: Args | None = None):
             for key in stats[0]:  # policy_loss's (policy/*, val/ratio), value_loss's (val/clipfrac_avg), the losses
                 metrics[key] = torch.stack([s[key] for s in stats]).mean().item()
             metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
-            if verdicts is not None:  # the reward function's verdict, beside a reward model too
-                metrics["objective/accuracy"] = sum(verdicts) / batch_size
+            if fn_scores is not None:  # the reward function's verdict, beside a reward model too
+                metrics["objective/accuracy"] = sum(fn_scores) / batch_size
             times, progress = timing([t0, t1, t2, t3], start_time, first_update, update, args, n_tokens, device)
-            summed = {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"}
-            metrics = global_metrics(metrics | times, summed)
-            stopping = all_reduce(torch.tensor(float(len(STOP)))).item() > 0  # a stop saves anyway: no evaluation
+            ops = {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"}
+            metrics = global_metrics(metrics | times, ops)
+            stopping = stop_requested()  # a stop saves anyway: no evaluation
             if eval_problems and not stopping and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics |= evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
             line = f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
             line += f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
-            log(writer, metrics, line + progress, sampled(args, update, rows, completions, score=scores.tolist()))
+            log(
+                writer, metrics, line + progress, samples_to_log(args, update, rows, completions, score=scores.tolist())
+            )
             if args.save_every and update % args.save_every == 0 and not stopping:
                 save_checkpoint(run_dir, models, optimizer, state, tokenizer)
         save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=args.save_merged)
@@ -654,9 +673,15 @@ def final_answer(text, strict=False):
     return float(re.sub(r"[$,\s]", "", found[-1]))
 
 
+def same_answer(completion, reference):
+    """1.0 if the completion states a final answer and it is the reference's, else 0.0."""
+    answer = final_answer(completion)
+    return float(answer is not None and answer == final_answer(reference))
+
+
 REWARD_FNS = {  # f(completions, reference answers) -> a score per completion
     "arithmetic": lambda cs, refs: [float(c.strip() == r) for c, r in zip(cs, refs)],  # exactly the answer
-    "gsm8k": lambda cs, refs: [float(final_answer(c) == final_answer(r) is not None) for c, r in zip(cs, refs)],
+    "gsm8k": lambda cs, refs: [same_answer(c, r) for c, r in zip(cs, refs)],  # the number after '####'
     "format": lambda cs, refs: [float(final_answer(c, strict=True) is not None) for c in cs],  # any stated answer
 }
 
@@ -879,7 +904,7 @@ def load_models(args):
     if args.reward_model is not None:
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
         n = reward_model.config.num_labels
-        if args.reward_label not in (range(n) if args.reward_label is not None or n > 1 else [None]):
+        if args.reward_label not in range(n) and not (args.reward_label is None and n == 1):
             why = f"--reward-label (0 to {n - 1}) chooses the logit that is the score (got {args.reward_label})"
             raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={n}: {why}")
         rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model", truncation_side="left")
@@ -888,13 +913,7 @@ def load_models(args):
         else:
             add_pad_token(rm_tokenizer, [reward_model])
         reward_model.eval().requires_grad_(False)
-    # detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
-    # the chat template writes between turns (its end of turn: a base model's config names its EOS alone)
-    ids = policy.generation_config.eos_token_id
-    turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
-    turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
-    eos_ids = {tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])}
-    eos_ids = sorted(eos_ids | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
+    eos_ids = end_of_response_ids(tokenizer, policy.generation_config)
     same_tokens = [reward_model] if reward_model is not None and rm_tokenizer is None else []
     add_pad_token(tokenizer, [policy] + same_tokens, eos_ids)
     # detail 4: a generation_config of our own, every field set, none left to the checkpoint's
@@ -1045,11 +1064,12 @@ def open_run(args, rank, checkpoint):
     if rank:
         return run_dir, None
     os.makedirs(run_dir, exist_ok=True)
-    for name in ["metrics.jsonl", "samples.jsonl"] if done else []:  # resuming: the rows past the checkpoint go
-        with open(os.path.join(run_dir, name)) as f:  # (a hard kill's, half-written ones too)
-            rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= done]
-        with open(os.path.join(run_dir, name), "w") as f:
-            f.writelines(rows)
+    if done:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
+        for name in ["metrics.jsonl", "samples.jsonl"]:
+            with open(os.path.join(run_dir, name)) as f:
+                rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= done]
+            with open(os.path.join(run_dir, name), "w") as f:
+                f.writelines(rows)
     for tmp in glob.glob(os.path.join(run_dir, "checkpoint.*.tmp")):  # a save that a hard kill cut short
         os.remove(tmp)
     with open(os.path.join(run_dir, "args.json"), "w") as f:
@@ -1081,7 +1101,7 @@ def log(writer, metrics, line, samples=()):
         print(f"  {sample['prompt']!r} -> {sample['completion']!r}  {values}")
 
 
-def sampled(args, update, rows, completions, **values):
+def samples_to_log(args, update, rows, completions, **values):
     """Every --sample-every updates (0: never), the first --num-samples rows: update, prompt, completion, values."""
     if not args.sample_every or update % args.sample_every:
         return []
@@ -1097,7 +1117,9 @@ def global_metrics(metrics, ops):
     for key, value in metrics.items():
         if dist.is_initialized():
             total = all_reduce(torch.tensor(float(value), dtype=torch.float64), ops.get(key, "sum")).item()
-            metrics[key] = type(value)(total if key in ops else total / dist.get_world_size())
+            if key not in ops:
+                total = total / dist.get_world_size()
+            metrics[key] = type(value)(total)
     return metrics
 
 
@@ -1172,10 +1194,15 @@ def on_signal(signum, frame):
     STOP.append(signum)
 
 
+def stop_requested():
+    """Whether any rank has had a Ctrl-C or SIGTERM: the same answer on every rank."""
+    return all_reduce(torch.tensor(float(len(STOP)))).item() > 0
+
+
 def stop_check():
     """KeyboardInterrupt on every rank once any of them has been signalled: generation ends at its next token, and after
     the rollout every rank stops here, before the update changes anything (a signal during an update lets it finish)."""
-    if all_reduce(torch.tensor(float(len(STOP)))).item():
+    if stop_requested():
         raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")
 
 

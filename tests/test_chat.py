@@ -116,6 +116,7 @@ def test_gsm8k_and_format_rewards():
     assert gsm8k(completions, [gold] * 5) == [1.0, 0.0, 1.0, 0.0, 0.0]
     assert format_reward(completions, [gold] * 5) == [0.0, 0.0, 1.0, 1.0, 0.0]
     assert gsm8k(["it is 2"], ["2"]) == [1.0]  # a bare reference answer (a CSV column, say)
+    assert gsm8k(["no number"], ["none either"]) == [0.0]  # two missing answers are not the same answer
     # --reward-fn NAME reads each row's answer
     rows = [{"answer": gold}, {"answer": "2"}]
     assert ppo_llm.load_reward_fn("gsm8k")(["#### 1,234", "2.0"], rows) == [1.0, 1.0]

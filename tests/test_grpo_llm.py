@@ -50,6 +50,14 @@ def test_group_advantages_no_scale():
     torch.testing.assert_close(grpo_llm.group_advantages(REWARDS, 3, "none")[0], t([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]))
 
 
+def test_overlong_penalty():
+    # max_new_tokens 10, buffer 4: the penalty starts past 10 - 4 = 6 tokens and reaches penalty 2 at 10:
+    # L = 5, 6 -> 0; L = 8 -> 2 * (8 - 6) / 4 = 1; L = 10 -> 2 * 4 / 4 = 2
+    lengths = t([5.0, 6.0, 8.0, 10.0])
+    torch.testing.assert_close(grpo_llm.overlong_penalty(lengths, 10, 4, 2.0), t([0.0, 0.0, 1.0, 2.0]))
+    torch.testing.assert_close(grpo_llm.overlong_penalty(lengths, 10, 0, 2.0), t([0.0, 0.0, 0.0, 0.0]))  # off
+
+
 def test_group_advantages_leave_one_out():
     # baselines of group 1: (2 + 3) / 2 = 2.5, (1 + 3) / 2 = 2, (1 + 2) / 2 = 1.5 -> -1.5, 0, 1.5
     out, _ = grpo_llm.group_advantages(REWARDS, 3, "none", leave_one_out=True)
@@ -446,7 +454,7 @@ def test_entropy_bonus_raises_the_entropy(tiny):
     grpo_llm.accumulate_gradients(policy, r, args, torch.autocast("cpu", enabled=False))
     got = [p.grad.clone() for p in policy.parameters()]
     policy.zero_grad()
-    _, entropy = grpo_llm.training_forward(policy, r, torch.arange(B), args)
+    _, entropy = grpo_llm.training_forward(policy, r, torch.arange(B), args, with_entropy=True)
     (-(entropy * mask).sum() / mask.sum()).backward()
     for a, p in zip(got, policy.parameters()):
         torch.testing.assert_close(a, p.grad)

@@ -220,7 +220,7 @@ def test_padded_prompt_sees_unpadded_positions(tiny):
 def test_sampling_sees_the_mask_of_left_padded_prompts(tiny):
     # what generate samples from, prompts of 2 to 4 tokens left-padded, is the masked forward with position ids from
     # the mask that scores the tokens afterwards: transformers' warning of padding without a mask, raised when a
-    # finished sequence is fed its pad token, is a false alarm (the scripts filter it out)
+    # finished sequence is fed its pad token, is a false alarm (docs/grpo_llm.md)
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
     ids = T([[0, 0, 20, 21], [0, 22, 23, 24], [25, 26, 27, 28]])
     mask = (ids != 0).long()
@@ -310,7 +310,7 @@ def test_value_model_reloads_in_the_documented_lines(tiny, tmp_path, critic):
     r = dict(query_responses=ids, attention_mask=torch.ones_like(ids), responses=ids[:, 1:], prompt_width=1)
     args = ppo_llm.Args()
     with torch.no_grad():
-        _, _, expected = ppo_llm.training_forward(policy, trunk, value_head, r, torch.arange(1), args, False)
+        _, _, expected = ppo_llm.training_forward(policy, trunk, value_head, r, torch.arange(1), args)
     path = str(tmp_path / "policy")
     models = torch.nn.ModuleDict(dict(policy=policy, value_head=value_head) | ({"critic": trunk} if trunk else {}))
     ppo_llm.save_policy(path, models, {name: model.state_dict() for name, model in models.items()}, tokenizer)
@@ -520,7 +520,7 @@ def test_entropy_bonus_raises_the_entropy(tiny):
     )
     got = [p.grad.clone() for p in policy.parameters()]
     policy.zero_grad()
-    _, entropy, _ = ppo_llm.training_forward(policy, None, value_head, r, torch.arange(B), args)
+    _, entropy, _ = ppo_llm.training_forward(policy, None, value_head, r, torch.arange(B), args, with_entropy=True)
     (-masked_mean(entropy, mask)).backward()
     for a, p in zip(got, policy.parameters()):
         torch.testing.assert_close(a, p.grad)
