@@ -1,5 +1,5 @@
-"""The README's two set-up commands: CI runs the test command as written, and the requirements are split so that
-the first command installs what the scripts need and the second adds the tools."""
+"""The README's two set-up commands: CI runs the test command, with the linters before its tests, and the requirements
+are split so that the first command installs what the scripts need and the second adds the tools."""
 
 import os
 import re
@@ -12,11 +12,15 @@ def read(name):
         return f.read()
 
 
-def test_readme_opens_with_two_commands_and_ci_runs_the_second_verbatim():
+def test_readme_opens_with_two_commands_and_ci_runs_the_second():
     run_cmd, test_cmd = re.search(r"```bash\n(.*?)\n```", read("README.md"), re.S).group(1).splitlines()
     assert run_cmd.endswith("pip install -r requirements.txt && python ppo_llm.py")
     assert test_cmd.endswith("pip install -r requirements-dev.txt && python -m pytest -q")
-    assert any(line.startswith(test_cmd) for line in read(".ci/run").splitlines())
+    install, tests = test_cmd.split(" && python -m pytest")
+    ci = read(".ci/run").splitlines()
+    assert install in ci and f"python -m pytest{tests}" in ci  # with the linters between them
+    assert ci.index("ruff check .") < ci.index(f"python -m pytest{tests}")
+    assert ci.index("ruff format --check .") < ci.index(f"python -m pytest{tests}")
 
 
 def requirement_names(name):
