@@ -41,6 +41,7 @@ def run_main(monkeypatch, module, argv):
         ("classic", ["--only-existing", "--merge", "--skip-speed"], ["classic.csv"]),
         ("psi_variance", ["--from-csv"], ["--from-csv", "psi_variance.csv does not exist"]),
         ("llm_learning", ["--no-run", "--configs", "trace"], ["trace-ppo trace-grpo", "--configs trace-ppo"]),
+        ("trl_learning", ["--part", "table"], ["--part table", "trl_learning.json does not exist"]),
     ],
 )
 def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(
@@ -48,7 +49,7 @@ def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(
 ):
     module = importlib.import_module(script)
     results = tmp_path / "results"
-    if script == "llm_learning":
+    if script in ("llm_learning", "trl_learning"):
         argv = [*argv, "--out-dir", str(results), "--runs-dir", str(tmp_path / "runs")]
     else:
         redirect(monkeypatch, module, results)
