@@ -42,6 +42,7 @@ def run_main(monkeypatch, module, argv):
         ("psi_variance", ["--from-csv"], ["--from-csv", "psi_variance.csv does not exist"]),
         ("llm_learning", ["--no-run", "--configs", "trace"], ["trace-ppo trace-grpo", "--configs trace-ppo"]),
         ("trl_learning", ["--part", "table"], ["--part table", "trl_learning.json does not exist"]),
+        ("eval_noise", ["--table"], ["--table", "eval_noise.json does not exist"]),
     ],
 )
 def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(
@@ -51,6 +52,8 @@ def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(
     results = tmp_path / "results"
     if script in ("llm_learning", "trl_learning"):
         argv = [*argv, "--out-dir", str(results), "--runs-dir", str(tmp_path / "runs")]
+    elif script == "eval_noise":
+        argv = [*argv, "--out-dir", str(results)]
     else:
         redirect(monkeypatch, module, results)
     if script == "classic":
