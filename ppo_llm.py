@@ -233,41 +233,68 @@ def adaptive_kl_coef(kl_coef, kl, target, horizon, n_steps):
 LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
 
 
-def lm_head_logprobs(hidden, head, labels, temperature, scale=1.0, softcap=None, with_entropy=False, fp32=True):
+def lm_head_logprobs(
+    hidden, head, labels, temperature, scale=1.0, softcap=None, with_entropy=False, entropy_grad=False, fp32=True
+):
     """Log-probs of labels (B, T) and optionally the entropies (B, T) of the next-token distributions, from the last
     hidden states (B, T, H) and the output embedding `head` (details 4, 7):
         z = softcap * tanh(scale * head(h) / softcap) / temperature,  log p = log_softmax(z),  H = -sum_v p_v log p_v.
     In chunks of at most LM_HEAD_CHUNK logits, each under torch.utils.checkpoint: no chunk's logits outlive it, and its
-    backward computes them again. The matmul in fp32 (fp32=True), or where F.linear would run it (autocast's dtype)."""
+    backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
+    for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
+    where F.linear would run it (autocast's dtype)."""
     (B, T), device = labels.shape, hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
     dtype = torch.float32 if fp32 else dtype  # else as F.linear would run it
 
+    def logits(h):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place where it can be
+        z = F.linear(h.to(dtype), head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)).float()
+        if softcap:
+            z = z.mul_(scale / softcap).tanh_()
+            if torch.is_grad_enabled():
+                return z * (softcap / temperature)  # tanh's backward reads its output: not in place
+            return z.mul_(softcap / temperature)
+        if scale != temperature:
+            return z.mul_(scale / temperature)
+        return z
+
     def chunk(h, y):  # (N, H), (N,) -> log p of y (N,), entropy (N,) or None
         with torch.autocast(device, enabled=False):
-            bias = None if head.bias is None else head.bias.to(dtype)
-            z = F.linear(h.to(dtype), head.weight.to(dtype), bias).float()  # in place where autograd allows
-            if softcap:
-                z = z.mul_(scale / softcap).tanh_() * (softcap / temperature)
-            elif scale != temperature:
-                z = z.mul_(scale / temperature)
-            logp = z.log_softmax(-1)
-            return logp.gather(-1, y[:, None])[:, 0], -(logp.exp() * logp).sum(-1) if with_entropy else None
+            logp = logits(h).log_softmax(-1)  # the logits are freed here: two chunk-sized tensors at most
+            logprobs = logp.gather(-1, y[:, None])[:, 0]
+            if not with_entropy:
+                return logprobs, None
+            if entropy_grad and torch.is_grad_enabled():
+                return logprobs, -(logp.exp() * logp).sum(-1)
+            with torch.no_grad():  # for the logs: no recomputed tensors kept for a backward that never reads them
+                return logprobs, -logp.exp().mul_(logp).sum(-1)
 
     n = max(1, LM_HEAD_CHUNK // head.weight.shape[0])  # tokens per chunk
     hidden, labels = hidden.reshape(B * T, -1), labels.reshape(B * T)
     chunks = [checkpoint(chunk, hidden[i : i + n], labels[i : i + n], use_reentrant=False) for i in range(0, B * T, n)]
     logprobs = torch.cat([c[0] for c in chunks]).view(B, T)
-    return logprobs, torch.cat([c[1] for c in chunks]).view(B, T) if with_entropy else None
+    if not with_entropy:
+        return logprobs, None
+    return logprobs, torch.cat([c[1] for c in chunks]).view(B, T)
 
 
-def response_logprobs(model, hidden, labels, temperature, fp32=True, with_entropy=False):
+def response_logprobs(model, hidden, labels, temperature, fp32=True, with_entropy=False, entropy_grad=False):
     """lm_head_logprobs with the model's output embedding and logit post-processing: logits * scale (Cohere's
     logit_scale, Granite's 1 / logits_scaling), then Gemma's final_logit_softcapping."""
     c = model.config
     scale = (getattr(c, "logit_scale", None) or 1.0) / (getattr(c, "logits_scaling", None) or 1.0)
     softcap, head = getattr(c, "final_logit_softcapping", None), model.get_output_embeddings()
-    return lm_head_logprobs(hidden, head, labels, temperature, scale, softcap, with_entropy, fp32)
+    return lm_head_logprobs(
+        hidden,
+        head,
+        labels,
+        temperature,
+        scale,
+        softcap,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        fp32=fp32,
+    )
 
 
 def position_ids(attention_mask):
@@ -331,8 +358,15 @@ def training_forward(policy, critic, value_head, r, mc, args, with_entropy=True)
     qr, am = r["query_responses"][mc], r["attention_mask"][mc]
     hidden = hidden_states(policy, qr, am, r["prompt_width"])
     responses = r["responses"][mc]
-    logprobs, entropy = response_logprobs(policy, hidden, responses, args.temperature, args.cast_lm_head_to_fp32,
-                                          with_entropy)  # fmt: skip
+    logprobs, entropy = response_logprobs(
+        policy,
+        hidden,
+        responses,
+        args.temperature,
+        fp32=args.cast_lm_head_to_fp32,
+        with_entropy=with_entropy,
+        entropy_grad=args.ent_coef != 0,  # else the entropy is for the logs alone, computed without autograd
+    )
     if value_head is None:
         return logprobs, entropy, None
     if critic is not None:
@@ -414,7 +448,9 @@ def load_reward_fn(spec):
         columns = {k: [row["columns"][k] for row in rows] for k in rows[0]["columns"]}
         scores = [float(x) for x in fn(completions=completions, **columns)]
         if len(scores) != len(completions):
-            raise ValueError(f"--reward-fn {spec} returned {len(scores)} numbers for {len(completions)} completions")
+            raise SystemExit(
+                f"error: --reward-fn {spec} returned {len(scores)} numbers for {len(completions)} completions"
+            )
         return scores
 
     return user_fn
@@ -763,7 +799,7 @@ def stopped(error, update, state, run_dir, rank, save):
             save()
     except Exception as e:  # a full disk, say: the last periodic checkpoint is all there is
         saved = f"saving failed ({type(e).__name__}: {e}); {run_dir}/checkpoint.pt holds the last periodic save"
-    if not together:
+    if not together and not isinstance(error, SystemExit):  # a SystemExit is our one line about the input
         traceback.print_exc()
     if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
         dist.barrier()

@@ -234,52 +234,74 @@ def rss_mb():
 
 
 def head_child(spec):
-    """Peak memory of one LM-head call over the memory already resident, in U = B*T*V fp32: ppo_llm's chunked
-    lm_head_logprobs or the naive full-logits computation, no-grad (log-probs) or training (log-probs and
-    entropy, backward into the hidden states, and optionally into the head weight, whose .grad buffer then
-    exists beforehand)."""
+    """Peak memory of one LM-head call and its backward over the memory already resident (MiB): ppo_llm's chunked
+    lm_head_logprobs or the naive full-logits computation; no-grad, or training with the entropy logged (no gradient:
+    --ent-coef 0) or in the loss (an entropy bonus), the backward into the hidden states and optionally into the
+    head's weight, whose .grad buffer then exists beforehand (an optimizer step has made it)."""
     sys.path.insert(0, ROOT)
     import ppo_llm
 
-    B, T, H, V, grad = spec["B"], spec["T"], spec["H"], spec["V"], spec["grad"]
+    tokens, H, V, grad, loss = spec["tokens"], spec["H"], spec["V"], spec["grad"], spec["loss"]
     torch.set_num_threads(1)
     torch.manual_seed(0)
     head = torch.nn.Linear(H, V, bias=False).requires_grad_(grad == "hidden+weight")
     head.weight.grad = torch.zeros_like(head.weight) if grad == "hidden+weight" else None
-    hidden, labels = torch.randn(B, T, H, requires_grad=bool(grad)), torch.randint(V, (B, T))
+    hidden, labels = torch.randn(1, tokens, H, requires_grad=bool(grad)), torch.randint(V, (1, tokens))
+    entropy_grad = loss == "log-probs + entropy"
 
-    def naive(hidden, head, labels, temperature, with_entropy):  # TRL-style: full (B, T, V) logits
+    def naive(hidden, head, labels, temperature, with_entropy, entropy_grad):  # TRL-style: full (B, T, V) logits
         logits = head(hidden) / temperature
         logprobs = logits.gather(-1, labels[..., None])[..., 0] - torch.logsumexp(logits, -1)
-        entropy = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1) if with_entropy else None
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
         return logprobs, entropy
 
     fn = ppo_llm.lm_head_logprobs if spec["impl"] == "chunked" else naive
-    for x, y in [(hidden[:1, :2], labels[:1, :2]), (hidden, labels)]:  # warm-up on 2 tokens, then measured
+    for x, y in [(hidden[:, :2], labels[:, :2]), (hidden, labels)]:  # warm-up on 2 tokens, then measured
         base = rss_mb()
         with torch.set_grad_enabled(bool(grad)):
-            logprobs, entropy = fn(x, head, y, 1.0, with_entropy=bool(grad))
+            logprobs, entropy = fn(x, head, y, 1.0, with_entropy=True, entropy_grad=entropy_grad)
             if grad:
-                (logprobs.sum() + entropy.sum()).backward()
+                (logprobs.sum() + (entropy.sum() if entropy_grad else 0)).backward()
         del logprobs, entropy
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    print(json.dumps({"peak_U": (peak - base) * 2**20 / (B * T * V * 4)}))
+    print(json.dumps({"peak_mb": peak - base}))
 
 
-def head_benchmark(B=4, T=256, H=768, V=151936):
-    """Head peak memory / U for chunked vs naive, no-grad and training, each in a fresh subprocess."""
-    results = {}
-    for impl in ["chunked", "naive"]:
-        for grad in ["", "hidden", "hidden+weight"]:
-            spec = json.dumps({"kind": "head", "impl": impl, "grad": grad, "B": B, "T": T, "H": H, "V": V})
+# (implementation, what the loss reads, gradient of, hidden size); each at HEAD_TOKENS. The last row halves H: what
+# grows with the head's weight halves with it.
+HEAD_ROWS = [
+    ("chunked", "no-grad", "", 768),
+    ("chunked", "log-probs (entropy logged)", "hidden", 768),
+    ("chunked", "log-probs + entropy", "hidden", 768),
+    ("chunked", "log-probs (entropy logged)", "hidden+weight", 768),
+    ("chunked", "log-probs + entropy", "hidden+weight", 768),
+    ("chunked", "log-probs (entropy logged)", "hidden+weight", 384),
+    ("naive", "no-grad", "", 768),
+    ("naive", "log-probs (entropy logged)", "hidden", 768),
+    ("naive", "log-probs (entropy logged)", "hidden+weight", 768),
+]
+HEAD_TOKENS = (1024, 4096)
+
+
+def head_benchmark(V=151936):
+    """Each HEAD_ROWS row's peak MiB at each of HEAD_TOKENS tokens, in a fresh subprocess each (the naive head at the
+    first token count only: its training needs ~5 (tokens, V) fp32 tensors, 12 GiB at 4,096 tokens)."""
+    results = []
+    for impl, loss, grad, H in HEAD_ROWS:
+        row = {"impl": impl, "loss": loss, "grad": grad, "H": H, "peak_mb": {}}
+        for tokens in HEAD_TOKENS[: 1 if impl == "naive" else None]:
+            spec = json.dumps({"kind": "head", "impl": impl, "loss": loss, "grad": grad, "tokens": tokens, "H": H,
+                               "V": V})  # fmt: skip
             # a fixed mmap threshold: glibc's dynamic one keeps freed blocks of up to 32 MiB in its heap, which the RSS
             # would count as live (allocator memory, not tensors); every block over 128 KiB goes back when freed
             env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072"}
             out = subprocess.run([PY, __file__, "--child", spec], capture_output=True, text=True, check=True,
                                  env=env).stdout  # fmt: skip
-            key = f"{impl}, {f'training (grad of {grad})' if grad else 'no-grad'}"
-            results[key] = json.loads(out.split("\n")[-2])["peak_U"]
-    return {"shape": dict(B=B, T=T, H=H, V=V), "U_mb": B * T * V * 4 / 2**20, "peak_U": results}
+            row["peak_mb"][str(tokens)] = json.loads(out.split("\n")[-2])["peak_mb"]
+            print(row, flush=True)
+        results.append(row)
+    return {"V": V, "chunk_mb": 2**24 * 4 / 2**20, "rows": results}
 
 
 def profile(shape="gpt2-124m", micro=8, new=64, repeats=3):
@@ -300,7 +322,7 @@ def profile(shape="gpt2-124m", micro=8, new=64, repeats=3):
         t1 = time.perf_counter()
         leaf = hidden.detach().requires_grad_()
         logprobs, entropy = ppo_llm.lm_head_logprobs(leaf, policy.get_output_embeddings(), ids[:, PROMPT_TOKENS:],
-                                                     1.0, with_entropy=True)  # fmt: skip
+                                                     1.0, with_entropy=True, entropy_grad=True)  # fmt: skip
         t2 = time.perf_counter()
         (logprobs.mean() + entropy.mean()).backward()
         t3 = time.perf_counter()
@@ -329,13 +351,13 @@ def estimate_gb(params, layers, hidden, vocab, seq, micro, batch, trained=1, fro
     copies under autocast); activations of one micro-batch per trained trunk: ~16 hidden-sized tensors per token
     and layer (Korthikanti et al. 2022 without dropout, no stored attention scores with SDPA), 2 B each under bf16
     autocast, 4 B in fp32; with gradient checkpointing, each layer's input plus one layer's full set; the chunked
-    head (a few 2^24-logit chunks + two head-weight-sized gradients: a chunk's, and autograd's sum of the chunks'); or,
-    when larger, the generation batch's KV cache;
+    head, the larger of five 2^24-logit fp32 chunks and three head-weight-sized fp32 gradients (the head benchmark's
+    measurements); or, when larger, the generation batch's KV cache;
     on CPU ~0.7 GiB of libraries in the resident set."""
     act_bytes, tokens = (2 if bf16 else 4), micro * seq
     per_layer = 16 * hidden * act_bytes * tokens
     activations = tokens * hidden * act_bytes * layers + per_layer if checkpointing else per_layer * layers
-    head = 5 * 2**24 * 4 + 2 * vocab * hidden * 4
+    head = max(5 * 2**24 * 4, 3 * vocab * hidden * 4)
     kv_cache = 2 * layers * (kv_dim or hidden) * seq * batch * act_bytes
     persistent = 4 * params * (trained + frozen) + 8 * params * trained + (2 * params * trained if bf16 else 0)
     step = 4 * params * trained + trained * activations + head
@@ -419,6 +441,8 @@ def main():
     out = os.path.join(ROOT, "benchmarks", "results", f"scale_{device}")
     saved = json.load(open(out + ".json")) if os.path.exists(out + ".json") else {"results": {}, "head": None}
     results, head = saved["results"], saved["head"]  # configs not run this time keep their last results
+    for result in [*results.values(), head or {}]:  # each result names the machine it was measured on
+        result.setdefault("machine", saved.get("machine"))
     for name in args.runs:
         print(f"{name}: ours ...", flush=True)
         glibc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"}
@@ -427,13 +451,14 @@ def main():
             "updates": args.updates,
             "command": sys.argv[1:],
             "env": glibc,
+            "machine": machine_name(device),
         }
         if args.trl:
             print(f"{name}: TRL ...", flush=True)
             r["trl"] = trl(name, args.updates)
         write(out, device, results, head)  # after every config, so that a run cut short keeps what it measured
     if args.head:
-        head = head_benchmark()
+        head = head_benchmark() | {"machine": machine_name(device)}
     print(write(out, device, results, head))
 
 
@@ -455,7 +480,8 @@ def write(out, device, results, head):
     """benchmarks/results/scale_<device>.md, scale_head_<device>.md and .json from every config measured so far;
     returns the markdown."""
     precision, peak = ("bf16 autocast", "max_memory_allocated") if device == "cuda" else ("fp32", "the peak RSS")
-    lines = [f"Machine: {machine_name(device)}, torch {torch.__version__}, {precision}. "
+    machines = ", and ".join(sorted({r["machine"] for r in results.values()})) or machine_name(device)
+    lines = [f"Machine: {machines}, torch {torch.__version__}, {precision}. "
              "Command: `python benchmarks/scale.py --runs NAME --updates N`; seconds are medians over the N - 1 "
              f"updates after 1 of warm-up; peak memory is {peak} of the process.", "",
              "| config (prompts x generations x new tokens, micro-batch) | N | run | s/update | generation | scoring | "
@@ -475,17 +501,22 @@ def write(out, device, results, head):
     table = "\n".join(lines)
     write_table(os.path.basename(out) + ".md", table)
     if head:
-        s = head["shape"]
-        head_lines = [f"LM head: peak memory over the resident set, in U = B*T*V*4 bytes (B={s['B']}, T={s['T']}, "
-                      f"H={s['H']}, V={s['V']}: U = {head['U_mb']:.0f} MiB); training = log-probs + entropy and their "
-                      f"backward, with glibc's mmap threshold fixed at 128 KiB. Machine: {machine_name(device)}, torch "
-                      f"{torch.__version__}. Command: `python benchmarks/scale.py --runs`", "",
-                      "| head | peak / U |", "|---|---|"]  # fmt: skip
-        head_lines += [f"| {k} | {v:.2f} |" for k, v in head["peak_U"].items()]
+        head_lines = [f"LM head: peak memory of one call and its backward over the resident set (MiB), V = "
+                      f"{head['V']}, one chunk = {head['chunk_mb']:.0f} MiB of fp32 logits; the naive head holds the "
+                      "full (tokens, V) logits; glibc's mmap threshold fixed at 128 KiB. "
+                      f"Machine: {head['machine']}, torch {torch.__version__}. "
+                      "Command: `python benchmarks/scale.py --runs`", "",
+                      "| head | the loss reads | gradient of | H | "
+                      + " | ".join(f"{t:,} tokens" for t in HEAD_TOKENS) + " |",
+                      "|---|---|---|---|" + "---|" * len(HEAD_TOKENS)]  # fmt: skip
+        for row in head["rows"]:
+            peaks = [row["peak_mb"].get(str(t)) for t in HEAD_TOKENS]
+            head_lines.append(f"| {row['impl']} | {row['loss']} | {row['grad'] or '-'} | {row['H']} | "
+                              + " | ".join("-" if p is None else f"{p:.0f}" for p in peaks) + " |")  # fmt: skip
         write_table(f"scale_head_{device}.md", "\n".join(head_lines))
         table += "\n\n" + "\n".join(head_lines)
     with open(out + ".json", "w") as f:
-        json.dump({"machine": machine_name(device), "device": device, "results": results, "head": head,
+        json.dump({"device": device, "results": results, "head": head,
                    "hub_estimates_gb": hub_estimates()}, f, indent=1)  # fmt: skip
     return table
 

@@ -338,13 +338,14 @@ def test_bad_input_is_one_line(script, options, message, chat, tmp_path):
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=["ppo", "grpo"])
 def test_reward_fn_of_the_wrong_length_stops_the_run_and_saves(script, chat, tmp_path, capsys):
-    # 1 number for 8 completions: a ValueError in update 1; the run saves its state (update 0), shows the traceback
-    # and how to resume, and exits with 1
+    # 1 number for 8 completions: our check, in update 1; the run saves its state (update 0), says in one line what was
+    # wrong and how to resume, with no traceback, and exits with 1
     with pytest.raises(SystemExit) as e:
         run(script, tmp_path, model=chat["tiny_policy"], reward_fn=chat["rewards"] + ":wrong_length")
     assert e.value.code == 1
     err = capsys.readouterr().err
-    assert f"ValueError: --reward-fn {chat['rewards']}:wrong_length returned 1 numbers for 8 completions" in err
+    assert f"(error: --reward-fn {chat['rewards']}:wrong_length returned 1 numbers for 8 completions)" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     (run_dir,) = glob.glob(str(tmp_path / "*"))
     assert f"the state after update 0 is in {run_dir}/checkpoint.pt" in err and f"--resume {run_dir} goes on" in err
     assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["update"] == 0

@@ -196,7 +196,7 @@ def test_value_head_runs_in_fp32_under_autocast(tiny):
     value_head, B, Q, R = torch.nn.Linear(32, 1), 2, 3, 4
     qr = torch.randint(3, 90, (B, Q + R))
     r = dict(query_responses=qr, attention_mask=torch.ones_like(qr), responses=qr[:, Q:], prompt_width=Q)
-    args = types.SimpleNamespace(temperature=1.0, cast_lm_head_to_fp32=True)
+    args = types.SimpleNamespace(temperature=1.0, cast_lm_head_to_fp32=True, ent_coef=0.0)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     with torch.no_grad(), autocast:
         _, _, values = ppo_llm.training_forward(policy, None, value_head, r, torch.arange(B), args)

@@ -69,7 +69,9 @@ def check(
     hidden, head, labels, coefs, temperature, scale, softcap, fp32=True, use=(0, 1), tol=1e-5, context=nullcontext()
 ):
     def fn():
-        return ppo_llm.lm_head_logprobs(hidden, head, labels, temperature, scale, softcap, True, fp32)
+        return ppo_llm.lm_head_logprobs(
+            hidden, head, labels, temperature, scale, softcap, with_entropy=True, entropy_grad=1 in use, fp32=fp32
+        )
 
     got, got_grads = values_and_grads(fn, hidden, head, coefs, use, context)
     want, want_grads = expected(hidden, head, labels, coefs, temperature, scale, softcap, use)
@@ -128,3 +130,43 @@ def test_no_grad_is_the_same_forward(monkeypatch):
         alone, none = ppo_llm.lm_head_logprobs(hidden, head, labels, 0.7, 1.3, 3.0)
     assert logprobs.grad_fn is None and none is None
     assert torch.equal(logprobs, with_grad[0]) and torch.equal(entropy, with_grad[1]) and torch.equal(alone, logprobs)
+
+
+def peak_chunks(tokens, grad, with_entropy, entropy_grad):
+    """Peak bytes of the tensors alive during one call and its backward, in chunks of LM_HEAD_CHUNK fp32 logits.
+    torch's MemTracker sees every allocation and free on the CPU too (it is private API, pinned by requirements.txt)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    vocab = 4096  # 16 tokens a chunk; a head of 2 x 4096 weights is 1/8 of a chunk
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(2, vocab, bias=False)
+    hidden = torch.randn(1, tokens, 2, generator=g, requires_grad=grad)
+    labels = torch.randint(0, vocab, (1, tokens), generator=g)
+    tracker = MemTracker()
+    with tracker, torch.set_grad_enabled(grad):
+        logprobs, entropy = ppo_llm.lm_head_logprobs(
+            hidden, head, labels, 0.7, with_entropy=with_entropy, entropy_grad=entropy_grad
+        )
+        if grad:
+            loss = logprobs.sum() + (entropy.sum() if entropy_grad else 0)
+            loss.backward()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] / (ppo_llm.LM_HEAD_CHUNK * 4)
+
+
+@pytest.mark.parametrize(
+    "grad, with_entropy, entropy_grad, bound",
+    [
+        (False, False, False, 2.5),  # old log-probs, reference: the logits and their log-softmax
+        (False, True, False, 2.5),  # GRPO's top-entropy pass: the exp of the log-softmax takes the logits' place
+        (True, False, False, 4),
+        (True, True, False, 4),  # the entropy logged (--ent-coef 0): no gradient, no more memory
+        (True, True, True, 6),  # an entropy bonus: its backward needs p and log p of a chunk too
+    ],
+)
+def test_memory_does_not_grow_with_tokens(monkeypatch, grad, with_entropy, entropy_grad, bound):
+    # 4 chunks of tokens against 16: the same peak. Computed with autograd, an entropy that the loss never reads kept
+    # each recomputed chunk's p and log p until the backward ended, 2 chunks more per chunk (10.3 -> 34.3 chunks).
+    monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", 16 * 4096)
+    small, large = (peak_chunks(n, grad, with_entropy, entropy_grad) for n in (4 * 16, 16 * 16))
+    assert large - small < 0.1, (small, large)
+    assert large < bound, large

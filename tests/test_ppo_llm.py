@@ -79,7 +79,9 @@ def test_lm_head_logprobs_equals_the_full_computation(monkeypatch, chunk_logits)
     expected = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
     expected_entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     expected_grads = grads(expected, expected_entropy)
-    got, got_entropy = lm_head_logprobs(hidden, layer, labels, temperature, scale, softcap, with_entropy=True)
+    got, got_entropy = lm_head_logprobs(
+        hidden, layer, labels, temperature, scale, softcap, with_entropy=True, entropy_grad=True
+    )
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(got_entropy, expected_entropy)
     for a, b in zip(grads(got, got_entropy), expected_grads):
@@ -537,6 +539,7 @@ def test_tokenizer_without_pad_gets_its_own(tmp_path):
 def test_a_signal_stops_after_saving_and_resume_goes_on(tiny, tmp_path, monkeypatch, capsys, signum):
     # Ctrl-C or SIGTERM (a preemption) in update 2's generation: the run stops at the next check, saves the state after
     # update 1, exits with 128 + the signal, and --resume logs what a run that never stopped logs
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]  # SIGINT is ignored under nohup or &
     whole, _ = run(tiny, tmp_path / "whole", total_steps=3)
     real, calls = transformers.GenerationMixin.generate, []
 
@@ -555,7 +558,7 @@ def test_a_signal_stops_after_saving_and_resume_goes_on(tiny, tmp_path, monkeypa
     assert os.path.isfile(run_dir / "policy" / "model.safetensors")
     ppo_llm.main(ppo_llm.parse_args(["--resume", str(run_dir)]))
     assert untimed_metrics(run_dir) == untimed_metrics(whole)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # main() gives the handlers back
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers  # main() gives them back
 
 
 def test_nan_loss_stops_with_last_good_weights(tiny, tmp_path, monkeypatch, capsys):
