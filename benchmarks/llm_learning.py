@@ -86,6 +86,7 @@ for name, variant in VARIANT.items():
     CONFIGS[name] += FAMILY[variant]
 GROUPS = {"arithmetic": ARITHMETIC, "trace": ["trace-ppo", "trace-grpo"], "trace-family": list(VARIANT)}
 TRACE_MINUTES = 15
+SHARED = "Seconds are wall clock, two runs at a time on 2 CPU cores shared with other work: they depend on its load."
 
 
 @dataclass
@@ -274,7 +275,8 @@ def summarise_arithmetic(args, data):
     rows.append(
         "\n*ppo_llm.py: `objective/kl`, nats per response (k1 summed over its tokens); grpo_llm.py: `kl`, "
         "nats per token (k3, mean); both the mean of the last 5 updates. Accuracy: `eval/accuracy`, 256 "
-        "held-out problems sampled at temperature 1; seconds: `time/elapsed` at the first evaluation >= 0.9."
+        "held-out problems sampled at temperature 1; seconds: `time/elapsed` at the first evaluation >= 0.9. "
+        f"{SHARED}"
     )
     table = "\n".join(rows)
     print(table)
@@ -340,7 +342,7 @@ def summarise_trace(args, data):
         f"\nEach is `python <script> {' '.join(TRACE)}` and the flags named, the script's defaults otherwise. "
         f"Accuracy: `eval/accuracy`, the 256 held-out problems of assets/sums/test.jsonl sampled at temperature 1, "
         f"mean ± std over seeds; after {TRACE_MINUTES} min: the last evaluation at or before `time/elapsed` = "
-        f"{seconds} s (the last one when a run ended sooner)."
+        f"{seconds} s (the last one when a run ended sooner). {SHARED}"
     )
     table = "\n".join(rows)
     print(table)
