@@ -37,6 +37,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 import matplotlib
@@ -248,8 +249,10 @@ def run_all(args, names):
             log = open(os.path.join(args.runs_dir, f"{name}_{seed}.log"), "w")
             print("running:", " ".join(cmd[1:]), flush=True)
             running.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
-        running[0][0].wait()
-        running.pop(0)[1].close()
+        time.sleep(1)  # the next job starts as soon as any running one ends
+        for process, log in [r for r in running if r[0].poll() is not None]:
+            log.close()
+            running.remove((process, log))
 
 
 def summarise_arithmetic(args, data):
