@@ -19,6 +19,7 @@ learning table), classic_return.png (mean and min-max over seeds), and with the 
 classic_speed.md; each table also goes into the docs pages that quote it (benchmarks/docs_tables.py). --skip-speed
 quotes the last classic_speed.md as it is. To rewrite the tables and the figure from the results files alone:
     python benchmarks/classic.py --only-existing --merge --skip-speed
+With no run of the configurations in runs/ and no rows in classic.csv to keep, it says so and writes nothing.
 The variance of REINFORCE's gradient estimates is measured by benchmarks/psi_variance.py.
 """
 
@@ -180,6 +181,14 @@ def main():
     runs = {job: run_dir for job, run_dir in runs.items() if run_dir is not None}
 
     per_seed, curves = old_results({job[:3] for job in runs}) if args.merge else ([], {})
+    if not runs and not per_seed:  # an empty table would replace the docs': say so and write nothing
+        if args.merge:
+            raise SystemExit(
+                "error: no runs/bench-* run of these configurations, and no benchmarks/results/classic.csv"
+            )
+        raise SystemExit(
+            "error: no runs/bench-* run of these configurations: --merge rewrites the tables from classic.csv"
+        )
     for (name, env_id, steps, seed), run_dir in runs.items():
         ep = episodes(run_dir)
         smooth = trailing_mean(ep[:, 1])

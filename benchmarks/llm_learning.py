@@ -1,7 +1,10 @@
 """Learning curves of ppo_llm.py and grpo_llm.py on the embedded tasks, over seeds (CPU).
 
 Each configuration runs once per seed as its own process (one torch thread), --jobs at a time, into benchmarks/runs/
-(ignored by git). Then the metrics.jsonl files are summarised, each group of configurations into its own files:
+(ignored by git). The metrics the tables and figures read are then copied from each run's metrics.jsonl into
+benchmarks/results/llm_curves/<configuration>.csv (one row per logged update, a column per metric, the seed first),
+which git keeps; every table and figure is written from those files alone, each group's from the curves of all its
+configurations:
 
 The arithmetic task (`--configs arithmetic`, the default), the scripts' defaults:
 - benchmarks/results/llm_learning.md: held-out accuracy at the start and the end, time and samples to
@@ -21,14 +24,20 @@ with their own data: local GSM8K-style files and the gsm8k reward function:
 
     python benchmarks/llm_learning.py                                # the arithmetic task: run, then summarise
     python benchmarks/llm_learning.py --configs trace trace-family   # the trace task
-    python benchmarks/llm_learning.py --no-run --configs trace       # only summarise runs that exist
+    python benchmarks/llm_learning.py --no-run --configs trace       # measure nothing: tables and figures from
+                                                                     # the curves in benchmarks/results/llm_curves/
+    python benchmarks/llm_learning.py --reuse --configs trace-ppo    # run only the seeds without a finished run
+
+--no-run without the curves of a group's configurations says so and writes nothing.
 """
 
+import csv
 import glob
 import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 import matplotlib
@@ -78,6 +87,7 @@ for name, variant in VARIANT.items():
     CONFIGS[name] += FAMILY[variant]
 GROUPS = {"arithmetic": ARITHMETIC, "trace": ["trace-ppo", "trace-grpo"], "trace-family": list(VARIANT)}
 TRACE_MINUTES = 15
+SHARED = "Seconds are wall clock, two runs at a time on 2 CPU cores shared with other work: they depend on its load."
 
 
 @dataclass
@@ -89,22 +99,75 @@ class Args:
     jobs: int = 2
     """runs at a time (each uses one torch thread)"""
     run: bool = True
-    """run the configurations (--no-run: only summarise existing runs)"""
+    """run the configurations (--no-run: measure nothing; the tables and figures from the committed curves)"""
+    reuse: bool = False
+    """do not run a (configuration, seed) that has a finished run in --runs-dir: collect that one"""
     runs_dir: str = os.path.join(ROOT, "benchmarks", "runs")
     """where the runs go"""
     out_dir: str = os.path.join(ROOT, "benchmarks", "results")
-    """where the table and plots go"""
+    """where the curves (out_dir/llm_curves/), the tables and the figures go"""
     at_update: int = 0
     """also tabulate the held-out accuracy at this update, to compare runs of different lengths (0: off)"""
 
 
-def load(runs_dir, name):
-    """Metrics of every seed of one configuration: a list of lists of dicts."""
-    runs = []
-    for path in sorted(glob.glob(os.path.join(runs_dir, name, "*", "metrics.jsonl"))):
-        with open(path) as f:
-            runs.append([json.loads(line) for line in f])
+CURVES = "llm_curves"  # out_dir/llm_curves/<configuration>.csv
+# the metrics the tables and figures read; a configuration's file has the columns its runs log
+KEYS = """update episode time/elapsed eval/accuracy eval/accuracy_stderr eval/mean_length_right eval/mean_length_wrong
+objective/kl kl objective/scores objective/accuracy completions/mean_length entropy clip_ratio/region_mean
+cispo_clip_ratio importance_ratio/mean""".split()
+
+
+def curves_path(out_dir, name):
+    return os.path.join(out_dir, CURVES, f"{name}.csv")
+
+
+def finished_runs(runs_dir, name):
+    """{seed: the run directory} of the configuration's runs that reached their --total-steps, the latest of a seed."""
+    runs = {}
+    for run_dir in sorted(glob.glob(os.path.join(runs_dir, name, "*__*__*")), key=lambda d: int(d.split("__")[-1])):
+        try:
+            with open(os.path.join(run_dir, "args.json")) as f:
+                run_args = json.load(f)
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                last = json.loads(f.readlines()[-1])
+        except (OSError, ValueError, IndexError):  # killed before its first update, say
+            continue
+        if last["update"] == run_args["total_steps"]:
+            runs[run_args["seed"]] = run_dir
     return runs
+
+
+def collect(args, name):
+    """Each seed's metrics.jsonl, the KEYS it has, into out_dir/llm_curves/<name>.csv (one row per logged update)."""
+    runs = finished_runs(args.runs_dir, name)
+    if missing := [seed for seed in args.seeds if seed not in runs]:
+        raise SystemExit(
+            f"error: {name}: no finished run of seed {' '.join(map(str, missing))} in "
+            f"{os.path.join(args.runs_dir, name)} (its log: {name}_<seed>.log there)"
+        )
+    rows = []
+    for seed in args.seeds:
+        with open(os.path.join(runs[seed], "metrics.jsonl")) as f:
+            rows += [{"seed": seed} | {k: m[k] for k in KEYS if k in m} for m in map(json.loads, f)]
+    columns = ["seed"] + [k for k in KEYS if any(k in row for row in rows)]
+    os.makedirs(os.path.join(args.out_dir, CURVES), exist_ok=True)
+    with open(curves_path(args.out_dir, name), "w", newline="") as f:
+        writer = csv.DictWriter(f, columns, lineterminator="\n")
+        writer.writeheader()
+        for row in rows:  # 8 significant digits: an accuracy k/256 exactly
+            writer.writerow({k: v if isinstance(v, int) else f"{v:.8g}" for k, v in row.items()})
+    print(f"{name}: seeds {' '.join(map(str, args.seeds))} from {args.runs_dir} into {curves_path(args.out_dir, name)}")
+
+
+def load(out_dir, name):
+    """The curves of every seed of one configuration: a list (one per seed) of lists of {metric: value}."""
+    runs = {}
+    with open(curves_path(out_dir, name)) as f:
+        for row in csv.DictReader(f):
+            seed = int(row.pop("seed"))
+            point = {k: int(v) if k in ("update", "episode") else float(v) for k, v in row.items() if v != ""}
+            runs.setdefault(seed, []).append(point)
+    return list(runs.values())
 
 
 def series(run, key, x="update"):
@@ -174,6 +237,8 @@ def expand(names):
 def run_all(args, names):
     """Every (configuration, seed) as its own process, --jobs at a time, into runs_dir/<configuration>/."""
     jobs = [(name, seed) for name in names for seed in args.seeds]
+    if args.reuse:
+        jobs = [(name, seed) for name, seed in jobs if seed not in finished_runs(args.runs_dir, name)]
     running = []
     while jobs or running:
         while jobs and len(running) < args.jobs:
@@ -184,16 +249,20 @@ def run_all(args, names):
             log = open(os.path.join(args.runs_dir, f"{name}_{seed}.log"), "w")
             print("running:", " ".join(cmd[1:]), flush=True)
             running.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
-        running[0][0].wait()
-        running.pop(0)[1].close()
+        time.sleep(1)  # the next job starts as soon as any running one ends
+        for process, log in [r for r in running if r[0].poll() is not None]:
+            log.close()
+            running.remove((process, log))
 
 
 def summarise_arithmetic(args, data):
     """llm_learning.md, llm_accuracy.png and llm_reward_hacking.png."""
     # Table: accuracy at start and end, time and samples to 90%, final KL (mean +- std over seeds).
     at = f" at update {args.at_update} |" if args.at_update else ""
-    rows = [f"| configuration | seeds | held-out accuracy, start |{at} end | seconds to 90% | samples to 90% | "
-            "final KL* |", "|---|---|---|---|---|---|---|" + ("---|" if at else "")]  # fmt: skip
+    header = (
+        f"| configuration | seeds | held-out accuracy, start |{at} end | seconds to 90% | samples to 90% | final KL* |"
+    )
+    rows = [header, "|---|---|---|---|---|---|---|" + ("---|" if at else "")]
     for name, runs in data.items():
         start = [series(r, "eval/accuracy")[1][0] for r in runs]
         end = [series(r, "eval/accuracy")[1][-1] for r in runs]
@@ -209,7 +278,8 @@ def summarise_arithmetic(args, data):
     rows.append(
         "\n*ppo_llm.py: `objective/kl`, nats per response (k1 summed over its tokens); grpo_llm.py: `kl`, "
         "nats per token (k3, mean); both the mean of the last 5 updates. Accuracy: `eval/accuracy`, 256 "
-        "held-out problems sampled at temperature 1; seconds: `time/elapsed` at the first evaluation >= 0.9."
+        "held-out problems sampled at temperature 1; seconds: `time/elapsed` at the first evaluation >= 0.9. "
+        f"{SHARED}"
     )
     table = "\n".join(rows)
     print(table)
@@ -258,8 +328,9 @@ def summarise_arithmetic(args, data):
 def summarise_trace(args, data):
     """trace_learning.md: PPO and GRPO with their defaults on the trace task, accuracy at start, 15 minutes, end."""
     seconds = 60 * TRACE_MINUTES
-    rows = [f"| configuration | seeds | held-out accuracy, start | after {TRACE_MINUTES} min | end | updates in "
-            f"{TRACE_MINUTES} min | each seed's run |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    header = f"| configuration | seeds | held-out accuracy, start | after {TRACE_MINUTES} min | end | updates in "
+    header += f"{TRACE_MINUTES} min | each seed's run |"
+    rows = [header, "|---|---|---|---|---|---|---|"]
     for name, runs in data.items():
         accuracy = [series(r, "eval/accuracy")[1] for r in runs]
         in_time = [at_time(r, seconds, "update") for r in runs]
@@ -274,7 +345,7 @@ def summarise_trace(args, data):
         f"\nEach is `python <script> {' '.join(TRACE)}` and the flags named, the script's defaults otherwise. "
         f"Accuracy: `eval/accuracy`, the 256 held-out problems of assets/sums/test.jsonl sampled at temperature 1, "
         f"mean ± std over seeds; after {TRACE_MINUTES} min: the last evaluation at or before `time/elapsed` = "
-        f"{seconds} s (the last one when a run ended sooner)."
+        f"{seconds} s (the last one when a run ended sooner). {SHARED}"
     )
     table = "\n".join(rows)
     print(table)
@@ -282,8 +353,8 @@ def summarise_trace(args, data):
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, runs in data.items():  # the evaluations' time/elapsed, averaged over seeds at each update
-        plot_band(axes[0], [(series(r, "eval/accuracy", "time/elapsed")[0] / 60, series(r, "eval/accuracy")[1])
-                            for r in runs], name)  # fmt: skip
+        minutes = [series(r, "eval/accuracy", "time/elapsed")[0] / 60 for r in runs]
+        plot_band(axes[0], [(m, series(r, "eval/accuracy")[1]) for m, r in zip(minutes, runs)], name)
         plot_band(axes[1], [series(r, "eval/accuracy") for r in runs], name)
     axes[0].axvline(TRACE_MINUTES, color="gray", linestyle="--", linewidth=1)
     for ax, xlabel in zip(axes, ["minutes (time/elapsed)", "updates"]):
@@ -317,9 +388,9 @@ def summarise_family(args, data):
         ys = series(run, key)[1]
         return ys[-k:].mean() if len(ys) else np.nan
 
-    rows = ["| variant (its flags) | seeds | updates | held-out accuracy, start | end | length right* | length wrong* "
-            "| training length** | entropy** | clip fraction** | importance ratio** |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    header = "| variant (its flags) | seeds | updates | held-out accuracy, start | end | length right* | length wrong* "
+    header += "| training length** | entropy** | clip fraction** | importance ratio** |"
+    rows = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, runs in data.items():
         flags = " ".join(FAMILY[VARIANT[name]])
         rows.append(
@@ -335,8 +406,8 @@ def summarise_family(args, data):
             f"{stat([last(r, 'importance_ratio/mean') for r in runs], '.4f')} |"
         )
     runs = [run for runs in data.values() for run in runs]  # every variant starts from the same SFT policy
-    start = {key: stat([series(r, key)[1][0] for r in runs], fmt) for key, fmt in
-             [("eval/mean_length_right", ".1f"), ("eval/mean_length_wrong", ".1f"), ("entropy", ".3f")]}  # fmt: skip
+    formats = {"eval/mean_length_right": ".1f", "eval/mean_length_wrong": ".1f", "entropy": ".3f"}
+    start = {key: stat([series(r, key)[1][0] for r in runs], fmt) for key, fmt in formats.items()}
     rows.append(
         f"\nEach is `python grpo_llm.py {' '.join(TRACE)} --num-iterations 4 --total-steps {FAMILY_UPDATES}` and the "
         "variant's flags; mean ± std over seeds. Accuracy: `eval/accuracy` (256 held-out problems, temperature 1) at "
@@ -378,16 +449,21 @@ def summarise_family(args, data):
 def main():
     args = tyro.cli(Args)
     names = expand(args.configs)
+    groups = [group for group in GROUPS if set(GROUPS[group]) & set(names)]
     if args.run:
         run_all(args, names)
-    os.makedirs(args.out_dir, exist_ok=True)
-    data = {name: load(args.runs_dir, name) for name in names}
-    data = {name: runs for name, runs in data.items() if runs}
-    for group, summarise in [("arithmetic", summarise_arithmetic), ("trace", summarise_trace),
-                             ("trace-family", summarise_family)]:  # fmt: skip
-        runs = {name: runs for name, runs in data.items() if name in GROUPS[group]}  # in --configs' order
-        if runs:
-            summarise(args, runs)
+        for name in names:
+            collect(args, name)
+    # a group's table and figures are written from the curves of all its configurations, or not at all
+    needed = [name for group in groups for name in GROUPS[group]]
+    if missing := [name for name in needed if not os.path.exists(curves_path(args.out_dir, name))]:
+        raise SystemExit(
+            f"error: no curves of {' '.join(missing)} in {os.path.join(args.out_dir, CURVES)}: nothing "
+            f"written; run them first (python benchmarks/llm_learning.py --configs {' '.join(missing)})"
+        )
+    summaries = {"arithmetic": summarise_arithmetic, "trace": summarise_trace, "trace-family": summarise_family}
+    for group in groups:
+        summaries[group](args, {name: load(args.out_dir, name) for name in GROUPS[group]})
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ docs pages that quote it, benchmarks/docs_tables.py).
     python benchmarks/lora.py                 # both parts
     python benchmarks/lora.py --part memory   # or learning
     python benchmarks/lora.py --part table    # measure nothing: lora.md and lora.png from lora.json
+
+--part table without benchmarks/results/lora.json (it is written by a measuring run) says so and writes nothing.
 """
 
 import json
@@ -141,10 +143,18 @@ def plot(learning):
 def main():
     args = tyro.cli(Args)
     results = {"machine": machine_name("cpu"), "memory": {}, "learning": {}}
-    if os.path.exists(os.path.join(OUT, "lora.json")):  # one part at a time keeps the other's results
-        with open(os.path.join(OUT, "lora.json")) as f:
+    path = os.path.join(OUT, "lora.json")
+    if os.path.exists(path):  # one part at a time keeps the other's results
+        with open(path) as f:
             results = json.load(f)
     if args.part == "table":
+        # a header with no rows would replace the docs' placeholders: without results, say so and write nothing
+        if not results["memory"] and not results["learning"]:
+            state = "has no results" if os.path.exists(path) else "does not exist"
+            raise SystemExit(
+                f"error: --part table: {os.path.relpath(path, ROOT)} {state}: measure first "
+                "(python benchmarks/lora.py, or --part memory / --part learning)"
+            )
         return save(results)
     results["args_" + args.part] = vars(args)
     if args.part in ("both", "memory"):

@@ -3,6 +3,7 @@
 Usage (from the repository root; about 3 CPU-minutes; on a shared machine, under `nice -n 10`):
     python benchmarks/psi_variance.py
     python benchmarks/psi_variance.py --from-csv    # measure nothing: the table and plot from psi_variance.csv
+                                                    # (without the csv it says so and writes nothing)
 
 1. Snapshots: `reinforce.py --save-model` (its defaults, seed 1) stopped after SNAPSHOTS steps; the same seed
    replays the same run, so each snapshot is the policy that run had at that step.
@@ -66,6 +67,11 @@ def main():
     args = p.parse_args()
     if args.from_csv:  # the rows typed as below: counts int, normalised bool, psi str, the rest float
         types = dict(snapshot_steps=int, batches=int, psi=str, normalised=lambda v: v == "True")
+        if not os.path.exists(os.path.join(RESULTS, "psi_variance.csv")):
+            raise SystemExit(
+                "error: --from-csv: benchmarks/results/psi_variance.csv does not exist: measure first "
+                "(python benchmarks/psi_variance.py)"
+            )
         with open(os.path.join(RESULTS, "psi_variance.csv")) as f:
             return report([{k: types.get(k, float)(v) for k, v in r.items()} for r in csv.DictReader(f)])
     torch.set_num_threads(1)

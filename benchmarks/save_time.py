@@ -49,11 +49,11 @@ def save_seconds(policy, tokenizer):
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()  # AdamW's moments, as after the first update
-    times = []
+    times, models = [], torch.nn.ModuleDict({"policy": policy})
     with tempfile.TemporaryDirectory() as run_dir:
         for _ in range(5):
             start = time.perf_counter()
-            grpo_llm.save_checkpoint(run_dir, dict(policy=policy), optimizer, dict(update=1), tokenizer)
+            grpo_llm.save_checkpoint(run_dir, models, optimizer, dict(update=1), tokenizer)
             times.append(time.perf_counter() - start)
         written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(run_dir) for f in fs)
     return sorted(times)[2], written / 2**20, sum(p.numel() for p in params)

@@ -81,7 +81,8 @@ class Args:
     """only time one training micro-batch of the GPT-2-124M PPO config (trunk vs LM head, forward vs backward) and
     one AdamW step (loop vs fused)"""
     estimate: bool = False
-    """only write the memory-estimate table of the hub commands (scale_estimate.md): nothing is built or run"""
+    """only write the memory-estimate tables (scale_estimate.md: the hub commands; scale_estimate_sizes.md: common
+    sizes, full and LoRA): nothing is built or run"""
     child: str | None = None
     """internal: run one measurement in this process (a JSON spec) and print its result as JSON"""
 
@@ -349,7 +350,7 @@ def profile(shape="gpt2-124m", micro=8, new=64, repeats=3):
 
 
 def estimate_gb(params, layers, hidden, vocab, seq, micro, batch, trained=1, frozen=1, checkpointing=False, bf16=True,
-                kv_dim=None, cpu=False):  # fmt: skip
+                kv_dim=None, cpu=False, lora=0, base_bytes=2):  # fmt: skip
     """Peak memory (GiB) of an update, before it runs: weights 4 B/param for every fp32 model (trained: policy,
     critic; frozen: reference, reward model), gradients 4 B and AdamW 8 B per trained param (+2 B of bf16 weight
     copies under autocast); activations of one micro-batch per trained trunk: ~16 hidden-sized tensors per token
@@ -357,7 +358,10 @@ def estimate_gb(params, layers, hidden, vocab, seq, micro, batch, trained=1, fro
     autocast, 4 B in fp32; with gradient checkpointing, each layer's input plus one layer's full set; the chunked
     head, the larger of five 2^24-logit fp32 chunks and three head-weight-sized fp32 gradients (the head benchmark's
     measurements); or, when larger, the generation batch's KV cache;
-    on CPU ~0.7 GiB of libraries in the resident set."""
+    on CPU ~0.7 GiB of libraries in the resident set.
+    With LoRA (lora: the adapters' parameters of one trained model), each trained model's frozen base in its
+    checkpoint dtype (base_bytes), 16 B per adapter parameter (fp32 weight, gradient, AdamW), the reference free (the
+    base with its adapters off: pass frozen without it), the activations as above and no head-weight gradient."""
     act_bytes, tokens = (2 if bf16 else 4), micro * seq
     per_layer = 16 * hidden * act_bytes * tokens
     activations = tokens * hidden * act_bytes * layers + per_layer if checkpointing else per_layer * layers
@@ -365,6 +369,9 @@ def estimate_gb(params, layers, hidden, vocab, seq, micro, batch, trained=1, fro
     kv_cache = 2 * layers * (kv_dim or hidden) * seq * batch * act_bytes
     persistent = 4 * params * (trained + frozen) + 8 * params * trained + (2 * params * trained if bf16 else 0)
     step = 4 * params * trained + trained * activations + head
+    if lora:
+        persistent = base_bytes * params * trained + 4 * params * frozen + 16 * lora * trained
+        step = trained * activations + 5 * 2**24 * 4
     return (persistent + max(step, kv_cache) + (0.7 * 2**30 if cpu else 0)) / 2**30
 
 
@@ -396,6 +403,41 @@ def hub_estimates():
                     "micro-batch / 4 + ckpt": (micro // 4, True)}  # fmt: skip
         rows[label] = {name: estimate_gb(P, L, H, V, seq, m, batch, trained, frozen, ck, kv_dim=kv)
                        for name, (m, ck) in settings.items()}  # fmt: skip
+    return rows
+
+
+# Common sizes, from Qwen2.5's configs: parameters, layers, hidden, vocabulary, KV dim, MLP width
+SIZES = {
+    "Qwen2.5-0.5B": (494e6, 24, 896, 151936, 128, 4864),
+    "Qwen2.5-1.5B": (1.54e9, 28, 1536, 151936, 256, 8960),
+    "Qwen2.5-7B": (7.62e9, 28, 3584, 152064, 512, 18944),
+}
+# each script with a reward function: (trained models, frozen fp32 models in full fine-tuning: the reference)
+SCRIPTS = {"ppo_llm.py": (2, 1), "ppo_llm.py --critic head": (1, 1), "grpo_llm.py (beta 0)": (1, 0)}
+WORKLOAD = (712, 16, 256)  # the GSM8K command's: tokens per sequence (~200 + 512), micro-batch, sequences per update
+
+
+def lora_params(layers, hidden, kv_dim, mlp, r=16):
+    """LoRA's parameters on every linear layer of a Llama/Qwen2 block, r (in + out) each: q, o (H -> H), k, v
+    (H -> kv), gate, up (H -> mlp), down (mlp -> H)."""
+    return r * layers * (9 * hidden + 2 * kv_dim + 3 * mlp)
+
+
+def size_estimates():
+    """estimate_gb of each script at each size, full and LoRA r 16, as given and with micro-batch 4 + ckpt."""
+    seq, micro, batch = WORKLOAD
+    rows = {}
+    for size, (P, L, H, V, kv, mlp) in SIZES.items():
+        for script, (trained, frozen) in SCRIPTS.items():
+            cells = {}
+            for lora in [0, lora_params(L, H, kv, mlp)]:
+                for m, ckpt in [(micro, False), (4, True)]:
+                    name = ("LoRA r 16" if lora else "full") + (", micro-batch 4 + ckpt" if ckpt else "")
+                    fp32_frozen = 0 if lora else frozen  # with LoRA the reference is the base, adapters off
+                    cells[name] = estimate_gb(
+                        P, L, H, V, seq, m, batch, trained, fp32_frozen, ckpt, kv_dim=kv, lora=lora
+                    )
+            rows[f"{size} | {script}"] = cells
     return rows
 
 
@@ -478,6 +520,20 @@ def write_estimate():
              "|---|" + "---|" * len(cols)]  # fmt: skip
     lines += [f"| {label} | " + " | ".join(f"{v:.1f}" for v in gb.values()) + " |" for label, gb in hub.items()]
     write_table("scale_estimate.md", "\n".join(lines))
+    sizes = size_estimates()
+    cols = list(next(iter(sizes.values())))
+    seq, micro, batch = WORKLOAD
+    lines = [
+        f"Estimated peak GPU memory (GiB) of one update at the GSM8K command's shape ({batch} sequences of ~{seq} "
+        f"tokens, micro-batch {micro}, a reward function), bf16 autocast over fp32 weights, AdamW; LoRA r 16 on every "
+        "linear layer of the trunk over a bf16 base; ckpt = --gradient-checkpointing. Command: "
+        "`python benchmarks/scale.py --estimate`",
+        "",
+        f"| model | script | {' | '.join(cols)} |",
+        "|---|---|" + "---|" * len(cols),
+    ]
+    lines += [f"| {label} | " + " | ".join(f"{v:.1f}" for v in gb.values()) + " |" for label, gb in sizes.items()]
+    write_table("scale_estimate_sizes.md", "\n".join(lines))
 
 
 def write(out, device, results, head):

@@ -219,8 +219,8 @@ def test_padded_prompt_sees_unpadded_positions(tiny):
 
 def test_sampling_sees_the_mask_of_left_padded_prompts(tiny):
     # what generate samples from, prompts of 2 to 4 tokens left-padded, is the masked forward with position ids from
-    # the mask that scores the tokens afterwards: transformers' warning of padding without a mask, raised when a
-    # finished sequence is fed its pad token, is a false alarm (docs/grpo_llm.md)
+    # the mask that scores the tokens afterwards. transformers' warning of padding without a mask comes from batches
+    # that need no padding, whose all-ones mask generate drops: a false alarm (docs/grpo_llm.md)
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
     ids = T([[0, 0, 20, 21], [0, 22, 23, 24], [25, 26, 27, 28]])
     mask = (ids != 0).long()

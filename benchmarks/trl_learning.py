@@ -1,0 +1,417 @@
+"""grpo_llm.py beside TRL's GRPOTrainer (TRL 1.16) on the trace task, each as a new user would run it (CPU, fp32).
+
+Both train assets/sums-sft on assets/sums/train.jsonl with the gsm8k reward (grpo_llm.py's own function; TRL calls
+it through a wrapper), at the same configuration:
+
+    grpo_llm.py (its defaults, llm_learning.py's trace flags)   TRL 1.16 GRPOConfig
+    --prompts-per-update 8 --num-generations 8                   per_device_train_batch_size=64, num_generations=8
+    learning rate 1e-4 (the default under 50M parameters)        learning_rate=1e-4, lr_scheduler_type="constant"
+    AdamW (fused), eps 1e-5, weight decay 0                      adam_epsilon=1e-5 (optim and weight decay: defaults)
+    --beta 0, --epsilon 0.2, --loss-type grpo, μ = 1             beta=0.0, epsilon=0.2, loss_type="grpo"
+    64 new tokens (the checkpoint's), temperature 1              max_completion_length=64, temperature=1.0
+    fp32 on the CPU                                              bf16=False, gradient_checkpointing=False, use_cpu
+
+and the defaults of each otherwise (group-scaled advantages, grad-norm clip 1.0, top-k 0, top-p 1 in both). Each run
+has one torch thread, two run at a time. Every --eval-every updates each saves its policy (ours by going on with
+--resume: the same run as one in a go), and `grpo_llm.py --eval-only` scores every saved policy on the 256 held-out
+problems of assets/sums/test.jsonl at temperature 1, with the run's seed.
+
+TRL runs in a subprocess with its directory on PYTHONPATH (it is an optional import of this benchmark only):
+
+    pip install --no-deps --target benchmarks/runs/trl116 trl==1.16.0 accelerate psutil
+
+`--trl stock` is TRL as installed. `--trl fixed` adds THIS BENCHMARK'S PATCH, NOT PART OF TRL (position_ids_from_mask
+below): TRL 1.16's training forward (GRPOTrainer._get_per_token_logps_and_entropies) passes no position_ids, so with
+left-padded prompts a model with absolute positions (GPT-2, as here) scores each completion at other positions than
+generate() sampled it at; the patch gives that forward the position ids of the attention mask, as generate() uses.
+`--part logprobs` measures the difference on one batch: TRL's per-token log-probs without and with the patch (and
+grpo_llm.py's) against the log-probs the tokens were sampled with.
+
+    python benchmarks/trl_learning.py                       # ours, TRL stock and fixed: 2 seeds x 200 updates
+    python benchmarks/trl_learning.py --part logprobs       # the log-probs of one batch
+    python benchmarks/trl_learning.py --part table          # measure nothing: the tables and figure from the .json
+
+Results: benchmarks/results/trl_learning.json (each run's accuracy at each saved update and seconds per update),
+trl_learning.md (also into the docs pages that quote it, benchmarks/docs_tables.py), trl_learning.png, and
+trl_logprobs.json and trl_logprobs.md. --part table without either .json says so and writes nothing.
+"""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from docs_tables import write_table  # noqa: E402
+from llm_learning import TRACE  # noqa: E402
+from scale import machine_name  # noqa: E402
+
+import grpo_llm  # noqa: E402
+
+TRL_DIR = os.path.join(ROOT, "benchmarks", "runs", "trl116")
+MODEL, TRAIN = "assets/sums-sft", "assets/sums/train.jsonl"
+NAMES = {
+    "ours": "ours (`grpo_llm.py`)",
+    "stock": "TRL 1.16 GRPOTrainer, as installed",
+    "fixed": "TRL 1.16 GRPOTrainer + position ids from the mask (this benchmark's patch)",
+}
+
+
+@dataclass
+class Args:
+    part: Literal["learning", "logprobs", "table"] = "learning"
+    """learning: train and evaluate the runs, then the table; logprobs: one batch's log-probs; table: measure nothing"""
+    trl: tuple[Literal["stock", "fixed"], ...] = ("stock", "fixed")
+    """the TRL runs: as installed (stock), and with this benchmark's position-ids patch (fixed)"""
+    seeds: list[int] = field(default_factory=lambda: [1, 2])
+    updates: int = 200
+    """optimizer steps of each run (one batch of 8 prompts x 8 completions each)"""
+    eval_every: int = 25
+    """save and evaluate every N updates"""
+    jobs: int = 2
+    """runs at a time (each uses one torch thread)"""
+    runs_dir: str = os.path.join(ROOT, "benchmarks", "runs", "trl_learning")
+    out_dir: str = os.path.join(ROOT, "benchmarks", "results")
+    child: str | None = None
+    """internal: one TRL run (a JSON spec) in this process"""
+
+
+# ---- TRL, in the child process
+
+
+def gsm8k(completions, answer, **columns):
+    """grpo_llm.py's gsm8k reward, called as TRL calls a reward function: 1 when the final numbers agree."""
+    return grpo_llm.REWARD_FNS["gsm8k"](completions, answer)
+
+
+def position_ids_from_mask(model):
+    """THIS BENCHMARK'S PATCH, NOT TRL: a call of `model` without position_ids gets those of its attention mask.
+
+    generate() numbers a left-padded prompt's tokens from its first real one; TRL 1.16's training forward passes no
+    position_ids, so GPT-2 numbers them from the first pad. With the patch the training forward scores each token at
+    the position it was sampled at (generate() passes position_ids itself: unchanged)."""
+
+    def hook(module, args, kwargs):
+        if kwargs.get("position_ids") is None and kwargs.get("attention_mask") is not None:
+            kwargs["position_ids"] = grpo_llm.position_ids(kwargs["attention_mask"].long())
+        return args, kwargs
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def trl_trainer(out, seed, updates, save_every):
+    """GRPOTrainer on the trace task at grpo_llm.py's configuration (the module docstring's mapping)."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    with open(os.path.join(ROOT, TRAIN)) as f:
+        rows = [json.loads(line) for line in f]
+    dataset = datasets.Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]} for r in rows])
+    config = GRPOConfig(
+        output_dir=out,
+        per_device_train_batch_size=64,
+        num_generations=8,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        adam_epsilon=1e-5,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="grpo",
+        max_completion_length=64,
+        temperature=1.0,
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        max_steps=updates,
+        seed=seed,
+        save_strategy="steps",
+        save_steps=save_every,
+        save_only_model=True,
+        logging_steps=1,
+        report_to=[],
+    )
+    return GRPOTrainer(model=os.path.join(ROOT, MODEL), reward_funcs=gsm8k, args=config, train_dataset=dataset)
+
+
+def trl_child(spec):
+    """One TRL run: a checkpoint every save_every steps in spec["out"], the seconds of every step in times.json."""
+    import transformers
+
+    torch.set_num_threads(1)
+    trainer = trl_trainer(spec["out"], spec["seed"], spec["updates"], spec["save_every"])
+    if spec["kind"] == "fixed":
+        position_ids_from_mask(trainer.model)
+    marks = [time.perf_counter()]
+
+    class Mark(transformers.TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            marks.append(time.perf_counter())
+
+    trainer.add_callback(Mark())
+    trainer.train()
+    with open(os.path.join(spec["out"], "times.json"), "w") as f:
+        json.dump({"s_per_update": np.diff(marks).tolist()}, f)
+
+
+def logprobs_child(spec):
+    """One batch, 32 prompts x 8 completions sampled with TRL's generation config: the sampled tokens' log-probs at
+    sampling, from TRL's training forward as installed and with the patch, and from grpo_llm.py's training forward."""
+    torch.set_num_threads(1)
+    torch.manual_seed(spec["seed"])
+    trainer = trl_trainer(spec["out"], spec["seed"], 1, 1)
+    model, tokenizer = trainer.model.eval(), trainer.processing_class
+    with open(os.path.join(ROOT, TRAIN)) as f:
+        prompts = [json.loads(line)["question"] for line in f][:32]
+    enc = tokenizer([p for p in prompts for _ in range(8)], padding=True, padding_side="left", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(
+            **enc, generation_config=trainer.generation_config, output_logits=True, return_dict_in_generate=True
+        )
+    completions = out.sequences[:, enc.input_ids.shape[1] :]  # (B, C)
+    is_eos = torch.isin(completions, torch.tensor(trainer.eos_token_ids))
+    mask = (is_eos.cumsum(1) - is_eos.long()) == 0  # up to and with the first EOS, as TRL masks
+    sampled = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, completions[..., None])[..., 0]  # T = 1
+    input_ids = torch.cat([enc.input_ids, completions], 1)
+    attention_mask = torch.cat([enc.attention_mask, mask.long()], 1)
+    C = completions.shape[1]
+    logps = {}
+    with torch.no_grad():
+        logps["stock"] = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, C)[0]
+        position_ids_from_mask(model)
+        logps["fixed"] = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, C)[0]
+        hidden = grpo_llm.hidden_states(model, input_ids, attention_mask, enc.input_ids.shape[1])
+        logps["ours"] = grpo_llm.response_logprobs(model, hidden, completions, 1.0)[0]
+    padded = (enc.attention_mask[:, 0] == 0)[:, None] & mask  # the tokens of completions whose prompt was padded
+    result = {"tokens": int(mask.sum()), "tokens_of_padded_prompts": int(padded.sum()), "completions": len(mask)}
+    result["padded_prompts"] = int((enc.attention_mask[:, 0] == 0).sum())
+    for name, lp in logps.items():
+        error = (lp - sampled).abs()
+        result[name] = {"mean": error[mask].mean().item(), "max": error[mask].max().item()}
+        result[name]["mean_padded"] = error[padded].mean().item() if padded.any() else None
+        result[name]["mean_unpadded"] = error[mask & ~padded].mean().item() if (mask & ~padded).any() else None
+    print(json.dumps(result))
+
+
+def ours_child(spec):
+    """grpo_llm.py on the trace task, stopped every save_every updates and gone on with --resume (the same run as one
+    in a go), each stop's policy/ copied to checkpoint-<update>/; the wall time of each update in times.json."""
+    run_root, run_dir, seconds = os.path.join(spec["out"], "run"), None, []
+    for update in range(spec["save_every"], spec["updates"] + 1, spec["save_every"]):
+        if update == spec["save_every"]:
+            flags = [*TRACE, "--seed", str(spec["seed"]), "--output-dir", run_root]
+            flags += ["--eval-every", "0", "--sample-every", "0", "--save-every", "0"]
+        else:
+            flags = ["--resume", run_dir]
+        subprocess.run([sys.executable, "grpo_llm.py", *flags, "--total-steps", str(update)], cwd=ROOT, check=True)
+        (run_dir,) = [os.path.join(run_root, name) for name in os.listdir(run_root)]
+        shutil.copytree(os.path.join(run_dir, "policy"), os.path.join(spec["out"], f"checkpoint-{update}"))
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        elapsed = [json.loads(line)["time/elapsed"] for line in f]
+    for i, t in enumerate(elapsed):  # time/elapsed counts from each (re)start: the first update of a segment from 0
+        seconds.append(t - elapsed[i - 1] if i % spec["save_every"] else t)
+    with open(os.path.join(spec["out"], "times.json"), "w") as f:
+        json.dump({"s_per_update": seconds}, f)
+
+
+# ---- the parent: runs, evaluation, table and figure
+
+
+def start(args, kind, seed):
+    """One run (kind: ours, stock or fixed) as a child process of this script; TRL's on PYTHONPATH for TRL only."""
+    out = os.path.join(args.runs_dir, f"{kind}-{seed}")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    spec = {"kind": kind, "seed": seed, "updates": args.updates, "save_every": args.eval_every, "out": out}
+    env = os.environ | ({"PYTHONPATH": TRL_DIR} if kind != "ours" else {})
+    log = open(os.path.join(out, "log.txt"), "w")
+    print(f"running {kind} seed {seed} (log: {log.name})", flush=True)
+    cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log
+
+
+def evaluate(model, seed):
+    """grpo_llm.py --eval-only of one policy with the trace task's flags and the run's seed: its metrics."""
+    flags = [*TRACE[2:], "--model", model, "--eval-only", "--seed", str(seed), "--max-new-tokens", "64"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        return grpo_llm.main(grpo_llm.parse_args(flags))
+
+
+def learning(args):
+    """Every run, --jobs at a time (ours beside stock TRL first), then every saved policy evaluated: the results."""
+    if args.trl and not os.path.isdir(TRL_DIR):
+        where = os.path.relpath(TRL_DIR, ROOT)
+        install = f"pip install --no-deps --target {where} trl==1.16.0 accelerate psutil"
+        raise SystemExit(f"error: --trl needs TRL 1.16 in {where}: {install}")
+    jobs = [(kind, seed) for seed in args.seeds for kind in ["ours", *args.trl]]
+    jobs.sort(key=lambda job: job[0] == "fixed")  # stable: ours and stock TRL of each seed side by side, then fixed
+    running = []
+    while jobs or running:
+        while jobs and len(running) < args.jobs:
+            kind, seed = jobs.pop(0)
+            running.append((kind, seed, *start(args, kind, seed)))
+        done = [r for r in running if r[2].poll() is not None]
+        for kind, seed, process, log in done:
+            log.close()
+            running.remove((kind, seed, process, log))
+            if process.returncode:
+                raise SystemExit(
+                    f"error: the {kind} run of seed {seed} failed (exit code {process.returncode}): {log.name}"
+                )
+        time.sleep(1)
+    os.chdir(ROOT)  # the trace task's flags name files under the repository root
+    results = {"machine": machine_name("cpu"), "torch": torch.__version__, "args": vars(args), "runs": {}}
+    updates = list(range(0, args.updates + 1, args.eval_every))
+    start_accuracy = {
+        seed: evaluate(os.path.join(ROOT, MODEL), seed) for seed in args.seeds
+    }  # update 0: the SFT policy
+    for kind in ["ours", *args.trl]:
+        for seed in args.seeds:
+            out = os.path.join(args.runs_dir, f"{kind}-{seed}")
+            with open(os.path.join(out, "times.json")) as f:
+                seconds = json.load(f)["s_per_update"]
+            accuracy = [start_accuracy[seed]["eval/accuracy"]]
+            for update in updates[1:]:
+                accuracy.append(evaluate(os.path.join(out, f"checkpoint-{update}"), seed)["eval/accuracy"])
+                print(f"{kind} seed {seed} update {update}: held-out accuracy {accuracy[-1]:.3f}", flush=True)
+            results["runs"][f"{kind}-{seed}"] = {
+                "kind": kind,
+                "seed": seed,
+                "updates": updates,
+                "accuracy": accuracy,
+                "s_per_update": seconds,
+            }
+    return results
+
+
+def table(results, out_dir):
+    """trl_learning.md and trl_learning.png from the results."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    kinds = [kind for kind in NAMES if any(r["kind"] == kind for r in runs.values())]
+    updates = next(iter(runs.values()))["updates"]
+    shown = [u for u in updates if u % 50 == 0]
+    header = "| run | seeds | " + " | ".join(f"update {u}" for u in shown) + " | s / update |"
+    lines = [
+        "Held-out accuracy (`grpo_llm.py --eval-only` of each saved policy: the 256 problems of "
+        "assets/sums/test.jsonl at temperature 1), mean and (each seed); seconds per update: the median over every "
+        f"update of every seed, wall clock of the training loop. Machine: {results['machine']}, torch "
+        f"{results['torch']}, fp32, one torch thread a run, two runs at a time. Command: "
+        "`python benchmarks/trl_learning.py`",
+        "",
+        header,
+        "|---|---|" + "---|" * (len(shown) + 1),
+    ]
+    for kind in kinds:
+        mine = [r for r in runs.values() if r["kind"] == kind]
+        cells = []
+        for u in shown:
+            values = [r["accuracy"][r["updates"].index(u)] for r in mine]
+            cells.append(f"{np.mean(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})")
+        seconds = np.median([s for r in mine for s in r["s_per_update"]])
+        lines.append(f"| {NAMES[kind]} | {len(mine)} | {' | '.join(cells)} | {seconds:.2f} |")
+    write_table("trl_learning.md", "\n".join(lines), out_dir)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind, color in zip(kinds, ["C0", "C3", "C2"]):
+        mine = [r for r in runs.values() if r["kind"] == kind]
+        for r in mine:
+            ax.plot(r["updates"], r["accuracy"], color=color, alpha=0.35, lw=1)
+        ax.plot(updates, np.mean([r["accuracy"] for r in mine], 0), color=color, lw=2, label=NAMES[kind])
+    ax.set(xlabel="updates (8 prompts x 8 completions each)", ylabel="held-out accuracy (grpo_llm.py --eval-only)")
+    ax.set_title("GRPO on the trace task: ours and TRL 1.16 at the same configuration (CPU, fp32)", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "trl_learning.png"), dpi=90)
+    return "\n".join(lines)
+
+
+def logprobs(args):
+    """The log-probs of one batch (logprobs_child, in TRL's environment): trl_logprobs.json and trl_logprobs.md."""
+    out = os.path.join(args.runs_dir, "logprobs")
+    os.makedirs(out, exist_ok=True)
+    spec = json.dumps({"kind": "logprobs", "seed": args.seeds[0], "out": out})
+    env = os.environ | {"PYTHONPATH": TRL_DIR}
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", spec], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if done.returncode:
+        raise SystemExit(f"error: the log-probs child failed: {done.stderr.strip().splitlines()[-1]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1]) | {"seed": args.seeds[0]}
+    with open(os.path.join(args.out_dir, "trl_logprobs.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return logprobs_table(result, args.out_dir)
+
+
+def logprobs_table(result, out_dir):
+    """trl_logprobs.md from the measurement."""
+    lines = [
+        f"One batch of assets/sums-sft on the first 32 prompts of {TRAIN}, 8 completions each, sampled by TRL 1.16's "
+        f"generation config (seed {result['seed']}): {result['tokens']} completion tokens, "
+        f"{result['tokens_of_padded_prompts']} of them in the {result['padded_prompts']} completions whose prompt was "
+        "left-padded. |log p - log p at sampling| in nats per token. Command: "
+        "`python benchmarks/trl_learning.py --part logprobs`",
+        "",
+        "| training forward | mean | mean, padded prompts | mean, unpadded prompts | max |",
+        "|---|---|---|---|---|",
+    ]
+    labels = {
+        "stock": "TRL 1.16 `_get_per_token_logps_and_entropies`, as installed",
+        "fixed": "the same with position ids from the mask (this benchmark's patch)",
+        "ours": "grpo_llm.py `hidden_states` + `response_logprobs`",
+    }
+    for name, label in labels.items():
+        r = result[name]
+        values = [r["mean"], r["mean_padded"], r["mean_unpadded"], r["max"]]
+        cells = ["-" if v is None else f"{v:.2g}" for v in values]
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    write_table("trl_logprobs.md", "\n".join(lines), out_dir)
+    return "\n".join(lines)
+
+
+def main():
+    args = tyro.cli(Args)
+    if args.child:
+        spec = json.loads(args.child)
+        children = {"ours": ours_child, "stock": trl_child, "fixed": trl_child, "logprobs": logprobs_child}
+        return children[spec["kind"]](spec)
+    path = os.path.join(args.out_dir, "trl_learning.json")
+    if args.part == "logprobs":
+        return print(logprobs(args))
+    if args.part == "table":  # without its results a table would lose its rows: say so and write nothing
+        parts = {"trl_learning.json": "", "trl_logprobs.json": " --part logprobs"}
+        for name, part in parts.items():
+            if not os.path.exists(os.path.join(args.out_dir, name)):
+                raise SystemExit(
+                    f"error: --part table: {os.path.relpath(os.path.join(args.out_dir, name))} does not exist: measure "
+                    f"first (python benchmarks/trl_learning.py{part})"
+                )
+        with open(os.path.join(args.out_dir, "trl_logprobs.json")) as f:
+            print(logprobs_table(json.load(f), args.out_dir))
+        with open(path) as f:
+            return print(table(json.load(f), args.out_dir))
+    results = learning(args)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(table(results, args.out_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The benchmarks' table-only commands: without their result files they say so in one line and write nothing (a
+table with a header and no rows would replace the docs'); with them, they write the tables the docs show."""
+
+import functools
+import glob
+import importlib
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import docs_tables  # noqa: E402
+
+
+def pages():
+    """The text of every page write_table may edit."""
+    paths = glob.glob(os.path.join(ROOT, "docs", "*.md")) + [os.path.join(ROOT, "README.md")]
+    return {path: open(path).read() for path in paths}
+
+
+def redirect(monkeypatch, module, results):
+    """`module` reads and writes its result files in `results`, and its tables go there only (not into the docs)."""
+    monkeypatch.setattr(module, "RESULTS" if hasattr(module, "RESULTS") else "OUT", str(results))
+    monkeypatch.setattr(module, "write_table", functools.partial(docs_tables.write_table, results_dir=str(results)))
+
+
+def run_main(monkeypatch, module, argv):
+    monkeypatch.setattr(sys, "argv", [module.__file__, *argv])
+    return module.main()
+
+
+@pytest.mark.parametrize(
+    "script, argv, names",
+    [
+        ("lora", ["--part", "table"], ["--part table", "lora.json does not exist"]),
+        ("classic", ["--only-existing", "--skip-speed"], ["--merge"]),
+        ("classic", ["--only-existing", "--merge", "--skip-speed"], ["classic.csv"]),
+        ("psi_variance", ["--from-csv"], ["--from-csv", "psi_variance.csv does not exist"]),
+        ("llm_learning", ["--no-run", "--configs", "trace"], ["trace-ppo trace-grpo", "--configs trace-ppo"]),
+        ("trl_learning", ["--part", "table"], ["--part table", "trl_learning.json does not exist"]),
+        ("eval_noise", ["--table"], ["--table", "eval_noise.json does not exist"]),
+    ],
+)
+def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(
+    monkeypatch, tmp_path, script, argv, names
+):
+    module = importlib.import_module(script)
+    results = tmp_path / "results"
+    if script in ("llm_learning", "trl_learning"):
+        argv = [*argv, "--out-dir", str(results), "--runs-dir", str(tmp_path / "runs")]
+    elif script == "eval_noise":
+        argv = [*argv, "--out-dir", str(results)]
+    else:
+        redirect(monkeypatch, module, results)
+    if script == "classic":
+        monkeypatch.setattr(module, "REPO", str(tmp_path))  # no runs/ there either
+    before = pages()
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, module, argv)
+    message = str(e.value)
+    assert message.startswith("error: ") and "\n" not in message, message
+    for name in names:
+        assert name in message, (name, message)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert pages() == before
+
+
+def test_lora_table_refuses_a_results_file_without_results(monkeypatch, tmp_path):
+    lora = importlib.import_module("lora")
+    redirect(monkeypatch, lora, tmp_path)
+    (tmp_path / "lora.json").write_text(json.dumps({"machine": "m", "memory": {}, "learning": {}}))
+    with pytest.raises(SystemExit, match="lora.json has no results"):
+        run_main(monkeypatch, lora, ["--part", "table"])
+    assert sorted(os.listdir(tmp_path)) == ["lora.json"]
+
+
+def fake_run(runs_dir, name, seed, total_steps, records, ms=1000):
+    """A run directory as the scripts write it (<exp-name>__<seed>__<ms>): args.json and metrics.jsonl."""
+    run_dir = runs_dir / name / f"{name}__{seed}__{ms}"
+    run_dir.mkdir(parents=True)
+    (run_dir / "args.json").write_text(json.dumps({"seed": seed, "total_steps": total_steps}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_llm_learning_keeps_each_seeds_curves_and_writes_its_tables_from_them_alone(monkeypatch, tmp_path):
+    llm_learning = importlib.import_module("llm_learning")
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    for name in ["trace-ppo", "trace-grpo"]:
+        for seed in [1, 2]:
+            start = [{"update": 0, "episode": 0, "eval/accuracy": 0.25 * seed, "eval/accuracy_stderr": 0.03}]
+            updates = [{"update": u, "episode": 64 * u, "time/elapsed": 400.0 * u, "loss": 1.0} for u in [1, 2, 3]]
+            updates[-1] |= {"eval/accuracy": 0.5 + 0.125 * seed, "eval/accuracy_stderr": 0.03}
+            fake_run(runs, name, seed, 3, start + updates)
+    fake_run(runs, "trace-grpo", 2, 5, start + updates, ms=2000)  # a later run of seed 2, unfinished: not collected
+    args = llm_learning.Args(seeds=[1, 2], runs_dir=str(runs), out_dir=str(out))
+    for name in ["trace-ppo", "trace-grpo"]:
+        llm_learning.collect(args, name)
+    with open(out / "llm_curves" / "trace-grpo.csv") as f:
+        lines = f.read().splitlines()
+    # the metrics the tables read, not the others ("loss"); an accuracy k/256 exactly; 1 + 4 rows a seed
+    assert lines[0] == "seed,update,episode,time/elapsed,eval/accuracy,eval/accuracy_stderr"
+    assert lines[1:3] == ["1,0,0,,0.25,0.03", "1,1,64,400,,"] and len(lines) == 1 + 2 * 4
+    written = []
+    for _ in range(2):  # the table-only command twice: the same bytes (what a clean git diff needs)
+        run_main(monkeypatch, llm_learning, ["--no-run", "--configs", "trace", "--out-dir", str(out)])
+        written.append({name: (out / name).read_bytes() for name in ["trace_learning.md", "trace_learning.png"]})
+    assert written[0] == written[1]
+    table = written[0]["trace_learning.md"].decode()
+    # start (0.25 + 0.5) / 2 = 0.375 ± 0.125; after 15 min (900 s): update 2 at 800 s has no evaluation, so the
+    # last one at or before is update 0's; end (0.625 + 0.75) / 2 = 0.6875; 3 updates in 1200 s = 20.0 min
+    assert "| trace-ppo (`ppo_llm.py --total-steps 150`) | 2 | 0.375 ± 0.125 | 0.375 ± 0.125 | 0.688 ± 0.062 |" in table
+    assert "3 updates in 20.0 min; 3 updates in 20.0 min |" in table
+
+
+def test_llm_learning_collect_names_a_seed_without_a_finished_run(tmp_path):
+    llm_learning = importlib.import_module("llm_learning")
+    fake_run(tmp_path / "runs", "trace-ppo", 1, 3, [{"update": 0, "episode": 0}, {"update": 1, "episode": 128}])
+    args = llm_learning.Args(seeds=[1], runs_dir=str(tmp_path / "runs"), out_dir=str(tmp_path / "out"))
+    with pytest.raises(SystemExit, match="^error: trace-ppo: no finished run of seed 1 in .*trace-ppo_<seed>.log"):
+        llm_learning.collect(args, "trace-ppo")
+    assert not (tmp_path / "out").exists()
