@@ -2,8 +2,7 @@
 
 Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath) is PPO without the critic: every prompt gets a
 group of G sampled completions, a completion's advantage is its reward relative to the group's, and the KL to the frozen
-reference is a loss term, not a reward penalty. main() is the loop in the algorithm's order: 1. rollout, G completions a
-prompt, 2. rewards, 3. group advantages, 4. old and reference log-probs, 5. --num-iterations clipped updates; then log.
+reference is a loss term, not a reward penalty. main() is the loop, its steps numbered in the algorithm's order.
 
     python grpo_llm.py                                  # the embedded arithmetic SFT policy: offline, CPU, minutes
     python grpo_llm.py --model gpt2 --total-steps 200   # a hub model (a GPU is advisable)
@@ -492,21 +491,16 @@ def check_args(args, world):
     args.micro_batch_size = min(args.micro_batch_size, batch_size)  # the default 64 must not refuse a smaller batch
     high = 1 + (args.epsilon if args.epsilon_high is None else args.epsilon_high)
     n_rewards = 1 if args.reward_model else len(args.reward_fn)
-    for bad, message in [
-        (
-            batch_size % args.micro_batch_size,
-            f"--micro-batch-size ({args.micro_batch_size}) must divide the completions per update ({batch_size} a "
-            "process)",
-        ),
-        (high < 1 + args.epsilon, f"--epsilon-high must be >= --epsilon (got {args.epsilon_high})"),
-        (args.delta is not None and args.delta <= high, f"--delta must be > 1 + --epsilon-high (got {args.delta})"),
-        (
-            not args.reward_fn or (args.reward_weights is not None and len(args.reward_weights) != n_rewards),
-            f"--reward-weights needs one weight per reward ({n_rewards}), not {len(args.reward_weights or [])}",
-        ),
-    ]:
-        if bad:
-            raise SystemExit(f"error: {message}")
+    if batch_size % args.micro_batch_size:
+        completions = f"the completions per update ({batch_size} a process)"
+        raise SystemExit(f"error: --micro-batch-size ({args.micro_batch_size}) must divide {completions}")
+    if high < 1 + args.epsilon:
+        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high})")
+    if args.delta is not None and args.delta <= high:
+        raise SystemExit(f"error: --delta must be > 1 + --epsilon-high (got {args.delta})")
+    if not args.reward_fn or (args.reward_weights is not None and len(args.reward_weights) != n_rewards):
+        weights = f"({n_rewards}), not {len(args.reward_weights or [])}"
+        raise SystemExit(f"error: --reward-weights needs one weight per reward {weights}")
 
 
 def main(args: Args | None = None):

@@ -3,8 +3,7 @@
 Stage 3 of RLHF (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences"; Ouyang et al. 2022, InstructGPT): a
 policy generates responses to prompts, a reward model or a reward function scores them, and PPO (Schulman et al. 2017)
 raises the score while a per-token KL penalty keeps the policy close to the frozen reference, the SFT model it started
-from. main() is the loop in the algorithm's order: 1. rollout, 2. log-probs of policy and reference, values and scores,
-3. per-token rewards, 4. GAE, 5. epochs of clipped minibatch updates, 6. the KL controller; then log, evaluate, save.
+from. main() is the loop, its steps numbered in the algorithm's order.
 
     python ppo_llm.py                                  # the embedded arithmetic SFT policy: offline, CPU, minutes
     python ppo_llm.py --model gpt2 --total-steps 200   # a hub model (a GPU is advisable)
@@ -472,18 +471,15 @@ def check_args(args, world):
         args.micro_batch_size = minibatch_size
     if args.score_norm == "auto":
         args.score_norm = "on" if args.reward_model else "off"
-    for bad, message in [
-        (
-            batch_size % args.num_mini_batches or minibatch_size % args.micro_batch_size or not minibatch_size,
-            f"--num-mini-batches must divide --prompts-per-update ({batch_size} a process), and --micro-batch-size "
-            f"({args.micro_batch_size}) the minibatch",
-        ),
-        (args.lora_r and args.ref_update_every, "--ref-update-every cannot refresh a LoRA run's reference, its base"),
-        (args.score_norm == "on" and args.prompts_per_update < 2, "--score-norm on needs --prompts-per-update >= 2"),
-        (args.kl_target and not args.kl_coef, "--kl-target scales --kl-coef up or down: start it above 0 (got 0)"),
-    ]:
-        if bad:
-            raise SystemExit(f"error: {message}")
+    if batch_size % args.num_mini_batches or minibatch_size % args.micro_batch_size or not minibatch_size:
+        sizes = f"--prompts-per-update ({batch_size} a process), and --micro-batch-size ({args.micro_batch_size})"
+        raise SystemExit(f"error: --num-mini-batches must divide {sizes} the minibatch")
+    if args.lora_r and args.ref_update_every:
+        raise SystemExit("error: --ref-update-every cannot refresh a LoRA run's reference, its base")
+    if args.score_norm == "on" and args.prompts_per_update < 2:
+        raise SystemExit("error: --score-norm on needs --prompts-per-update >= 2")
+    if args.kl_target and not args.kl_coef:
+        raise SystemExit("error: --kl-target scales --kl-coef up or down: start it above 0 (got 0)")
 
 
 def main(args: Args | None = None):
@@ -629,9 +625,8 @@ def main(args: Args | None = None):
                 metrics |= evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
             line = f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
             line += f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
-            log(
-                writer, metrics, line + progress, samples_to_log(args, update, rows, completions, score=scores.tolist())
-            )
+            samples = samples_to_log(args, update, rows, completions, score=scores.tolist())
+            log(writer, metrics, line + progress, samples)
             if args.save_every and update % args.save_every == 0 and not stopping:
                 save_checkpoint(run_dir, models, optimizer, state, tokenizer)
         save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=args.save_merged)

@@ -6,6 +6,7 @@ import glob
 import importlib
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -123,3 +124,25 @@ def test_llm_learning_collect_names_a_seed_without_a_finished_run(tmp_path):
     with pytest.raises(SystemExit, match="^error: trace-ppo: no finished run of seed 1 in .*trace-ppo_<seed>.log"):
         llm_learning.collect(args, "trace-ppo")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_committed_curves_rebuild_every_committed_learning_table_and_figure(monkeypatch, tmp_path):
+    """llm_learning.py's table-only command, from the committed benchmarks/results/llm_curves/ alone, writes each of
+    its tables and figures byte for byte as committed: after it, git diff is empty."""
+    llm_learning = importlib.import_module("llm_learning")
+    shutil.copytree(os.path.join(RESULTS, "llm_curves"), tmp_path / "llm_curves")
+    groups = ["arithmetic", "trace", "trace-family"]
+    run_main(monkeypatch, llm_learning, ["--no-run", "--configs", *groups, "--out-dir", str(tmp_path)])
+    written = sorted(path.name for path in tmp_path.iterdir() if path.is_file())
+    assert written == [
+        "llm_accuracy.png",
+        "llm_learning.md",
+        "llm_reward_hacking.png",
+        "trace_family.md",
+        "trace_family.png",
+        "trace_learning.md",
+        "trace_learning.png",
+    ]
+    for name in written:
+        with open(os.path.join(RESULTS, name), "rb") as f:
+            assert (tmp_path / name).read_bytes() == f.read(), name
