@@ -1318,8 +1318,7 @@ def load_checkpoint(args, models, optimizer):
 
 
 def save_and_exit(error, update, state, run_dir, rank, save):
-    """A stop saves (every rank together; one rank alone cannot under torchrun), shows an error's traceback, says what
-    is on disk and how to go on, and exits non-zero."""
+    """A stop saves (every rank together), prints an error's traceback, what is on disk and how to go on."""
     together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
     what, saved = str(error) or type(error).__name__, None
     if not together and dist.is_initialized():
