@@ -669,9 +669,8 @@ def main(args: Args | None = None):
     return run_dir
 
 
-# SHARED WITH the other LLM script, kept identical by tests/test_shared.py: rewards, prompts, models, sharding, set-up,
-# logging, evaluation, stops and checkpoints. Rewards are yours to extend: add one to REWARD_FNS, or pass
-# --reward-fn path/to/file.py:function.
+# SHARED WITH the other LLM script, kept identical by tests/test_shared.py: rewards, prompts, models, sharding
+# and set-up, logging, evaluation, stops, checkpoints. To add a reward: REWARD_FNS, or --reward-fn file.py:fn.
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
 
@@ -736,9 +735,8 @@ def finite_scores(values, source, completions):
     bad = [i for i, score in enumerate(scores) if not math.isfinite(score)]
     if bad:
         first = f"the first: {values[bad[0]]!r} for {completions[bad[0]]!r}"
-        raise SystemExit(
-            f"error: {source} scored {len(bad)} of {len(scores)} completions with no finite number ({first})"
-        )
+        why = f"{len(bad)} of {len(scores)} completions with no finite number ({first})"
+        raise SystemExit(f"error: {source} scored {why}")
     return scores
 
 
@@ -878,10 +876,7 @@ def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, ar
         mask = batch["attention_mask"]
         inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
     else:
-        config = reward_model.config
-        context = min(
-            rm_tokenizer.model_max_length, getattr(config, "n_positions", 0) or config.max_position_embeddings
-        )
+        context = min(rm_tokenizer.model_max_length, reward_model.config.max_position_embeddings)
         texts = [rm_text(rm_tokenizer, row, completion) for row, completion in zip(rows, completions)]
         inputs = tokenize_texts(rm_tokenizer, texts, context).to(reward_model.device)
     logits, n = [], args.micro_batch_size
@@ -910,12 +905,13 @@ def load_models(args):
         raise SystemExit(f"error: --model {args.model}: {why}")
     if args.max_new_tokens is None:
         args.max_new_tokens = policy.generation_config.max_new_tokens or 8
-    context = getattr(policy.config, "n_positions", 0) or getattr(policy.config, "max_position_embeddings", 0)
+    context = getattr(policy.config, "max_position_embeddings", 0)  # GPT-2's n_positions too
     max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
     if context and (args.max_new_tokens >= context or max_prompt_length + args.max_new_tokens > context):
         flags = f"--max-new-tokens {args.max_new_tokens} and a prompt (--max-prompt-length {args.max_prompt_length})"
         raise SystemExit(f"error: {flags} do not fit the model's context of {context} tokens")
     args.max_prompt_length = max_prompt_length
+    eos_ids = end_of_response_ids(tokenizer, policy.generation_config)
     reward_model = rm_tokenizer = None
     if args.reward_model is not None:
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
@@ -926,17 +922,15 @@ def load_models(args):
         rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model", truncation_side="left")
         if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
             rm_tokenizer = None  # the same tokens: the ids are scored as they are, with no decoding and encoding
+            add_pad_token(tokenizer, [reward_model], eos_ids)
         else:
             add_pad_token(rm_tokenizer, [reward_model])
         reward_model.eval().requires_grad_(False)
-    eos_ids = end_of_response_ids(tokenizer, policy.generation_config)
-    same_tokens = [reward_model] if reward_model is not None and rm_tokenizer is None else []
-    add_pad_token(tokenizer, [policy] + same_tokens, eos_ids)
+    add_pad_token(tokenizer, [policy], eos_ids)
     # detail 4: a generation_config of our own, every field set, none left to the checkpoint's
-    sampling = dict(
+    policy.generation_config = transformers.GenerationConfig(
         do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens
     )
-    policy.generation_config = transformers.GenerationConfig(**sampling)
     policy.generation_config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
     if args.lora_r:
         policy = add_lora(policy, args)
@@ -1021,11 +1015,9 @@ def check_run(args, world):
     except OSError as e:
         raise SystemExit(f"error: {flag} {path}: not a directory this run can write ({reason(e)})") from None
     split = args.eval_split if args.dataset_split == "train" and args.eval_split else args.dataset_split
+    no_split = os.path.isfile(args.dataset) and split != "train" and not os.path.isfile(split)
     for bad, message in [
-        (
-            os.path.isfile(args.dataset) and split != "train" and not os.path.isfile(split),
-            f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead",
-        ),
+        (no_split, f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
         (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
         (args.eval_only and world > 1, "--eval-only runs in one process: python, not torchrun"),
         (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
@@ -1121,11 +1113,9 @@ def samples_to_log(args, update, rows, completions, **values):
     """Every --sample-every updates (0: never), the first --num-samples rows: update, prompt, completion, values."""
     if not args.sample_every or update % args.sample_every:
         return []
-    samples = []
-    for j in range(min(args.num_samples, len(rows))):
-        sample = {"update": update, "prompt": rows[j]["prompt"], "completion": completions[j]}
-        samples.append(sample | {name: value[j] for name, value in values.items()})
-    return samples
+    columns = {"prompt": [row["prompt"] for row in rows], "completion": completions} | values
+    n = min(args.num_samples, len(rows))
+    return [{"update": update} | {name: column[j] for name, column in columns.items()} for j in range(n)]
 
 
 def global_metrics(metrics, ops):
@@ -1146,9 +1136,8 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, chunk):
     with unsharded(policy):
         for i in range(rank * chunk, len(rows), world * chunk):
             batch = rollout(policy, tokenizer, [row["prompt"] for row in rows[i : i + chunk]], args, autocast)
-            scores += reward_fn(
-                tokenizer.batch_decode(batch["responses"], skip_special_tokens=True), rows[i : i + chunk]
-            )
+            completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+            scores += reward_fn(completions, rows[i : i + chunk])
             lengths += batch["mask"].sum(1).tolist()
     if dist.is_initialized():  # every rank's
         every_rank = [None] * world
@@ -1216,8 +1205,7 @@ def stop_requested():
 
 
 def stop_check():
-    """KeyboardInterrupt on every rank once any of them has been signalled: generation ends at its next token, and after
-    the rollout every rank stops here, before the update changes anything (a signal during an update lets it finish)."""
+    """KeyboardInterrupt on every rank once any is signalled; called after the rollout, before the update."""
     if stop_requested():
         raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")
 
@@ -1324,8 +1312,7 @@ def load_checkpoint(args, models, optimizer):
 
 
 def save_and_exit(error, update, state, run_dir, rank, save):
-    """A stop saves (every rank together; one rank alone cannot under torchrun), shows an error's traceback, says what
-    is on disk and how to go on, and exits non-zero."""
+    """A stop saves (every rank together), prints an error's traceback, what is on disk and how to go on."""
     together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
     what, saved = str(error) or type(error).__name__, None
     if not together and dist.is_initialized():
