@@ -1092,9 +1092,11 @@ def samples_to_log(args, update, rows, completions, **values):
     """Every --sample-every updates (0: never), the first --num-samples rows: update, prompt, completion, values."""
     if not args.sample_every or update % args.sample_every:
         return []
-    columns = {"prompt": [row["prompt"] for row in rows], "completion": completions} | values
-    n = min(args.num_samples, len(rows))
-    return [{"update": update} | {name: column[j] for name, column in columns.items()} for j in range(n)]
+    samples = []
+    for j in range(min(args.num_samples, len(rows))):
+        sample = {"update": update, "prompt": rows[j]["prompt"], "completion": completions[j]}
+        samples.append(sample | {name: value[j] for name, value in values.items()})
+    return samples
 
 
 def global_metrics(metrics, ops):
