@@ -28,8 +28,8 @@ Implementation details, cited "detail N":
     --use-bias-correction-kl (on) it is rho k3, whose gradient is KL(pi || ref)'s even at rho = 1 (k3's: KL(ref || pi)).
 11. Several reward functions are summed with --reward-weights; a reward model scores alone.
 12. cispo (MiniMax-M1): REINFORCE weighted by the detached ratio capped at 1 + --epsilon-high (TRL caps it at its
-    epsilon_high: its 5 is our 4); sapo (Gao et al. 2025): a sigmoid gate instead of the clip; --delta (INTELLECT-2):
-    the unclipped ratio capped.
+    epsilon_high: TRL's 5 is our 4); sapo (Gao et al. 2025): a sigmoid gate instead of the clip; --delta
+    (INTELLECT-2): the unclipped ratio capped.
 13. --top-entropy-quantile q (Wang et al. 2025): the batch's top q of tokens by entropy alone carry the policy gradient
     and bonus; --off-policy-mask-threshold (DeepSeek-V3.2): completions with A < 0 far from pi_old leave it.
 
@@ -62,7 +62,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as dcp
-import torch.distributed.nn  # noqa: F401  before init_process_group: its defaults (group=WORLD) would hold the group
+import torch.distributed.nn  # noqa: F401  now: imported after init_process_group, its defaults would hold the group
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
@@ -245,7 +245,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, entr
         per_token_loss = -ratio.clamp(max=1 + epsilon_high).detach() * advantages * logprobs
     elif args.loss_type == "sapo":
         tau = torch.where(advantages > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
-        per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+        per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages  # slope A at rho = 1, as PPO's
     else:
         clipped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high)
         capped_ratio = ratio if args.delta is None else ratio.clamp(max=args.delta)
@@ -263,7 +263,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, entr
     n = logprobs.shape[0]  # completions
     normaliser = mask.sum().clamp(min=1)  # dapo, cispo
     if args.loss_type in ("grpo", "sapo"):
-        normaliser = mask.sum(1).clamp(min=1) * n
+        normaliser = mask.sum(1).clamp(min=1) * n  # (B,): each completion's own length
     elif args.loss_type == "dr_grpo":
         normaliser = n * args.max_new_tokens
     loss = ((per_token_loss * mask).sum(1) / normaliser).sum()
@@ -296,12 +296,12 @@ def lm_head_logprobs(
     backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
     for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
     where F.linear would run it (autocast's dtype)."""
-    (B, T), device = labels.shape, hidden.device.type
+    (B, T), device_type = labels.shape, hidden.device.type
     dtype = head.weight.dtype
     if fp32:
         dtype = torch.float32
-    elif torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
+    elif torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
 
     def logits(h):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place where it can be
         bias = None if head.bias is None else head.bias.to(dtype)
@@ -316,7 +316,7 @@ def lm_head_logprobs(
         return z
 
     def chunk(h, y):  # (N, H), (N,) -> log p of y (N,), entropy (N,) or None
-        with torch.autocast(device, enabled=False):
+        with torch.autocast(device_type, enabled=False):
             logp = logits(h).log_softmax(-1)  # the logits are freed here: two chunk-sized tensors at most
             logprobs = logp.gather(-1, y[:, None])[:, 0]
             if not with_entropy:
@@ -355,7 +355,7 @@ def hidden_states(model, query_responses, attention_mask, prompt_width):
     so query_responses[:, Q:] comes from positions Q - 1 ... -2 (the off-by-one shift). Through the model's own forward,
     where FSDP gathers its weights, with the LM head on the last position only (the chunked head does the rest)."""
     inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
-    if model.get_output_embeddings() is None:  # a trunk: the critic
+    if model.get_output_embeddings() is None:  # a trunk (AutoModel): PPO's critic
         return model(**inputs, use_cache=False).last_hidden_state[:, prompt_width - 1 : -1]
     out = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     return out.hidden_states[-1][:, prompt_width - 1 : -1]
@@ -426,7 +426,7 @@ def accumulate_gradients(policy, batch, args, autocast):
     """Forward and backward the whole batch, micro-batch by micro-batch, each weighted by its share of the completions
     or, for dapo and cispo, of the loss tokens (detail 9; per rank); returns (the loss, each micro-batch's stats)."""
     loss_mask, batch_size = batch["loss_mask"], len(batch["loss_mask"])
-    bonus_mask = loss_mask * batch["entropy_mask"]  # the tokens that carry the policy gradient
+    bonus_mask = loss_mask * batch["entropy_mask"]  # the tokens of the policy gradient and entropy bonus (detail 13)
     stats, loss_sum = [], torch.zeros((), device=loss_mask.device)
     n_tokens, n_bonus = global_mean([loss_mask.sum()]), global_mean([bonus_mask.sum()])
     for micro_batch in torch.arange(batch_size, device=loss_mask.device).split(args.micro_batch_size):
@@ -435,7 +435,9 @@ def accumulate_gradients(policy, batch, args, autocast):
         old_logprobs = logprobs.detach()  # --num-iterations 1 (detail 5)
         if batch["old_logprobs"] is not None:
             old_logprobs = batch["old_logprobs"][micro_batch]
-        ref_logprobs = None if batch["ref_logprobs"] is None else batch["ref_logprobs"][micro_batch]
+        ref_logprobs = None
+        if batch["ref_logprobs"] is not None:
+            ref_logprobs = batch["ref_logprobs"][micro_batch]
         advantages, mask = batch["advantages"][micro_batch], loss_mask[micro_batch]
         loss, micro_stats = grpo_loss(
             logprobs, old_logprobs, ref_logprobs, advantages, mask, args, batch["entropy_mask"][micro_batch]
@@ -494,11 +496,13 @@ def check_args(args, world):
     if batch_size % args.micro_batch_size:
         completions = f"the completions per update ({batch_size} a process)"
         raise SystemExit(f"error: --micro-batch-size ({args.micro_batch_size}) must divide {completions}")
-    if high < 1 + args.epsilon:
+    if args.epsilon_high is not None and args.epsilon_high < args.epsilon:
         raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high})")
     if args.delta is not None and args.delta <= high:
         raise SystemExit(f"error: --delta must be > 1 + --epsilon-high (got {args.delta})")
-    if not args.reward_fn or (args.reward_weights is not None and len(args.reward_weights) != n_rewards):
+    if not args.reward_fn:
+        raise SystemExit("error: --reward-fn needs at least one reward function")
+    if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
         weights = f"({n_rewards}), not {len(args.reward_weights or [])}"
         raise SystemExit(f"error: --reward-weights needs one weight per reward {weights}")
 
@@ -528,16 +532,16 @@ def main(args: Args | None = None):
     needs_answers = reward_model is None and bool({"arithmetic", "gsm8k"} & set(args.reward_fn))
     rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
     models = nn.ModuleDict({"policy": policy})  # what checkpoint.pt and policy/ hold; the reference is --model's
-    checkpoint = load_checkpoint(args, models, optimizer)  # {} for a new run
-    run_dir, writer = open_run(args, rank, checkpoint)
-    first_update = update = checkpoint.get("update", 0)
+    resumed = load_checkpoint(args, models, optimizer)  # {} for a new run
+    run_dir, writer = open_run(args, rank, resumed)
+    first_update = update = resumed.get("update", 0)
     prompts = prompt_stream(rows, args.seed, first_update * args.prompts_per_update, rank, world)
     state, start_time = {"update": update}, time.time()  # what a resume restores besides the weights and AdamW
     print(f"{run_dir}/checkpoint.pt: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     STOP.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if eval_problems and not checkpoint:  # the initial policy, at update 0
+        if eval_problems and not resumed:  # the initial policy, at update 0
             initial = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
@@ -592,8 +596,8 @@ def main(args: Args | None = None):
                     entropy = torch.cat([entropy for _, entropy in out])
                     batch["entropy_mask"] = high_entropy_mask(entropy, loss_mask, args.top_entropy_quantile)
             if ref_policy is not None:
-                base = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()
-                with torch.no_grad(), autocast, base, unsharded(ref_policy):
+                adapters_off = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()
+                with torch.no_grad(), autocast, adapters_off, unsharded(ref_policy):
                     out = [training_forward(ref_policy, batch, mb, args) for mb in micro_batches]
                 batch["ref_logprobs"] = torch.cat([logprobs for logprobs, _ in out])
             t2 = wall_clock(device)
@@ -601,13 +605,12 @@ def main(args: Args | None = None):
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 9)
             policy.train()
             stats, losses, grad_norms = [], [], []
-            for _ in range(args.num_iterations):
-                if not has_loss_tokens:
-                    break
-                loss, micro_stats = accumulate_gradients(policy, batch, args, autocast)
-                grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
-                stats += micro_stats
-                losses.append(loss)
+            if has_loss_tokens:
+                for _ in range(args.num_iterations):
+                    loss, micro_stats = accumulate_gradients(policy, batch, args, autocast)
+                    grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
+                    stats += micro_stats
+                    losses.append(loss)
             state = {"update": update}  # update done: a stop from here on resumes after it
             t3 = wall_clock(device)
 
@@ -669,8 +672,9 @@ def main(args: Args | None = None):
     return run_dir
 
 
-# SHARED WITH the other LLM script, kept identical by tests/test_shared.py: rewards, prompts, models, sharding
-# and set-up, logging, evaluation, stops, checkpoints. To add a reward: REWARD_FNS, or --reward-fn file.py:fn.
+# SHARED WITH the other LLM script, kept identical by tests/test_shared.py (as is each function above that both
+# define): rewards, prompts, models, sharding and set-up, logging, evaluation, stops, checkpoints. To add a reward:
+# REWARD_FNS, or --reward-fn file.py:fn.
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
 
@@ -952,7 +956,7 @@ def shard(model):
 
 @contextlib.contextmanager
 def unsharded(model):
-    """Under torchrun, the model whole on every rank for a while: one all-gather, not one a forward (a token's)."""
+    """Under torchrun, the model whole on every rank for a while: one all-gather a generate(), not one a token."""
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
     for module in sharded:
         module.unshard()
@@ -1004,7 +1008,7 @@ def check_range(args, rule, names):
 
 
 def check_run(args, world):
-    """The checks both scripts make: a run directory writable (nothing is created), the dataset's split, and more."""
+    """Both scripts' checks: the run directory writable (nothing is created), the split, the processes, LoRA's flags."""
     flag, path = ("--resume", args.resume) if args.resume else ("--output-dir", args.output_dir)
     existing = os.path.abspath(path)
     while not os.path.exists(existing):  # where makedirs would start
@@ -1068,14 +1072,14 @@ def open_run(args, rank, checkpoint):
     names = [args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")]
     if dist.is_initialized():
         dist.broadcast_object_list(names)
-    run_dir, done = names[0], checkpoint.get("update", 0)
+    run_dir, resumed_update = names[0], checkpoint.get("update", 0)
     if rank:
         return run_dir, None
     os.makedirs(run_dir, exist_ok=True)
-    if done:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
+    if resumed_update:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
         for name in ["metrics.jsonl", "samples.jsonl"]:
             with open(os.path.join(run_dir, name)) as f:
-                rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= done]
+                rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= resumed_update]
             with open(os.path.join(run_dir, name), "w") as f:
                 f.writelines(rows)
     for tmp in glob.glob(os.path.join(run_dir, "checkpoint.*.tmp")):  # a save that a hard kill cut short
@@ -1087,7 +1091,10 @@ def open_run(args, rank, checkpoint):
         settings |= dict(name=os.path.basename(os.path.normpath(run_dir)), sync_tensorboard=True)
         settings |= dict(id=checkpoint.get("wandb_id"), resume="allow" if checkpoint else None)  # the same run goes on
         __import__("wandb").init(**settings)
-    return run_dir, SummaryWriter(run_dir, purge_step=done + 1 if done else None)  # and TensorBoard's events past it
+    purge_step = None
+    if resumed_update:  # and TensorBoard's events past it
+        purge_step = resumed_update + 1
+    return run_dir, SummaryWriter(run_dir, purge_step=purge_step)
 
 
 def log(writer, metrics, line, samples=()):
@@ -1131,15 +1138,16 @@ def global_metrics(metrics, ops):
     return metrics
 
 
-def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, chunk):
+def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
     """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     scores, lengths = [], []
     with unsharded(policy):
-        for i in range(rank * chunk, len(rows), world * chunk):
-            batch = rollout(policy, tokenizer, [row["prompt"] for row in rows[i : i + chunk]], args, autocast)
+        for i in range(rank * batch_size, len(rows), world * batch_size):
+            chunk = rows[i : i + batch_size]
+            batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk], args, autocast)
             completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-            scores += reward_fn(completions, rows[i : i + chunk])
+            scores += reward_fn(completions, chunk)
             lengths += batch["mask"].sum(1).tolist()
     if dist.is_initialized():  # every rank's
         every_rank = [None] * world
@@ -1155,7 +1163,7 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, chunk):
 
 
 def eval_line(metrics, n=None):
-    """The accuracy ± its standard error; with n, the difference 95% of two evaluations stay under (1.96 sqrt 2)."""
+    """The accuracy ± its standard error; with n, the 95% bound on the gap between two evaluations of one policy."""
     line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
     bound = 1.96 * 2**0.5 * metrics["eval/accuracy_stderr"]
     return line if n is None else f"{line} (n={n}; two evaluations of one policy differ by < {bound:.3f})"
@@ -1244,8 +1252,9 @@ def reason(error):
 
 def saved_names(model):
     """The names of a model's weights in checkpoint.pt: its state_dict's but a LoRA base's (frozen, --model's own)."""
-    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    return {name for name in model.state_dict() if name not in frozen}  # remove_duplicate: a tied head's name too
+    parameters = model.named_parameters(remove_duplicate=False)  # a tied head's name too
+    frozen = {name for name, p in parameters if not p.requires_grad}
+    return {name for name in model.state_dict() if name not in frozen}
 
 
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):

@@ -58,7 +58,7 @@ import datasets
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as dcp
-import torch.distributed.nn  # noqa: F401  before init_process_group: its defaults (group=WORLD) would hold the group
+import torch.distributed.nn  # noqa: F401  now: imported after init_process_group, its defaults would hold the group
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
@@ -255,12 +255,12 @@ def lm_head_logprobs(
     backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
     for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
     where F.linear would run it (autocast's dtype)."""
-    (B, T), device = labels.shape, hidden.device.type
+    (B, T), device_type = labels.shape, hidden.device.type
     dtype = head.weight.dtype
     if fp32:
         dtype = torch.float32
-    elif torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
+    elif torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
 
     def logits(h):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place where it can be
         bias = None if head.bias is None else head.bias.to(dtype)
@@ -275,7 +275,7 @@ def lm_head_logprobs(
         return z
 
     def chunk(h, y):  # (N, H), (N,) -> log p of y (N,), entropy (N,) or None
-        with torch.autocast(device, enabled=False):
+        with torch.autocast(device_type, enabled=False):
             logp = logits(h).log_softmax(-1)  # the logits are freed here: two chunk-sized tensors at most
             logprobs = logp.gather(-1, y[:, None])[:, 0]
             if not with_entropy:
@@ -314,7 +314,7 @@ def hidden_states(model, query_responses, attention_mask, prompt_width):
     so query_responses[:, Q:] comes from positions Q - 1 ... -2 (the off-by-one shift). Through the model's own forward,
     where FSDP gathers its weights, with the LM head on the last position only (the chunked head does the rest)."""
     inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
-    if model.get_output_embeddings() is None:  # a trunk: the critic
+    if model.get_output_embeddings() is None:  # a trunk (AutoModel): PPO's critic
         return model(**inputs, use_cache=False).last_hidden_state[:, prompt_width - 1 : -1]
     out = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     return out.hidden_states[-1][:, prompt_width - 1 : -1]
@@ -390,7 +390,7 @@ def training_forward(policy, critic, value_head, batch, micro_batch, args, with_
 
 def accumulate_gradients(policy, critic, value_head, batch, minibatch, args, autocast):
     """Forward and backward the rows minibatch, micro-batch by micro-batch (detail 11); returns each micro-batch's
-    stats. Under torchrun n_tokens is the union minibatch's real tokens per rank, as FSDP averages the ranks'."""
+    stats. n_tokens: the minibatch's real tokens, averaged over the ranks, as FSDP averages their gradients."""
     stats, n_tokens = [], global_mean([batch["mask"][minibatch].sum()])
     for micro_batch in minibatch.split(args.micro_batch_size):
         mask, old_logprobs = batch["mask"][micro_batch], batch["old_logprobs"][micro_batch]
@@ -402,12 +402,12 @@ def accumulate_gradients(policy, critic, value_head, batch, minibatch, args, aut
         vf_loss, vf_stats = value_loss(
             values, batch["values"][micro_batch], batch["returns"][micro_batch], mask, args.cliprange_value
         )
-        entropy = masked_mean(entropy, mask)
+        mean_entropy = masked_mean(entropy, mask)
         loss = pg_loss + args.vf_coef * vf_loss
         if args.ent_coef:  # only then does backward go through the entropy
-            loss = loss - args.ent_coef * entropy
+            loss = loss - args.ent_coef * mean_entropy
         (loss * mask.sum() / n_tokens).backward()  # weighted by its share of the minibatch's real tokens (detail 11)
-        losses = {"loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "policy/entropy_avg": entropy}
+        losses = {"loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "policy/entropy_avg": mean_entropy}
         stats.append(pg_stats | vf_stats | {key: value.detach() for key, value in losses.items()})
     return stats
 
@@ -472,8 +472,8 @@ def check_args(args, world):
     if args.score_norm == "auto":
         args.score_norm = "on" if args.reward_model else "off"
     if batch_size % args.num_mini_batches or minibatch_size % args.micro_batch_size or not minibatch_size:
-        sizes = f"--prompts-per-update ({batch_size} a process), and --micro-batch-size ({args.micro_batch_size})"
-        raise SystemExit(f"error: --num-mini-batches must divide {sizes} the minibatch")
+        sizes = f"({batch_size} a process) into minibatches that --micro-batch-size ({args.micro_batch_size}) divides"
+        raise SystemExit(f"error: --num-mini-batches must divide --prompts-per-update {sizes}")
     if args.lora_r and args.ref_update_every:
         raise SystemExit("error: --ref-update-every cannot refresh a LoRA run's reference, its base")
     if args.score_norm == "on" and args.prompts_per_update < 2:
@@ -504,19 +504,19 @@ def main(args: Args | None = None):
     if args.ref_update_every:  # else the reference is --model's
         models["ref_policy"] = ref_policy
     models = nn.ModuleDict({name: model for name, model in models.items() if model is not None})
-    checkpoint = load_checkpoint(args, models, optimizer)  # {} for a new run
+    resumed = load_checkpoint(args, models, optimizer)  # {} for a new run
     needs_answers = reward_model is None and args.reward_fn in ("arithmetic", "gsm8k")
     rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
-    run_dir, writer = open_run(args, rank, checkpoint)
-    first_update = update = checkpoint.get("update", 0)
-    kl_coef, start_time = checkpoint.get("kl_coef", args.kl_coef), time.time()
+    run_dir, writer = open_run(args, rank, resumed)
+    first_update = update = resumed.get("update", 0)
+    kl_coef, start_time = resumed.get("kl_coef", args.kl_coef), time.time()
     prompts = prompt_stream(rows, args.seed, first_update * args.prompts_per_update, rank, world)
     state = {"update": update, "kl_coef": kl_coef}  # what a resume restores besides the weights and AdamW
     print(f"{run_dir}/checkpoint.pt: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     STOP.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if eval_problems and not checkpoint:  # the initial policy, at update 0
+        if eval_problems and not resumed:  # the initial policy, at update 0
             initial = evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
@@ -539,11 +539,11 @@ def main(args: Args | None = None):
             with torch.no_grad(), autocast, unsharded(policy):
                 out = [training_forward(policy, critic, value_head, batch, mb, args) for mb in micro_batches]
             old_logprobs = torch.cat([logprobs for logprobs, _, _ in out])
-            values = torch.cat([values for _, _, values in out])
+            values = torch.cat([v for _, _, v in out])
             ref_logprobs = old_logprobs
             if ref_policy is not None:
-                base = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()
-                with torch.no_grad(), autocast, base, unsharded(ref_policy):
+                adapters_off = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()
+                with torch.no_grad(), autocast, adapters_off, unsharded(ref_policy):
                     out = [training_forward(ref_policy, None, None, batch, mb, args) for mb in micro_batches]
                 ref_logprobs = torch.cat([logprobs for logprobs, _, _ in out])
             # 2b. scores: the reward function's, or the reward model's (and the function's too, when rows have answers)
@@ -648,8 +648,9 @@ def main(args: Args | None = None):
     return run_dir
 
 
-# SHARED WITH the other LLM script, kept identical by tests/test_shared.py: rewards, prompts, models, sharding
-# and set-up, logging, evaluation, stops, checkpoints. To add a reward: REWARD_FNS, or --reward-fn file.py:fn.
+# SHARED WITH the other LLM script, kept identical by tests/test_shared.py (as is each function above that both
+# define): rewards, prompts, models, sharding and set-up, logging, evaluation, stops, checkpoints. To add a reward:
+# REWARD_FNS, or --reward-fn file.py:fn.
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
 
@@ -931,7 +932,7 @@ def shard(model):
 
 @contextlib.contextmanager
 def unsharded(model):
-    """Under torchrun, the model whole on every rank for a while: one all-gather, not one a forward (a token's)."""
+    """Under torchrun, the model whole on every rank for a while: one all-gather a generate(), not one a token."""
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
     for module in sharded:
         module.unshard()
@@ -983,7 +984,7 @@ def check_range(args, rule, names):
 
 
 def check_run(args, world):
-    """The checks both scripts make: a run directory writable (nothing is created), the dataset's split, and more."""
+    """Both scripts' checks: the run directory writable (nothing is created), the split, the processes, LoRA's flags."""
     flag, path = ("--resume", args.resume) if args.resume else ("--output-dir", args.output_dir)
     existing = os.path.abspath(path)
     while not os.path.exists(existing):  # where makedirs would start
@@ -1047,14 +1048,14 @@ def open_run(args, rank, checkpoint):
     names = [args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")]
     if dist.is_initialized():
         dist.broadcast_object_list(names)
-    run_dir, done = names[0], checkpoint.get("update", 0)
+    run_dir, resumed_update = names[0], checkpoint.get("update", 0)
     if rank:
         return run_dir, None
     os.makedirs(run_dir, exist_ok=True)
-    if done:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
+    if resumed_update:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
         for name in ["metrics.jsonl", "samples.jsonl"]:
             with open(os.path.join(run_dir, name)) as f:
-                rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= done]
+                rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= resumed_update]
             with open(os.path.join(run_dir, name), "w") as f:
                 f.writelines(rows)
     for tmp in glob.glob(os.path.join(run_dir, "checkpoint.*.tmp")):  # a save that a hard kill cut short
@@ -1066,7 +1067,10 @@ def open_run(args, rank, checkpoint):
         settings |= dict(name=os.path.basename(os.path.normpath(run_dir)), sync_tensorboard=True)
         settings |= dict(id=checkpoint.get("wandb_id"), resume="allow" if checkpoint else None)  # the same run goes on
         __import__("wandb").init(**settings)
-    return run_dir, SummaryWriter(run_dir, purge_step=done + 1 if done else None)  # and TensorBoard's events past it
+    purge_step = None
+    if resumed_update:  # and TensorBoard's events past it
+        purge_step = resumed_update + 1
+    return run_dir, SummaryWriter(run_dir, purge_step=purge_step)
 
 
 def log(writer, metrics, line, samples=()):
@@ -1110,15 +1114,16 @@ def global_metrics(metrics, ops):
     return metrics
 
 
-def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, chunk):
+def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
     """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     scores, lengths = [], []
     with unsharded(policy):
-        for i in range(rank * chunk, len(rows), world * chunk):
-            batch = rollout(policy, tokenizer, [row["prompt"] for row in rows[i : i + chunk]], args, autocast)
+        for i in range(rank * batch_size, len(rows), world * batch_size):
+            chunk = rows[i : i + batch_size]
+            batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk], args, autocast)
             completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-            scores += reward_fn(completions, rows[i : i + chunk])
+            scores += reward_fn(completions, chunk)
             lengths += batch["mask"].sum(1).tolist()
     if dist.is_initialized():  # every rank's
         every_rank = [None] * world
@@ -1134,7 +1139,7 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, chunk):
 
 
 def eval_line(metrics, n=None):
-    """The accuracy ± its standard error; with n, the difference 95% of two evaluations stay under (1.96 sqrt 2)."""
+    """The accuracy ± its standard error; with n, the 95% bound on the gap between two evaluations of one policy."""
     line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
     bound = 1.96 * 2**0.5 * metrics["eval/accuracy_stderr"]
     return line if n is None else f"{line} (n={n}; two evaluations of one policy differ by < {bound:.3f})"
@@ -1223,8 +1228,9 @@ def reason(error):
 
 def saved_names(model):
     """The names of a model's weights in checkpoint.pt: its state_dict's but a LoRA base's (frozen, --model's own)."""
-    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    return {name for name in model.state_dict() if name not in frozen}  # remove_duplicate: a tied head's name too
+    parameters = model.named_parameters(remove_duplicate=False)  # a tied head's name too
+    frozen = {name for name, p in parameters if not p.requires_grad}
+    return {name for name in model.state_dict() if name not in frozen}
 
 
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):

@@ -579,6 +579,7 @@ def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
         (dict(reward_fn=("arithmetic", "nope")), "error: --reward-fn nope: not one of ['arithmetic', 'format', "
          "'gsm8k'], nor a file.py:function or module:function that loads"),
         (dict(reward_weights=(1.0, 2.0)), "error: --reward-weights needs one weight per reward (1), not 2"),
+        (dict(reward_fn=()), "error: --reward-fn needs at least one reward function"),
         (dict(temperature=0.0), "error: --temperature must be > 0"),
         (dict(top_entropy_quantile=0.0), "error: --top-entropy-quantile must be in (0, 1]"),
         (dict(sapo_temperature_neg=0.0), "error: --sapo-temperature-neg must be > 0 (got 0.0)"),

@@ -593,7 +593,7 @@ def test_reward_rises(tiny, tmp_path):
         (dict(model="/no/such/dir"), "--model /no/such/dir is no directory, nor reachable on the hub"),
         # a hub id without the network: tests/test_chat.py (offline, so without huggingface_hub's ~26 s of retries)
         (dict(num_mini_batches=3), "--num-mini-batches must divide --prompts-per-update"),
-        (dict(micro_batch_size=3), "and --micro-batch-size (3) the minibatch"),
+        (dict(micro_batch_size=3), "into minibatches that --micro-batch-size (3) divides"),
         (dict(max_new_tokens=32), "--max-new-tokens 32 and a prompt (--max-prompt-length None) do not fit"),
         (dict(max_prompt_length=30), "(--max-prompt-length 30) do not fit the model's context of 32 tokens"),
         (dict(temperature=0.0), "--temperature must be > 0"),
