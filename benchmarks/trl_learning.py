@@ -311,7 +311,8 @@ def table(results, out_dir):
         "Held-out accuracy (`grpo_llm.py --eval-only` of each saved policy: the 256 problems of "
         "assets/sums/test.jsonl at temperature 1), mean and (each seed); seconds per update: the median over every "
         f"update of every seed, wall clock of the training loop. Machine: {results['machine']}, torch "
-        f"{results['torch']}, fp32, one torch thread a run, two runs at a time. Command: "
+        f"{results['torch']}, fp32, one torch thread a run, two at a time (ours beside stock TRL, seed by seed, then "
+        "the two patched runs). Command: "
         "`python benchmarks/trl_learning.py`",
         "",
         header,
