@@ -417,6 +417,18 @@ def summarise_family(args, data):
         f"evaluation and update, every run): length right {start['eval/mean_length_right']}, length wrong "
         f"{start['eval/mean_length_wrong']}, entropy {start['entropy']}."
     )
+    rows += [
+        "",
+        "| variant | held-out accuracy at the end, each seed | its best evaluation, each seed (update) |",
+        "|---|---|---|",
+    ]
+    for name, runs in data.items():
+        ends, bests = [], []
+        for run in runs:
+            updates, accuracy = series(run, "eval/accuracy")
+            ends.append(f"{accuracy[-1]:.3f}")
+            bests.append(f"{accuracy.max():.3f} ({updates[accuracy.argmax()]})")
+        rows.append(f"| {VARIANT[name]} | {', '.join(ends)} | {', '.join(bests)} |")
     table = "\n".join(rows)
     print(table)
     write_table("trace_family.md", table, args.out_dir)
