@@ -9,8 +9,12 @@ benchmarks/results/llm_speed_<model>_<device>.md and .json; the table also into 
 
     python benchmarks/llm_speed.py                        # embedded default (CPU)
     python benchmarks/llm_speed.py --gpt2-shape           # GPT-2-124M shape built from its config, random weights
+    python benchmarks/llm_speed.py --table                # measure nothing: each .md from its .json
+
+--table without a .json says so and writes nothing.
 """
 
+import glob
 import json
 import os
 import platform
@@ -52,6 +56,8 @@ class Args:
     """use the GPU when there is one (bf16 autocast, as the scripts do)"""
     out_dir: str = os.path.join(ROOT, "benchmarks", "results")
     """where the markdown and JSON results go"""
+    table: bool = False
+    """measure nothing: each llm_speed_<model>_<device>.md from its .json in --out-dir"""
 
 
 def gpt2_shaped_model(path):
@@ -126,6 +132,15 @@ def run_script(module, model_path, args, extra):
 
 def main():
     args = tyro.cli(Args)
+    if args.table:
+        paths = sorted(glob.glob(os.path.join(args.out_dir, "llm_speed_*.json")))
+        if not paths:
+            where = os.path.relpath(os.path.join(args.out_dir, "llm_speed_<model>_<device>.json"))
+            raise SystemExit(f"error: --table: {where} does not exist: measure first (without --table)")
+        for path in paths:
+            with open(path) as f:
+                print(table(json.load(f), args.out_dir))
+        return
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         model_path = gpt2_shaped_model(tmp) if args.gpt2_shape else os.path.join(ROOT, "assets", "arith-sft")
@@ -137,32 +152,45 @@ def main():
         results = {name: run_script(module, model_path, args, extra) for name, (module, extra) in runs.items()}
         floors = {b: bare_generate_seconds(model_path, b, args, device, args.updates)
                   for b in {r["batch_size"] for r in results.values()}}  # fmt: skip
-    machine = f"{machine_name(device.type)}, torch threads {torch.get_num_threads()}"
-    name = "gpt2-124m-shape" if args.gpt2_shape else "arith-sft"
+    result = {
+        "name": "gpt2-124m-shape" if args.gpt2_shape else "arith-sft",
+        "device": device.type,
+        "machine": f"{machine_name(device.type)}, torch threads {torch.get_num_threads()}",
+        "command": " ".join(["python benchmarks/llm_speed.py", *sys.argv[1:]]),
+        "platform": platform.platform(),
+        "bare_generate_s": {str(b): seconds for b, seconds in floors.items()},
+        "args": vars(args),
+        "results": results,
+    }
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f"llm_speed_{result['name']}_{device.type}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(table(result, args.out_dir))
+
+
+def table(result, out_dir):
+    """llm_speed_<model>_<device>.md from a result (into the docs through write_table)."""
+    args = result["args"]
+    autocast = "bf16 autocast on " if result["device"] == "cuda" else ""
     lines = [
-        f"Model {name}, up to {args.max_new_tokens} new tokens, {'bf16 autocast on ' if device.type == 'cuda' else ''}"
-        f"{machine}. Medians over {args.updates} updates after {args.warmup} of warm-up.",
+        f"Model {result['name']}, up to {args['max_new_tokens']} new tokens, {autocast}{result['machine']}. Medians "
+        f"over {args['updates']} updates after {args['warmup']} of warm-up.",
         "",
         "| script | batch / micro-batch | generation | scoring | optimisation | total | bare generate | total / bare "
         "generate | tokens/s | peak MB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for run, r in results.items():
-        floor = floors[r["batch_size"]]
+    for run, r in result["results"].items():
+        floor = result["bare_generate_s"][str(r["batch_size"])]
         ms = [r[k] * 1000 for k in ["time/generation", "time/scoring", "time/update", "time/total"]]
         lines.append(
             f"| {run} | {r['batch_size']} / {r['micro_batch_size']} | {ms[0]:.0f} ms | {ms[1]:.0f} ms | {ms[2]:.0f} ms "
             f"| {ms[3]:.0f} ms | {floor * 1000:.0f} ms | {r['time/total'] / floor:.2f}x | "
             f"{r['perf/tokens_per_sec']:.0f} | {r['perf/peak_memory_mb']:.0f} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = f"llm_speed_{name}_{device.type}"
-    command = " ".join(["python benchmarks/llm_speed.py", *sys.argv[1:]])
-    write_table(stem + ".md", f"Command: `{command}` ({platform.platform()})\n\n{table}", args.out_dir)
-    with open(os.path.join(args.out_dir, stem + ".json"), "w") as f:
-        json.dump({"machine": machine, "bare_generate_s": floors, "args": vars(args), "results": results}, f, indent=1)
+    text = f"Command: `{result['command']}` ({result['platform']})\n\n" + "\n".join(lines)
+    write_table(f"llm_speed_{result['name']}_{result['device']}.md", text, out_dir)
+    return text
 
 
 if __name__ == "__main__":

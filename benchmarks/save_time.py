@@ -7,16 +7,22 @@ the meta device (a save never writes them), puts grpo_llm.py's LoRA on it (--lor
 memory, takes one AdamW step so that its moments exist, and times grpo_llm.save_checkpoint (the median of 5); the
 embedded default, trained in full, beside it.
 
-    python benchmarks/save_time.py          # writes benchmarks/results/save_time.md (and into docs/)
+    python benchmarks/save_time.py          # writes benchmarks/results/save_time.json and .md (and into docs/)
+    python benchmarks/save_time.py --table  # measure nothing: save_time.md from save_time.json
+
+--table without save_time.json says so and writes nothing.
 """
 
+import json
 import os
 import platform
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
+import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +31,14 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from docs_tables import write_table  # noqa: E402
 
 import grpo_llm  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+@dataclass
+class Args:
+    table: bool = False
+    """measure nothing: save_time.md from save_time.json"""
 
 
 def llama_7b_lora():
@@ -60,18 +74,37 @@ def save_seconds(policy, tokenizer):
 
 
 def main():
-    path = os.path.join(ROOT, "assets", "arith-sft")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    runs = {"the embedded default (full fine-tuning)": AutoModelForCausalLM.from_pretrained(path),
+    args = tyro.cli(Args)
+    path = os.path.join(RESULTS, "save_time.json")
+    if args.table:
+        if not os.path.isfile(path):
+            raise SystemExit(f"error: --table: {os.path.relpath(path)} does not exist: measure first (without --table)")
+        with open(path) as f:
+            return print(table(json.load(f)))
+    model_path = os.path.join(ROOT, "assets", "arith-sft")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    runs = {"the embedded default (full fine-tuning)": AutoModelForCausalLM.from_pretrained(model_path),
             "Llama-2-7B shape, LoRA r 16 on every linear layer": llama_7b_lora()}  # fmt: skip
-    rows = [f"| {name} | {n / 1e6:.1f}M | {mb:.1f} MB | {t:.2f} s |"
-            for name, (t, mb, n) in ((name, save_seconds(m, tokenizer)) for name, m in runs.items())]  # fmt: skip
-    write_table("save_time.md", "\n".join([
-        f"`python benchmarks/save_time.py` ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        "local disk): grpo_llm.save_checkpoint (checkpoint.pt: trained weights, AdamW, state; policy/: "
-        "save_pretrained), the median of 5 saves:", "",
+    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "runs": {}}
+    for name, model in runs.items():
+        seconds, mb, n = save_seconds(model, tokenizer)
+        result["runs"][name] = {"seconds": seconds, "mb": mb, "trained_parameters": n}
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(table(result))
+
+
+def table(result):
+    """save_time.md from a result (into the docs through write_table)."""
+    rows = [f"| {name} | {r['trained_parameters'] / 1e6:.1f}M | {r['mb']:.1f} MB | {r['seconds']:.2f} s |"
+            for name, r in result["runs"].items()]  # fmt: skip
+    text = "\n".join([
+        f"`python benchmarks/save_time.py` ({result['machine']}, local disk): grpo_llm.save_checkpoint (checkpoint.pt: "
+        "trained weights, AdamW, state; policy/: save_pretrained), the median of 5 saves:", "",
         "| run | trained parameters | written | save |", "|---|---|---|---|", *rows,
-    ]))  # fmt: skip
+    ])  # fmt: skip
+    write_table("save_time.md", text, RESULTS)
+    return text
 
 
 if __name__ == "__main__":

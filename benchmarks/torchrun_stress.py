@@ -14,6 +14,7 @@ torch.distributed.nn before init_process_group for that reason (tests/test_ddp.p
     python benchmarks/torchrun_stress.py                                  # ppo_llm.py, 100 launches (~15 min, CPU)
     python benchmarks/torchrun_stress.py --script grpo_llm.py --launches 200
     python benchmarks/torchrun_stress.py --root /path/to/checkout         # that checkout's scripts and results/
+    python benchmarks/torchrun_stress.py --script grpo_llm.py --table    # measure nothing: the table from its .json
 """
 
 import collections
@@ -57,6 +58,8 @@ class Args:
     """seconds before a launch is stopped (counted as exit code "timeout")"""
     tail_chars: int = 3000
     """how much of the end of a failed launch's stderr is kept"""
+    table: bool = False
+    """measure nothing: the table from --root's benchmarks/results/torchrun_stress_<script>.json"""
 
 
 def launch(args, torchrun):
@@ -82,6 +85,12 @@ def launch(args, torchrun):
 def main():
     args = tyro.cli(Args)
     args.root = os.path.abspath(args.root)
+    path = os.path.join(args.root, "benchmarks", "results", f"torchrun_stress_{args.script.removesuffix('.py')}.json")
+    if args.table:
+        if not os.path.isfile(path):
+            raise SystemExit(f"error: --table: {os.path.relpath(path)} does not exist: measure first (without --table)")
+        with open(path) as f:
+            return print(table(json.load(f), os.path.dirname(path)))
     if not os.path.isfile(os.path.join(args.root, args.script)):
         raise SystemExit(f"error: no {args.script} in --root {args.root}")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -114,7 +123,6 @@ def main():
         "failed_launches": failures,
     }
     os.makedirs(os.path.join(args.root, "benchmarks", "results"), exist_ok=True)
-    path = os.path.join(args.root, "benchmarks", "results", f"torchrun_stress_{args.script.removesuffix('.py')}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(
@@ -122,13 +130,22 @@ def main():
         f"without an active exception'); exit codes {dict(counts)}; {result['machine']}, torch {torch.__version__}"
     )
     print(f"wrote {path}")
-    write_table(f"torchrun_stress_{args.script.removesuffix('.py')}.md", "\n".join([
-        f"`python benchmarks/torchrun_stress.py --script {args.script} --launches {args.launches}` "
-        f"({result['machine']}, torch {torch.__version__}, load average {load_before[0]:.1f} before): "
+    print(table(result, os.path.join(args.root, "benchmarks", "results")))
+
+
+def table(result, results_dir):
+    """torchrun_stress_<script>.md from a result (into the docs through write_table)."""
+    script, (load_before, _) = result["script"], result["load_average_before_after"]
+    text = "\n".join([
+        f"`python benchmarks/torchrun_stress.py --script {script} --launches {result['launches']}` "
+        f"({result['machine']}, torch {result['torch']}, load average {load_before[0]:.1f} before): "
         f"`{result['command']}`, one launch after another", "",
         "| launches | exit code 0 | failed | of which aborted at exit | mean seconds |", "|---|---|---|---|---|",
-        f"| {len(launches)} | {counts.get('0', 0)} | {len(failures)} | {aborts} | {result['mean_seconds']:.1f} |",
-    ]), os.path.join(args.root, "benchmarks", "results"))  # fmt: skip
+        f"| {result['launches']} | {result['exit_codes'].get('0', 0)} | {result['failures']} | "
+        f"{result['failures_terminate_without_active_exception']} | {result['mean_seconds']:.1f} |",
+    ])  # fmt: skip
+    write_table(f"torchrun_stress_{script.removesuffix('.py')}.md", text, results_dir)
+    return text
 
 
 if __name__ == "__main__":

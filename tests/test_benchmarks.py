@@ -44,6 +44,10 @@ def run_main(monkeypatch, module, argv):
         ("llm_learning", ["--no-run", "--configs", "trace"], ["trace-ppo trace-grpo", "--configs trace-ppo"]),
         ("trl_learning", ["--part", "table"], ["--part table", "trl_learning.json does not exist"]),
         ("eval_noise", ["--table"], ["--table", "eval_noise.json does not exist"]),
+        ("head_precision", ["--table"], ["--table", "head_precision_<device>.json does not exist"]),
+        ("save_time", ["--table"], ["--table", "save_time.json does not exist"]),
+        ("llm_speed", ["--table"], ["--table", "llm_speed_<model>_<device>.json does not exist"]),
+        ("torchrun_stress", ["--table"], ["--table", "torchrun_stress_ppo_llm.json does not exist"]),
     ],
 )
 def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(
@@ -53,8 +57,10 @@ def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(
     results = tmp_path / "results"
     if script in ("llm_learning", "trl_learning"):
         argv = [*argv, "--out-dir", str(results), "--runs-dir", str(tmp_path / "runs")]
-    elif script == "eval_noise":
+    elif script in ("eval_noise", "llm_speed"):
         argv = [*argv, "--out-dir", str(results)]
+    elif script == "torchrun_stress":
+        argv = [*argv, "--root", str(tmp_path)]
     else:
         redirect(monkeypatch, module, results)
     if script == "classic":
