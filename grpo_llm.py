@@ -281,7 +281,60 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, entr
     return loss, stats
 
 
-# ALGO LOGIC: the forward pass and its LM head, rollout, the gradient of a minibatch, the optimizer step
+# ALGO LOGIC: rollout, the forward pass and its LM head, the gradient of a minibatch, the optimizer step
+
+
+def truncate_after_eos(responses, eos_ids, pad_token_id):
+    """Detail 2: keep the tokens up to and including the first EOS (any of eos_ids). Returns (responses, mask, ended),
+    ended (B,) whether a response has an EOS at all (else it ran to --max-new-tokens)."""
+    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
+    after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # an EOS strictly before this position
+    return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
+
+
+def end_of_response_ids(tokenizer, generation_config):
+    """Detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
+    the chat template writes between turns (its end of turn: a base model's config names its EOS alone)."""
+    configured = generation_config.eos_token_id or []  # None, an id or a list of them
+    if isinstance(configured, int):
+        configured = [configured]
+    turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
+    turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
+    return sorted({tokenizer.eos_token_id, *configured} | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
+
+
+def tokenize_texts(tokenizer, texts, max_length):
+    """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
+    has_bos = bool(tokenizer.bos_token) and all(text.startswith(tokenizer.bos_token) for text in texts)
+    options = dict(padding=True, truncation=max_length is not None, max_length=max_length, return_tensors="pt")
+    return tokenizer(texts, add_special_tokens=not has_bos, **options)
+
+
+@torch.no_grad()
+def rollout(policy, tokenizer, prompts, args, autocast, stoppable=False):
+    """Step 1: the prompts left-padded (detail 6) and cut on the left to --max-prompt-length, a response sampled for
+    each with the policy's generation_config (detail 4), cut after its first EOS (detail 2). The rollout batch:
+        query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens
+        responses, mask                  (B, R)      the response tokens (pad after EOS), 1.0 on the real ones
+        ended                            (B,)        whether the response has an EOS
+        prompt_width                     Q
+    A stoppable rollout ends at the next token once a signal has come."""
+    inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
+    policy.eval()
+    stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)] if stoppable else []
+    with autocast:
+        out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
+    eos_ids = policy.generation_config.eos_token_id
+    responses, mask, ended = truncate_after_eos(out[:, inputs.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
+    return {
+        "query_responses": torch.cat([inputs.input_ids, responses], 1),
+        "attention_mask": torch.cat([inputs.attention_mask, mask.long()], 1),
+        "responses": responses,
+        "mask": mask.float(),
+        "ended": ended,
+        "prompt_width": inputs.input_ids.shape[1],
+    }
+
 
 LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
 
@@ -359,58 +412,6 @@ def hidden_states(model, query_responses, attention_mask, prompt_width):
         return model(**inputs, use_cache=False).last_hidden_state[:, prompt_width - 1 : -1]
     out = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     return out.hidden_states[-1][:, prompt_width - 1 : -1]
-
-
-def truncate_after_eos(responses, eos_ids, pad_token_id):
-    """Detail 2: keep the tokens up to and including the first EOS (any of eos_ids). Returns (responses, mask, ended),
-    ended (B,) whether a response has an EOS at all (else it ran to --max-new-tokens)."""
-    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
-    after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # an EOS strictly before this position
-    return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
-
-
-def end_of_response_ids(tokenizer, generation_config):
-    """Detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
-    the chat template writes between turns (its end of turn: a base model's config names its EOS alone)."""
-    configured = generation_config.eos_token_id or []  # None, an id or a list of them
-    if isinstance(configured, int):
-        configured = [configured]
-    turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
-    turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
-    return sorted({tokenizer.eos_token_id, *configured} | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
-
-
-def tokenize_texts(tokenizer, texts, max_length):
-    """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
-    has_bos = bool(tokenizer.bos_token) and all(text.startswith(tokenizer.bos_token) for text in texts)
-    options = dict(padding=True, truncation=max_length is not None, max_length=max_length, return_tensors="pt")
-    return tokenizer(texts, add_special_tokens=not has_bos, **options)
-
-
-@torch.no_grad()
-def rollout(policy, tokenizer, prompts, args, autocast, stoppable=False):
-    """Step 1: the prompts left-padded (detail 6) and cut on the left to --max-prompt-length, a response sampled for
-    each with the policy's generation_config (detail 4), cut after its first EOS (detail 2). The rollout batch:
-        query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens
-        responses, mask                  (B, R)      the response tokens (pad after EOS), 1.0 on the real ones
-        ended                            (B,)        whether the response has an EOS
-        prompt_width                     Q
-    A stoppable rollout ends at the next token once a signal has come."""
-    inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
-    policy.eval()
-    stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)] if stoppable else []
-    with autocast:
-        out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
-    eos_ids = policy.generation_config.eos_token_id
-    responses, mask, ended = truncate_after_eos(out[:, inputs.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
-    return {
-        "query_responses": torch.cat([inputs.input_ids, responses], 1),
-        "attention_mask": torch.cat([inputs.attention_mask, mask.long()], 1),
-        "responses": responses,
-        "mask": mask.float(),
-        "ended": ended,
-        "prompt_width": inputs.input_ids.shape[1],
-    }
 
 
 def training_forward(policy, batch, micro_batch, args, with_entropy=False):
