@@ -7,6 +7,7 @@ so the table a page shows is always the one its script wrote last from its resul
 """
 
 import glob
+import json
 import os
 import re
 
@@ -28,3 +29,15 @@ def write_table(name, text, results_dir=os.path.join(ROOT, "benchmarks", "result
         if new != old:
             with open(page, "w") as f:
                 f.write(new)
+
+
+def saved_results(pattern, flag="--table"):
+    """The JSON results of a table-only command (`pattern`: a path or a glob), or one line saying there are none."""
+    paths = sorted(glob.glob(pattern))
+    if not paths:
+        raise SystemExit(f"error: {flag}: {os.path.relpath(pattern)} does not exist: measure first (without {flag})")
+    results = []
+    for path in paths:
+        with open(path) as f:
+            results.append(json.load(f))
+    return results

@@ -13,7 +13,6 @@ and writes nothing.
 """
 
 import contextlib
-import glob
 import json
 import os
 import sys
@@ -28,7 +27,7 @@ sys.path.insert(0, ROOT)
 import ppo_llm  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from docs_tables import write_table  # noqa: E402
+from docs_tables import saved_results, write_table  # noqa: E402
 from scale import machine_name  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -43,13 +42,8 @@ class Args:
 def main():
     args = tyro.cli(Args)
     if args.table:
-        paths = sorted(glob.glob(os.path.join(RESULTS, "head_precision_*.json")))
-        if not paths:
-            where = os.path.relpath(os.path.join(RESULTS, "head_precision_<device>.json"))
-            raise SystemExit(f"error: --table: {where} does not exist: measure first (without --table)")
-        for path in paths:
-            with open(path) as f:
-                print(table(json.load(f)))
+        for result in saved_results(os.path.join(RESULTS, "head_precision_*.json")):
+            print(table(result))
         return
     torch.manual_seed(0)
     torch.set_num_threads(1)

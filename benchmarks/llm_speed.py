@@ -14,7 +14,6 @@ benchmarks/results/llm_speed_<model>_<device>.md and .json; the table also into 
 --table without a .json says so and writes nothing.
 """
 
-import glob
 import json
 import os
 import platform
@@ -33,7 +32,7 @@ import grpo_llm  # noqa: E402
 import ppo_llm  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from docs_tables import write_table  # noqa: E402
+from docs_tables import saved_results, write_table  # noqa: E402
 from scale import machine_name  # noqa: E402
 
 
@@ -133,13 +132,8 @@ def run_script(module, model_path, args, extra):
 def main():
     args = tyro.cli(Args)
     if args.table:
-        paths = sorted(glob.glob(os.path.join(args.out_dir, "llm_speed_*.json")))
-        if not paths:
-            where = os.path.relpath(os.path.join(args.out_dir, "llm_speed_<model>_<device>.json"))
-            raise SystemExit(f"error: --table: {where} does not exist: measure first (without --table)")
-        for path in paths:
-            with open(path) as f:
-                print(table(json.load(f), args.out_dir))
+        for result in saved_results(os.path.join(args.out_dir, "llm_speed_*.json")):
+            print(table(result, args.out_dir))
         return
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:

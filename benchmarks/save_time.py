@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from docs_tables import write_table  # noqa: E402
+from docs_tables import saved_results, write_table  # noqa: E402
 
 import grpo_llm  # noqa: E402
 
@@ -77,10 +77,7 @@ def main():
     args = tyro.cli(Args)
     path = os.path.join(RESULTS, "save_time.json")
     if args.table:
-        if not os.path.isfile(path):
-            raise SystemExit(f"error: --table: {os.path.relpath(path)} does not exist: measure first (without --table)")
-        with open(path) as f:
-            return print(table(json.load(f)))
+        return print(table(saved_results(path)[0]))
     model_path = os.path.join(ROOT, "assets", "arith-sft")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     runs = {"the embedded default (full fine-tuning)": AutoModelForCausalLM.from_pretrained(model_path),

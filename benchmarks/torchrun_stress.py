@@ -35,7 +35,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from docs_tables import write_table  # noqa: E402
+from docs_tables import saved_results, write_table  # noqa: E402
 from scale import machine_name  # noqa: E402
 
 # the end-to-end torchrun test's settings: 2 updates, a sample line each, no evaluation
@@ -87,10 +87,7 @@ def main():
     args.root = os.path.abspath(args.root)
     path = os.path.join(args.root, "benchmarks", "results", f"torchrun_stress_{args.script.removesuffix('.py')}.json")
     if args.table:
-        if not os.path.isfile(path):
-            raise SystemExit(f"error: --table: {os.path.relpath(path)} does not exist: measure first (without --table)")
-        with open(path) as f:
-            return print(table(json.load(f), os.path.dirname(path)))
+        return print(table(saved_results(path)[0], os.path.dirname(path)))
     if not os.path.isfile(os.path.join(args.root, args.script)):
         raise SystemExit(f"error: no {args.script} in --root {args.root}")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
