@@ -24,11 +24,11 @@ Implementation details, cited "detail N":
    positive advantage grow (DAPO's clip-higher, against entropy collapse).
 9. --loss-type's normaliser: each completion's token mean, then their mean (grpo, sapo); one token mean over the batch
    (dapo, cispo); completions x --max-new-tokens (dr_grpo). Micro-batches are weighted to give the batch's gradient.
-10. The KL is a loss term beta * k3, out of the advantages (beta 0, TRL's default, loads no reference); with
-    --use-bias-correction-kl (on) it is rho k3, whose gradient is KL(pi || ref)'s even at rho = 1 (k3's: KL(ref || pi)).
+10. The KL is a loss term beta * k3, out of the advantages (beta 0, TRL's default, loads no reference). With
+    --use-bias-correction-kl (on) it is rho k3: its gradient is KL(pi || ref)'s even at rho = 1; k3's, KL(ref || pi)'s.
 11. Several reward functions are summed with --reward-weights; a reward model scores alone.
 12. cispo (MiniMax-M1): REINFORCE weighted by the detached ratio capped at 1 + --epsilon-high (TRL caps it at its
-    epsilon_high: TRL's 5 is our 4); sapo (Gao et al. 2025): a sigmoid gate instead of the clip; --delta
+    epsilon_high itself: its 5 is our 4); sapo (Gao et al. 2025): a sigmoid gate instead of the clip; --delta
     (INTELLECT-2): the unclipped ratio capped.
 13. --top-entropy-quantile q (Wang et al. 2025): the batch's top q of tokens by entropy alone carry the policy gradient
     and bonus; --off-policy-mask-threshold (DeepSeek-V3.2): completions with A < 0 far from pi_old leave it.
@@ -253,14 +253,15 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, entr
     per_token_loss = per_token_loss * entropy_mask
     if args.off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
         off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
-        per_token_loss = per_token_loss * ~((advantages < 0) & (off_policy_kl > args.off_policy_mask_threshold))
+        off_policy = (advantages < 0) & (off_policy_kl > args.off_policy_mask_threshold)  # (B, 1)
+        per_token_loss = per_token_loss.masked_fill(off_policy, 0.0)
     kl = None
     if args.beta:  # the reference's log-probs are there only then
         kl = kl_penalty(logprobs, ref_logprobs, "k3")
         if args.use_bias_correction_kl:  # detail 10: rho k3 has the gradient of KL(pi || ref)
             kl = kl * ratio
         per_token_loss = per_token_loss + args.beta * kl
-    n = logprobs.shape[0]  # completions
+    n = logprobs.shape[0]  # this micro-batch's completions: accumulate_gradients' share scales to the batch's
     normaliser = mask.sum().clamp(min=1)  # dapo, cispo
     if args.loss_type in ("grpo", "sapo"):
         normaliser = mask.sum(1).clamp(min=1) * n  # (B,): each completion's own length
@@ -269,11 +270,13 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, entr
     loss = ((per_token_loss * mask).sum(1) / normaliser).sum()
     with torch.no_grad():  # where each loss type acts, as TRL logs it
         low, high = (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
-        means = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
+        means = {}  # sapo's gate clips nothing
         if args.loss_type == "cispo":
-            means = {"cispo_clip_ratio": high}
-        elif args.loss_type == "sapo":
-            means = {}
+            means["cispo_clip_ratio"] = high
+        elif args.loss_type != "sapo":
+            means["clip_ratio/low_mean"] = low
+            means["clip_ratio/high_mean"] = high
+            means["clip_ratio/region_mean"] = low | high
         means["importance_ratio/mean"] = ratio.expand_as(mask)
         if kl is not None:
             means["kl"] = kl
@@ -294,7 +297,7 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
 
 def end_of_response_ids(tokenizer, generation_config):
     """Detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
-    the chat template writes between turns (its end of turn: a base model's config names its EOS alone)."""
+    the chat template writes (its turn markers: a base model's config names its EOS alone, not its end of turn)."""
     configured = generation_config.eos_token_id or []  # None, an id or a list of them
     if isinstance(configured, int):
         configured = [configured]
@@ -321,10 +324,12 @@ def rollout(policy, tokenizer, prompts, args, autocast, stoppable=False):
     A stoppable rollout ends at the next token once a signal has come."""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
-    stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)] if stoppable else []
+    stop = []
+    if stoppable:
+        stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)]
     with autocast:
         out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
-    eos_ids = policy.generation_config.eos_token_id
+    eos_ids = policy.generation_config.eos_token_id  # end_of_response_ids(), set by load_models
     responses, mask, ended = truncate_after_eos(out[:, inputs.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
     return {
         "query_responses": torch.cat([inputs.input_ids, responses], 1),
@@ -349,7 +354,8 @@ def lm_head_logprobs(
     backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
     for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
     where F.linear would run it (autocast's dtype)."""
-    (B, T), device_type = labels.shape, hidden.device.type
+    B, T = labels.shape
+    device_type = hidden.device.type
     dtype = head.weight.dtype
     if fp32:
         dtype = torch.float32
@@ -364,7 +370,7 @@ def lm_head_logprobs(
             if torch.is_grad_enabled():
                 return z * (softcap / temperature)  # tanh's backward reads its output: not in place
             return z.mul_(softcap / temperature)
-        if scale != temperature:
+        if scale / temperature != 1:
             return z.mul_(scale / temperature)
         return z
 
@@ -478,7 +484,7 @@ def save_policy(path, models, weights, tokenizer):
 
 
 def check_args(args, world):
-    """Every flag out of range and every bad combination of flags, one line each, before anything is loaded."""
+    """Every flag out of range and every bad combination, one line each, before anything loads; derived defaults set."""
     check_range(args, ">= 0", "save_every lora_r learning_rate weight_decay ent_coef beta off_policy_mask_threshold")
     check_range(args, ">= 0", "overlong_buffer overlong_penalty eval_every sample_every num_samples")
     check_range(args, ">= 1", "max_new_tokens max_prompt_length total_steps prompts_per_update micro_batch_size")
@@ -537,7 +543,8 @@ def main(args: Args | None = None):
     run_dir, writer = open_run(args, rank, resumed)
     first_update = update = resumed.get("update", 0)
     prompts = prompt_stream(rows, args.seed, first_update * args.prompts_per_update, rank, world)
-    state, start_time = {"update": update}, time.time()  # what a resume restores besides the weights and AdamW
+    state = {"update": update}  # what a resume restores besides the weights and AdamW
+    start_time = time.time()
     print(f"{run_dir}/checkpoint.pt: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     STOP.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
@@ -557,7 +564,7 @@ def main(args: Args | None = None):
             rows = [row for row in prompt_rows for _ in range(G)]
             with unsharded(policy):  # FSDP: gathered once for generation, not once per token
                 batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, stoppable=True)
-            stop_check()
+            stop_if_signalled()
             mask, lengths = batch["mask"], batch["mask"].sum(1)  # (B, R), (B,)
             t1 = wall_clock(device)
 
@@ -580,7 +587,7 @@ def main(args: Args | None = None):
                 dropped |= ~batch["ended"]
             loss_mask = mask * ~dropped[:, None]
             batch |= {"loss_mask": loss_mask, "advantages": advantages, "entropy_mask": torch.ones_like(mask)}
-            batch |= {"old_logprobs": None, "ref_logprobs": None}
+            batch |= {"old_logprobs": None, "ref_logprobs": None}  # mu = 1: the current ones, detached; beta 0: none
 
             # 4. old log-probs (mu > 1), entropies (detail 13) and reference log-probs: the training forward (detail 5)
             micro_batches = torch.arange(batch_size, device=device).split(args.micro_batch_size)
@@ -648,9 +655,8 @@ def main(args: Args | None = None):
                 line += f"kl {metrics['kl']:.4f}  "
             if not losses:
                 line += "(no loss tokens)  "
-            samples = samples_to_log(args, update, rows[::G], completions[::G], reward=rewards[::G].tolist())
-            for sample, advantage in zip(samples, advantages[::G].tolist()):  # one completion of each group
-                sample["advantage"] = advantage
+            values = dict(reward=rewards[::G].tolist(), advantage=advantages[::G].tolist())  # one of each group
+            samples = samples_to_log(args, update, rows[::G], completions[::G], **values)
             log(writer, metrics, line + progress, samples)
             if args.save_every and update % args.save_every == 0 and not stopping:
                 save_checkpoint(run_dir, models, optimizer, state, tokenizer)
@@ -782,7 +788,7 @@ def load_prompts(args, tokenizer, needs_answers):
                 needs = "conversational prompts, --chat-template and --system-prompt need"
                 raise SystemExit(f"error: --model {args.model}: its tokenizer has no chat template, which {needs}")
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        columns = {"prompts": prompt} | {k: v for k, v in row.items() if k != args.prompt_column}
+        columns = {"prompts": prompt} | {k: v for k, v in row.items() if k != args.prompt_column}  # TRL's keywords
         rows.append({"prompt": text, "answer": answer, "messages": messages, "columns": columns})
     missing = [i for i, row in enumerate(rows, 1) if row["answer"] is None]
     if missing and (needs_answers or len(missing) < len(rows)):
@@ -971,7 +977,7 @@ def unsharded(model):
 
 
 def prepare(args, device, trained, frozen):
-    """The models onto the device, sharded under torchrun; the learning rate: (trainable parameters, AdamW)."""
+    """The models onto the device (sharded under torchrun), --learning-rate's default by size, and AdamW."""
     trained = [model for model in trained if model is not None]
     frozen = [model for model in frozen if model is not None and model not in trained]  # a LoRA reference: the policy
     for model in trained + frozen:
@@ -1156,7 +1162,10 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
         scores, lengths = [x for s, _ in every_rank for x in s], [x for _, n in every_rank for x in n]
     scores, lengths = torch.tensor(scores, dtype=torch.float64), torch.tensor(lengths)
     stderr = scores.std(correction=0).item() / len(scores) ** 0.5
-    metrics = {"eval/accuracy": scores.mean().item(), "eval/accuracy_stderr": stderr}
+    metrics = {
+        "eval/accuracy": scores.mean().item(),
+        "eval/accuracy_stderr": stderr,
+    }
     for name, chosen in [("right", scores > 0), ("wrong", scores <= 0)]:
         if chosen.any():
             metrics[f"eval/mean_length_{name}"] = lengths[chosen].mean().item()
@@ -1202,9 +1211,9 @@ SAVING = []  # not empty while a checkpoint is gathered and written
 
 
 def on_signal(signum, frame):
-    """A first Ctrl-C or SIGTERM stops after the update (stop_check), a second at once, but never within a save."""
+    """A first Ctrl-C or SIGTERM stops after the update (stop_if_signalled), a second at once, not within a save."""
     if STOP and not SAVING:
-        signal.default_int_handler(signum, frame)
+        signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt: a second signal stops at once
     if STOP:
         print(f"{signal.Signals(signum).name}: the checkpoint being written is finished first", file=sys.stderr)
     STOP.append(signum)
@@ -1215,7 +1224,7 @@ def stop_requested():
     return all_reduce(torch.tensor(float(len(STOP)))).item() > 0
 
 
-def stop_check():
+def stop_if_signalled():
     """KeyboardInterrupt on every rank once any is signalled; called after the rollout, before the update."""
     if stop_requested():
         raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")

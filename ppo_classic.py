@@ -458,12 +458,11 @@ def main():
                     for i in infos["_episode"].nonzero()[0]:
                         r, length = float(infos["episode"]["r"][i]), int(infos["episode"]["l"][i])
                         episode_returns.append(r)
-                        log(
-                            {"charts/episodic_return": r, "charts/episodic_length": length},
-                            global_step,
-                            metrics_file,
-                            wandb_run,
-                        )
+                        episode = {
+                            "charts/episodic_return": r,
+                            "charts/episodic_length": length,
+                        }
+                        log(episode, global_step, metrics_file, wandb_run)
 
             # ALGO LOGIC: advantages; last_value is V(obs after the last step), masked if that step ended
             with torch.no_grad():

@@ -58,7 +58,7 @@ import datasets
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as dcp
-import torch.distributed.nn  # noqa: F401  now: imported after init_process_group, its defaults would hold the group
+import torch.distributed.nn  # noqa: F401  here: imported after init_process_group, it would bind to that group
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
@@ -253,7 +253,7 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
 
 def end_of_response_ids(tokenizer, generation_config):
     """Detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
-    the chat template writes between turns (its end of turn: a base model's config names its EOS alone)."""
+    the chat template writes (its turn markers: a base model's config names its EOS alone, not its end of turn)."""
     configured = generation_config.eos_token_id or []  # None, an id or a list of them
     if isinstance(configured, int):
         configured = [configured]
@@ -280,10 +280,12 @@ def rollout(policy, tokenizer, prompts, args, autocast, stoppable=False):
     A stoppable rollout ends at the next token once a signal has come."""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
-    stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)] if stoppable else []
+    stop = []
+    if stoppable:
+        stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)]
     with autocast:
         out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
-    eos_ids = policy.generation_config.eos_token_id
+    eos_ids = policy.generation_config.eos_token_id  # end_of_response_ids(), set by load_models
     responses, mask, ended = truncate_after_eos(out[:, inputs.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
     return {
         "query_responses": torch.cat([inputs.input_ids, responses], 1),
@@ -308,7 +310,8 @@ def lm_head_logprobs(
     backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
     for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
     where F.linear would run it (autocast's dtype)."""
-    (B, T), device_type = labels.shape, hidden.device.type
+    B, T = labels.shape
+    device_type = hidden.device.type
     dtype = head.weight.dtype
     if fp32:
         dtype = torch.float32
@@ -323,7 +326,7 @@ def lm_head_logprobs(
             if torch.is_grad_enabled():
                 return z * (softcap / temperature)  # tanh's backward reads its output: not in place
             return z.mul_(softcap / temperature)
-        if scale != temperature:
+        if scale / temperature != 1:
             return z.mul_(scale / temperature)
         return z
 
@@ -383,10 +386,11 @@ def training_forward(policy, critic, value_head, batch, micro_batch, args, with_
     logprobs, entropy = response_logprobs(policy, hidden, batch["responses"][micro_batch], args.temperature, **options)
     if value_head is None:
         return logprobs, entropy, None
+    value_hidden = hidden  # --critic head: the policy's trunk
     if critic is not None:
-        hidden = hidden_states(critic, query_responses, attention_mask, batch["prompt_width"])
+        value_hidden = hidden_states(critic, query_responses, attention_mask, batch["prompt_width"])
     with torch.autocast(hidden.device.type, enabled=False):
-        return logprobs, entropy, value_head(hidden.float()).squeeze(-1)
+        return logprobs, entropy, value_head(value_hidden.float()).squeeze(-1)
 
 
 def accumulate_gradients(policy, critic, value_head, batch, minibatch, args, autocast):
@@ -408,7 +412,11 @@ def accumulate_gradients(policy, critic, value_head, batch, minibatch, args, aut
         if args.ent_coef:  # only then does backward go through the entropy
             loss = loss - args.ent_coef * mean_entropy
         (loss * mask.sum() / n_tokens).backward()  # weighted by its share of the minibatch's real tokens (detail 11)
-        losses = {"loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "policy/entropy_avg": mean_entropy}
+        losses = {
+            "loss/policy_avg": pg_loss,
+            "loss/value_avg": vf_loss,
+            "policy/entropy_avg": mean_entropy,
+        }
         stats.append(pg_stats | vf_stats | {key: value.detach() for key, value in losses.items()})
     return stats
 
@@ -457,7 +465,7 @@ def save_policy(path, models, weights, tokenizer):
 
 
 def check_args(args, world):
-    """Every flag out of range and every bad combination of flags, one line each, before anything is loaded."""
+    """Every flag out of range and every bad combination, one line each, before anything loads; derived defaults set."""
     check_range(args, ">= 0", "save_every lora_r learning_rate weight_decay vf_coef ent_coef kl_coef ref_update_every")
     check_range(args, ">= 0", "missing_eos_penalty eval_every sample_every num_samples")
     check_range(args, ">= 1", "max_new_tokens max_prompt_length total_steps prompts_per_update num_mini_batches")
@@ -531,7 +539,7 @@ def main(args: Args | None = None):
             rows = [next(prompts) for _ in range(batch_size)]
             with unsharded(policy):  # FSDP: gathered once for generation, not once per token
                 batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, stoppable=True)
-            stop_check()
+            stop_if_signalled()
             mask = batch["mask"]  # (B, R)
             t1 = wall_clock(device)
 
@@ -549,7 +557,7 @@ def main(args: Args | None = None):
                 ref_logprobs = torch.cat([logprobs for logprobs, _, _ in out])
             # 2b. scores: the reward function's, or the reward model's (and the function's too, when rows have answers)
             completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-            has_answers = rows[0]["answer"] is not None
+            has_answers = rows[0]["answer"] is not None  # load_prompts: every row has one, or none does
             fn_scores = None
             if reward_model is None or has_answers:  # an error on one rank stops every rank here
                 fn_scores = on_every_rank(lambda: reward_fn(completions, rows))
@@ -606,7 +614,7 @@ def main(args: Args | None = None):
                 "episode": update * args.prompts_per_update,
                 "objective/kl": mean_kl,
                 "objective/kl_coef": kl_coef,
-                "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
+                "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),  # TRL's: of the sampled tokens
                 "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
                 "objective/scores": scores.mean().item(),
                 "val/num_eos_tokens": int(batch["ended"].sum().item()),
@@ -758,7 +766,7 @@ def load_prompts(args, tokenizer, needs_answers):
                 needs = "conversational prompts, --chat-template and --system-prompt need"
                 raise SystemExit(f"error: --model {args.model}: its tokenizer has no chat template, which {needs}")
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        columns = {"prompts": prompt} | {k: v for k, v in row.items() if k != args.prompt_column}
+        columns = {"prompts": prompt} | {k: v for k, v in row.items() if k != args.prompt_column}  # TRL's keywords
         rows.append({"prompt": text, "answer": answer, "messages": messages, "columns": columns})
     missing = [i for i, row in enumerate(rows, 1) if row["answer"] is None]
     if missing and (needs_answers or len(missing) < len(rows)):
@@ -947,7 +955,7 @@ def unsharded(model):
 
 
 def prepare(args, device, trained, frozen):
-    """The models onto the device, sharded under torchrun; the learning rate: (trainable parameters, AdamW)."""
+    """The models onto the device (sharded under torchrun), --learning-rate's default by size, and AdamW."""
     trained = [model for model in trained if model is not None]
     frozen = [model for model in frozen if model is not None and model not in trained]  # a LoRA reference: the policy
     for model in trained + frozen:
@@ -1132,7 +1140,10 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
         scores, lengths = [x for s, _ in every_rank for x in s], [x for _, n in every_rank for x in n]
     scores, lengths = torch.tensor(scores, dtype=torch.float64), torch.tensor(lengths)
     stderr = scores.std(correction=0).item() / len(scores) ** 0.5
-    metrics = {"eval/accuracy": scores.mean().item(), "eval/accuracy_stderr": stderr}
+    metrics = {
+        "eval/accuracy": scores.mean().item(),
+        "eval/accuracy_stderr": stderr,
+    }
     for name, chosen in [("right", scores > 0), ("wrong", scores <= 0)]:
         if chosen.any():
             metrics[f"eval/mean_length_{name}"] = lengths[chosen].mean().item()
@@ -1178,9 +1189,9 @@ SAVING = []  # not empty while a checkpoint is gathered and written
 
 
 def on_signal(signum, frame):
-    """A first Ctrl-C or SIGTERM stops after the update (stop_check), a second at once, but never within a save."""
+    """A first Ctrl-C or SIGTERM stops after the update (stop_if_signalled), a second at once, not within a save."""
     if STOP and not SAVING:
-        signal.default_int_handler(signum, frame)
+        signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt: a second signal stops at once
     if STOP:
         print(f"{signal.Signals(signum).name}: the checkpoint being written is finished first", file=sys.stderr)
     STOP.append(signum)
@@ -1191,7 +1202,7 @@ def stop_requested():
     return all_reduce(torch.tensor(float(len(STOP)))).item() > 0
 
 
-def stop_check():
+def stop_if_signalled():
     """KeyboardInterrupt on every rank once any is signalled; called after the rollout, before the update."""
     if stop_requested():
         raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")

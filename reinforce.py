@@ -396,12 +396,11 @@ def main():
             global_step += int(masks.sum())
             episodic_returns, episodic_lengths = rewards.sum(0).tolist(), masks.sum(0).long().tolist()
             for r, length in zip(episodic_returns, episodic_lengths):
-                log(
-                    {"charts/episodic_return": r, "charts/episodic_length": length},
-                    global_step,
-                    metrics_file,
-                    wandb_run,
-                )
+                episode = {
+                    "charts/episodic_return": r,
+                    "charts/episodic_length": length,
+                }
+                log(episode, global_step, metrics_file, wandb_run)
 
             # ALGO LOGIC: Psi_t for every step with the V that the batch has not been fitted on (detail 6)
             with torch.no_grad():

@@ -161,7 +161,7 @@ def worker(rank, world, init_file):
     # SIGTERM seen by rank 1 alone (it only appends to STOP): both ranks stop at the same check, together
     ppo_llm.STOP.extend([signal.SIGTERM] if rank == 1 else [])
     with pytest.raises(KeyboardInterrupt, match="SIGTERM" if rank == 1 else "another rank's signal"):
-        ppo_llm.stop_check()
+        ppo_llm.stop_if_signalled()
     ppo_llm.STOP.clear()
     dist.destroy_process_group()
     # FSDP's device mesh holds the process group past destroy_process_group() (the models and DTensor's caches keep the
