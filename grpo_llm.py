@@ -253,7 +253,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, entr
     per_token_loss = per_token_loss * entropy_mask
     if args.off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
         off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
-        off_policy = (advantages < 0) & (off_policy_kl > args.off_policy_mask_threshold)  # (B, 1)
+        off_policy = (advantages < 0) & (off_policy_kl > args.off_policy_mask_threshold)
         per_token_loss = per_token_loss.masked_fill(off_policy, 0.0)
     kl = None
     if args.beta:  # the reference's log-probs are there only then
