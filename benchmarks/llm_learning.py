@@ -22,6 +22,9 @@ with their own data: local GSM8K-style files and the gsm8k reward function:
   trace_family.png, held-out accuracy, the mean length of right and of wrong completions, entropy and clip fraction
   against updates.
 
+On a GPU (benchmarks/gpu.py runs it), `--configs gpu`: the README's first command, `ppo_llm.py`, for 100 updates:
+benchmarks/results/llm_learning_cuda.md, the arithmetic table's columns.
+
     python benchmarks/llm_learning.py                                # the arithmetic task: run, then summarise
     python benchmarks/llm_learning.py --configs trace trace-family   # the trace task
     python benchmarks/llm_learning.py --no-run --configs trace       # measure nothing: tables and figures from
@@ -85,7 +88,11 @@ VARIANT = {f"trace-{variant}-mu4": variant for variant in FAMILY}  # configurati
 for name, variant in VARIANT.items():
     CONFIGS[name] = ["grpo_llm.py", *TRACE, "--num-iterations", "4", "--total-steps", str(FAMILY_UPDATES)]
     CONFIGS[name] += FAMILY[variant]
+# The README's first command on a GPU (benchmarks/gpu.py), stopped at 100 of its 300 updates: the learning rate is
+# constant, so they are the default run's first 100, past the ~70 the CPU runs took to reach 90%.
+CONFIGS["gpu-ppo"] = ["ppo_llm.py", "--total-steps", "100"]
 GROUPS = {"arithmetic": ARITHMETIC, "trace": ["trace-ppo", "trace-grpo"], "trace-family": list(VARIANT)}
+GROUPS["gpu"] = ["gpu-ppo"]
 TRACE_MINUTES = 15
 SHARED = "Seconds are wall clock, two runs at a time on 2 CPU cores shared with other work: they depend on its load."
 
@@ -108,6 +115,8 @@ class Args:
     """where the curves (out_dir/llm_curves/), the tables and the figures go"""
     at_update: int = 0
     """also tabulate the held-out accuracy at this update, to compare runs of different lengths (0: off)"""
+    total_steps: int = 0
+    """run each configuration for this many updates instead (a short check: benchmarks/gpu.py --smoke; 0: off)"""
 
 
 CURVES = "llm_curves"  # out_dir/llm_curves/<configuration>.csv
@@ -245,6 +254,8 @@ def run_all(args, names):
             name, seed = jobs.pop(0)
             out = os.path.join(args.runs_dir, name)
             cmd = [sys.executable, *CONFIGS[name], "--seed", str(seed), "--output-dir", out, "--sample-every", "0"]
+            if args.total_steps:
+                cmd += ["--total-steps", str(args.total_steps)]
             os.makedirs(out, exist_ok=True)
             log = open(os.path.join(args.runs_dir, f"{name}_{seed}.log"), "w")
             print("running:", " ".join(cmd[1:]), flush=True)
@@ -255,9 +266,8 @@ def run_all(args, names):
             running.remove((process, log))
 
 
-def summarise_arithmetic(args, data):
-    """llm_learning.md, llm_accuracy.png and llm_reward_hacking.png."""
-    # Table: accuracy at start and end, time and samples to 90%, final KL (mean +- std over seeds).
+def accuracy_rows(args, data):
+    """The table's rows: accuracy at start and end, time and samples to 90%, final KL (mean +- std over seeds)."""
     at = f" at update {args.at_update} |" if args.at_update else ""
     header = (
         f"| configuration | seeds | held-out accuracy, start |{at} end | seconds to 90% | samples to 90% | final KL* |"
@@ -275,6 +285,12 @@ def summarise_arithmetic(args, data):
             f"{stat([first_reaching(r, 'time/elapsed') for r in runs], '.0f')} | "
             f"{stat([first_reaching(r, 'episode') for r in runs], '.0f')} | {stat(kl, '.3f', 'none (beta 0)')} |"
         )
+    return rows
+
+
+def summarise_arithmetic(args, data):
+    """llm_learning.md, llm_accuracy.png and llm_reward_hacking.png."""
+    rows = accuracy_rows(args, data)
     rows.append(
         "\n*ppo_llm.py: `objective/kl`, nats per response (k1 summed over its tokens); grpo_llm.py: `kl`, "
         "nats per token (k3, mean); both the mean of the last 5 updates. Accuracy: `eval/accuracy`, 256 "
@@ -458,6 +474,21 @@ def summarise_family(args, data):
     fig.savefig(os.path.join(args.out_dir, "trace_family.png"), dpi=80)
 
 
+def summarise_gpu(args, data):
+    """llm_learning_cuda.md: the README's first command on one GPU, the arithmetic table's columns."""
+    updates = ", ".join(str(run[-1]["update"]) for runs in data.values() for run in runs)
+    rows = accuracy_rows(args, data)
+    rows.append(
+        f"\nThe README's first command on one GPU, the script's defaults there (bf16 autocast), {updates} updates a "
+        "seed; the GPU and the versions: gpu_cuda.md. Accuracy: `eval/accuracy`, 256 held-out problems sampled at "
+        "temperature 1; seconds: `time/elapsed` at the first evaluation >= 0.9. *`objective/kl`, nats per response "
+        "(k1 summed over its tokens), the mean of the last 5 updates."
+    )
+    table = "\n".join(rows)
+    print(table)
+    write_table("llm_learning_cuda.md", table, args.out_dir)
+
+
 def main():
     args = tyro.cli(Args)
     names = expand(args.configs)
@@ -473,7 +504,8 @@ def main():
             f"error: no curves of {' '.join(missing)} in {os.path.join(args.out_dir, CURVES)}: nothing "
             f"written; run them first (python benchmarks/llm_learning.py --configs {' '.join(missing)})"
         )
-    summaries = {"arithmetic": summarise_arithmetic, "trace": summarise_trace, "trace-family": summarise_family}
+    summaries = {"arithmetic": summarise_arithmetic, "trace": summarise_trace, "trace-family": summarise_family,
+                 "gpu": summarise_gpu}  # fmt: skip
     for group in groups:
         summaries[group](args, {name: load(args.out_dir, name) for name in GROUPS[group]})
 

@@ -146,11 +146,15 @@ def main():
         results = {name: run_script(module, model_path, args, extra) for name, (module, extra) in runs.items()}
         floors = {b: bare_generate_seconds(model_path, b, args, device, args.updates)
                   for b in {r["batch_size"] for r in results.values()}}  # fmt: skip
+    flags = sys.argv[1:]
+    if "--out-dir" in flags:  # where the results went is no part of the command that measures them
+        at = flags.index("--out-dir")
+        flags = flags[:at] + flags[at + 2 :]
     result = {
         "name": "gpt2-124m-shape" if args.gpt2_shape else "arith-sft",
         "device": device.type,
         "machine": f"{machine_name(device.type)}, torch threads {torch.get_num_threads()}",
-        "command": " ".join(["python benchmarks/llm_speed.py", *sys.argv[1:]]),
+        "command": " ".join(["python benchmarks/llm_speed.py", *flags]),
         "platform": platform.platform(),
         "bare_generate_s": {str(b): seconds for b, seconds in floors.items()},
         "args": vars(args),

@@ -21,8 +21,14 @@ that costs (both scripts, TRL too, inherit the settings; results are kept under 
 
 Results: benchmarks/results/scale_<device>.md (the runs), scale_head_<device>.md (the LM head), scale_estimate.md
 (the estimate at the hub commands of README.md and docs/; `--estimate` writes it alone, running nothing) and
-scale_<device>.json; each table also goes into the docs pages that quote it (benchmarks/docs_tables.py). Peak memory
-is ru_maxrss on CPU, max_memory_allocated on CUDA (what the scripts log as perf/peak_memory_mb).
+scale_<device>.json; each table also goes into the docs pages that quote it (benchmarks/docs_tables.py), unless
+--out-dir names another directory. Peak memory is ru_maxrss on CPU, max_memory_allocated on CUDA (what the scripts
+log as perf/peak_memory_mb), for TRL too.
+
+    python benchmarks/scale.py --table               # measure nothing: the tables from each scale_<device>.json
+
+--table without a scale_<device>.json says so and writes nothing. The tiny-grpo config and the --head-* flags are toy
+sizes, to check in seconds that every path runs (benchmarks/gpu.py --smoke).
 """
 
 import json
@@ -33,16 +39,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from docs_tables import write_table  # noqa: E402
+from docs_tables import saved_results, write_table  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(ROOT, "benchmarks", "runs")
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 PY = sys.executable
 SHAPES = {  # name: (config class, config kwargs)
     "gpt2-124m": ("GPT2Config", {}),
@@ -54,6 +62,7 @@ SHAPES = {  # name: (config class, config kwargs)
     "llama-34m": ("LlamaConfig", dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                                       num_attention_heads=8, num_key_value_heads=8, vocab_size=8192,
                                       tie_word_embeddings=False, max_position_embeddings=256)),
+    "tiny": ("GPT2Config", dict(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64)),  # a toy size
 }  # fmt: skip
 # name: (shape, script, prompts, generations per prompt, new tokens, micro-batch, our extra flags)
 CONFIGS = {
@@ -62,9 +71,24 @@ CONFIGS = {
     "qwen-vocab-ppo": ("gpt2-qwen-vocab", "ppo", 8, 1, 128, 4, ["--reward-model", "RM"]),
     "qwen2-0.5b-ppo": ("qwen2-0.5b", "ppo", 8, 1, 128, 4, ["--critic", "head"]),  # TRL: no value head on the trunk
     "qwen2-0.5b-grpo": ("qwen2-0.5b", "grpo", 2, 4, 128, 8, []),
+    "tiny-grpo": ("tiny", "grpo", 2, 2, 4, 4, []),
 }
 PROMPT_TOKENS = 16
 GLIBC_NO_TRIM = "glibc keeps freed memory"  # results of a run under the MALLOC_* settings in the module docstring
+# The LM-head benchmark's rows: (implementation, what the loss reads, gradient of, hidden size); each at HEAD_TOKENS.
+# The last chunked row halves H: what grows with the head's weight halves with it.
+HEAD_ROWS = [
+    ("chunked", "no-grad", "", 768),
+    ("chunked", "log-probs (entropy logged)", "hidden", 768),
+    ("chunked", "log-probs + entropy", "hidden", 768),
+    ("chunked", "log-probs (entropy logged)", "hidden+weight", 768),
+    ("chunked", "log-probs + entropy", "hidden+weight", 768),
+    ("chunked", "log-probs (entropy logged)", "hidden+weight", 384),
+    ("naive", "no-grad", "", 768),
+    ("naive", "log-probs (entropy logged)", "hidden", 768),
+    ("naive", "log-probs (entropy logged)", "hidden+weight", 768),
+]
+HEAD_TOKENS = (1024, 4096)
 
 
 @dataclass
@@ -77,12 +101,22 @@ class Args:
     """also run TRL at the same configs, where benchmarks/runs/trl112 (PPO) / trl116 (GRPO) exist"""
     head: bool = True
     """run the LM-head memory micro-benchmark"""
+    head_rows: tuple[int, ...] = tuple(range(len(HEAD_ROWS)))
+    """the head benchmark's rows, by index in HEAD_ROWS"""
+    head_vocab: int = 151936
+    """the head benchmark's vocabulary"""
+    head_tokens: tuple[int, ...] = HEAD_TOKENS
+    """the head benchmark's token counts (the naive head at the first only)"""
     profile: bool = False
     """only time one training micro-batch of the GPT-2-124M PPO config (trunk vs LM head, forward vs backward) and
     one AdamW step (loop vs fused)"""
     estimate: bool = False
     """only write the memory-estimate tables (scale_estimate.md: the hub commands; scale_estimate_sizes.md: common
     sizes, full and LoRA): nothing is built or run"""
+    out_dir: str = RESULTS
+    """where the results go (the docs quote the tables only from benchmarks/results/)"""
+    table: bool = False
+    """measure nothing: scale_<device>.md and scale_head_<device>.md from each scale_<device>.json in --out-dir"""
     child: str | None = None
     """internal: run one measurement in this process (a JSON spec) and print its result as JSON"""
 
@@ -183,7 +217,8 @@ class Timer:
 
 def trl_child(spec):
     """One TRL run (PPO 1.12 or GRPO 1.16) in this process: per-step seconds (generation, and for GRPO scoring,
-    where a wrapper around TRL's own functions can see them) and peak RSS, from a callback at every step's end."""
+    where a wrapper around TRL's own functions can see them), from a callback at every step's end, and peak memory
+    (peak RSS on CPU, max_memory_allocated on CUDA, as ours)."""
     import datasets
     import transformers
 
@@ -220,13 +255,18 @@ def trl_child(spec):
 
     class Mark(transformers.TrainerCallback):
         def on_step_end(self, *a, **k):
+            if cuda:  # the step's kernels finished, as the scripts' time/* count them
+                torch.cuda.synchronize()
             marks.append((time.perf_counter(), gen.total, both.total if script == "grpo" else 0.0))
 
     trainer.add_callback(Mark())
     trainer.train()
     steps = [[b - a for a, b in zip(marks[i - 1], marks[i])] for i in range(2, len(marks))]  # warm-up dropped
-    result = {"s/update": median([s[0] for s in steps]), "time/generation": median([s[1] for s in steps]),
-              "perf/peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}  # fmt: skip
+    result = {"s/update": median([s[0] for s in steps]), "time/generation": median([s[1] for s in steps])}
+    if cuda:
+        result["perf/peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        result["perf/peak_memory_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     if script == "grpo":
         result["time/scoring"] = median([s[2] - s[1] for s in steps])
     result["perf/tokens_per_sec"] = prompts * gens * new / result["s/update"]  # responses run to the limit
@@ -242,16 +282,21 @@ def head_child(spec):
     """Peak memory of one LM-head call and its backward over the memory already resident (MiB): ppo_llm's chunked
     lm_head_logprobs or the naive full-logits computation; no-grad, or training with the entropy logged (no gradient:
     --ent-coef 0) or in the loss (an entropy bonus), the backward into the hidden states and optionally into the
-    head's weight, whose .grad buffer then exists beforehand (an optimizer step has made it)."""
+    head's weight, whose .grad buffer then exists beforehand (an optimizer step has made it). In fp32, on the GPU when
+    there is one: there the memory is max_memory_allocated over memory_allocated before the call, on a CPU the peak
+    RSS over the RSS before it."""
     sys.path.insert(0, ROOT)
     import ppo_llm
 
     tokens, H, V, grad, loss = spec["tokens"], spec["H"], spec["V"], spec["grad"], spec["loss"]
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    head = torch.nn.Linear(H, V, bias=False).requires_grad_(grad == "hidden+weight")
+    head = torch.nn.Linear(H, V, bias=False, device=device).requires_grad_(grad == "hidden+weight")
     head.weight.grad = torch.zeros_like(head.weight) if grad == "hidden+weight" else None
-    hidden, labels = torch.randn(1, tokens, H, requires_grad=bool(grad)), torch.randint(V, (1, tokens))
+    hidden = torch.randn(1, tokens, H, device=device, requires_grad=bool(grad))
+    labels = torch.randint(V, (1, tokens), device=device)
     entropy_grad = loss == "log-probs + entropy"
 
     def naive(hidden, head, labels, temperature, with_entropy, entropy_grad):  # TRL-style: full (B, T, V) logits
@@ -263,50 +308,50 @@ def head_child(spec):
 
     fn = ppo_llm.lm_head_logprobs if spec["impl"] == "chunked" else naive
     for x, y in [(hidden[:, :2], labels[:, :2]), (hidden, labels)]:  # warm-up on 2 tokens, then measured
-        base = rss_mb()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() / 2**20
+        else:
+            base = rss_mb()
         with torch.set_grad_enabled(bool(grad)):
             logprobs, entropy = fn(x, head, y, 1.0, with_entropy=True, entropy_grad=entropy_grad)
             if grad:
                 (logprobs.sum() + (entropy.sum() if entropy_grad else 0)).backward()
         del logprobs, entropy
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     print(json.dumps({"peak_mb": peak - base}))
 
 
-# (implementation, what the loss reads, gradient of, hidden size); each at HEAD_TOKENS. The last row halves H: what
-# grows with the head's weight halves with it.
-HEAD_ROWS = [
-    ("chunked", "no-grad", "", 768),
-    ("chunked", "log-probs (entropy logged)", "hidden", 768),
-    ("chunked", "log-probs + entropy", "hidden", 768),
-    ("chunked", "log-probs (entropy logged)", "hidden+weight", 768),
-    ("chunked", "log-probs + entropy", "hidden+weight", 768),
-    ("chunked", "log-probs (entropy logged)", "hidden+weight", 384),
-    ("naive", "no-grad", "", 768),
-    ("naive", "log-probs (entropy logged)", "hidden", 768),
-    ("naive", "log-probs (entropy logged)", "hidden+weight", 768),
-]
-HEAD_TOKENS = (1024, 4096)
+def head_benchmark(row_indices, V, token_counts):
+    """The peak MiB of each of HEAD_ROWS[row_indices] at each of token_counts (the naive head at the first only: its
+    training needs ~5 (tokens, V) fp32 tensors, 12 GiB at 4,096 tokens), each in a fresh subprocess, as many at a time
+    as there are cores (a process's peak is its own)."""
+    rows = [dict(zip(["impl", "loss", "grad", "H"], HEAD_ROWS[i]), peak_mb={}) for i in row_indices]
+    measurements = [(row, tokens) for row in rows for tokens in token_counts[: 1 if row["impl"] == "naive" else None]]
+    # a fixed mmap threshold: glibc's dynamic one keeps freed blocks of up to 32 MiB in its heap, which the RSS would
+    # count as live (allocator memory, not tensors); every block over 128 KiB goes back when freed
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
+    def measure(measurement):
+        row, tokens = measurement
+        spec = {"kind": "head", "impl": row["impl"], "loss": row["loss"], "grad": row["grad"], "H": row["H"],
+                "tokens": tokens, "V": V}  # fmt: skip
+        done = subprocess.run([PY, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env)
+        if done.returncode:
+            raise SystemExit(f"error: the head measurement {spec} failed: {done.stderr.strip().splitlines()[-1]}")
+        peak = json.loads(done.stdout.split("\n")[-2])["peak_mb"]
+        label = f"{row['impl']}, {row['loss']}, {row['grad'] or '-'}, H {row['H']}"
+        print(f"head: {label}, {tokens} tokens: {peak:.0f} MiB", flush=True)
+        return peak
 
-def head_benchmark(V=151936):
-    """Each HEAD_ROWS row's peak MiB at each of HEAD_TOKENS tokens, in a fresh subprocess each (the naive head at the
-    first token count only: its training needs ~5 (tokens, V) fp32 tensors, 12 GiB at 4,096 tokens)."""
-    results = []
-    for impl, loss, grad, H in HEAD_ROWS:
-        row = {"impl": impl, "loss": loss, "grad": grad, "H": H, "peak_mb": {}}
-        for tokens in HEAD_TOKENS[: 1 if impl == "naive" else None]:
-            spec = json.dumps({"kind": "head", "impl": impl, "loss": loss, "grad": grad, "tokens": tokens, "H": H,
-                               "V": V})  # fmt: skip
-            # a fixed mmap threshold: glibc's dynamic one keeps freed blocks of up to 32 MiB in its heap, which the RSS
-            # would count as live (allocator memory, not tensors); every block over 128 KiB goes back when freed
-            env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072"}
-            out = subprocess.run([PY, __file__, "--child", spec], capture_output=True, text=True, check=True,
-                                 env=env).stdout  # fmt: skip
-            row["peak_mb"][str(tokens)] = json.loads(out.split("\n")[-2])["peak_mb"]
-            print(row, flush=True)
-        results.append(row)
-    return {"V": V, "chunk_mb": 2**24 * 4 / 2**20, "rows": results}
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        peaks = list(pool.map(measure, measurements))
+    for (row, tokens), peak in zip(measurements, peaks):
+        row["peak_mb"][str(tokens)] = peak
+    return {"V": V, "chunk_mb": 2**24 * 4 / 2**20, "tokens": list(token_counts), "rows": rows}
 
 
 def profile(shape="gpt2-124m", micro=8, new=64, repeats=3):
@@ -393,6 +438,7 @@ MEASURED = {
     "qwen-vocab-ppo": (202e6, 12, 768, 151936, None, 2, 2),
     "qwen2-0.5b-ppo": (494e6, 24, 896, 151936, 128, 1, 1),
     "qwen2-0.5b-grpo": (494e6, 24, 896, 151936, 128, 1, 0),
+    "tiny-grpo": (0.14e6, 2, 64, 512, None, 1, 0),
 }
 
 
@@ -475,20 +521,26 @@ def main():
         if spec["kind"] == "build":
             return build_child(spec["shape"], os.path.join(RUNS, "scale_models", spec["shape"]))
         return head_child(spec) if spec["kind"] == "head" else trl_child(spec)
-    write_estimate()
+    if args.table:
+        for saved in saved_results(os.path.join(args.out_dir, "scale_c*.json")):  # scale_cpu, scale_cuda: not profiles
+            print(write(args.out_dir, saved))
+        return
+    write_estimate(args.out_dir)
     if args.estimate:
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.profile:  # printed, and kept in benchmarks/results/scale_profile_<device>.json
+    if args.profile:  # printed, and kept in scale_profile_<device>.json
         result = {"machine": machine_name(device), "command": "python benchmarks/scale.py --profile"} | profile()
-        with open(os.path.join(ROOT, "benchmarks", "results", f"scale_profile_{device}.json"), "w") as f:
+        with open(os.path.join(args.out_dir, f"scale_profile_{device}.json"), "w") as f:
             json.dump(result, f, indent=1)
         return print(json.dumps(result))
-    out = os.path.join(ROOT, "benchmarks", "results", f"scale_{device}")
-    saved = json.load(open(out + ".json")) if os.path.exists(out + ".json") else {"results": {}, "head": None}
-    results, head = saved["results"], saved["head"]  # configs not run this time keep their last results
-    for result in [*results.values(), head or {}]:  # each result names the machine it was measured on
-        result.setdefault("machine", saved.get("machine"))
+    path = os.path.join(args.out_dir, f"scale_{device}.json")
+    saved = {"device": device, "results": {}, "head": None}
+    if os.path.exists(path):  # configs not run this time keep their last results
+        with open(path) as f:
+            saved = json.load(f)
+    saved["torch"] = torch.__version__
+    results = saved["results"]
     for name in args.runs:
         print(f"{name}: ours ...", flush=True)
         glibc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"}
@@ -502,13 +554,16 @@ def main():
         if args.trl:
             print(f"{name}: TRL ...", flush=True)
             r["trl"] = trl(name, args.updates)
-        write(out, device, results, head)  # after every config, so that a run cut short keeps what it measured
+        save(path, saved)  # after every config, so that a run cut short keeps what it measured
+        write(args.out_dir, saved)
     if args.head:
-        head = head_benchmark() | {"machine": machine_name(device)}
-    print(write(out, device, results, head))
+        saved["head"] = head_benchmark(args.head_rows, args.head_vocab, args.head_tokens)
+        saved["head"]["machine"] = machine_name(device)
+    save(path, saved)
+    print(write(args.out_dir, saved))
 
 
-def write_estimate():
+def write_estimate(out_dir):
     """scale_estimate.md: estimate_gb at the hub commands, as given, with a quarter of the micro-batch, with gradient
     checkpointing and with both."""
     hub = hub_estimates()
@@ -519,7 +574,7 @@ def write_estimate():
              f"| command | {' | '.join(cols)} |",
              "|---|" + "---|" * len(cols)]  # fmt: skip
     lines += [f"| {label} | " + " | ".join(f"{v:.1f}" for v in gb.values()) + " |" for label, gb in hub.items()]
-    write_table("scale_estimate.md", "\n".join(lines))
+    write_table("scale_estimate.md", "\n".join(lines), out_dir)
     sizes = size_estimates()
     cols = list(next(iter(sizes.values())))
     seq, micro, batch = WORKLOAD
@@ -533,52 +588,65 @@ def write_estimate():
         "|---|---|" + "---|" * len(cols),
     ]
     lines += [f"| {label} | " + " | ".join(f"{v:.1f}" for v in gb.values()) + " |" for label, gb in sizes.items()]
-    write_table("scale_estimate_sizes.md", "\n".join(lines))
+    write_table("scale_estimate_sizes.md", "\n".join(lines), out_dir)
 
 
-def write(out, device, results, head):
-    """benchmarks/results/scale_<device>.md, scale_head_<device>.md and .json from every config measured so far;
-    returns the markdown."""
+def save(path, saved):
+    """scale_<device>.json: every config measured so far, the head, the estimate at the hub commands."""
+    for name, r in saved["results"].items():
+        config = name.split(",")[0]  # without ", glibc keeps freed memory"
+        shape, script, prompts, gens, new, micro, extra = CONFIGS[config]
+        P, L, H, V, kv, trained, frozen = MEASURED[config]
+        cuda = saved["device"] == "cuda"
+        r["ours"]["estimate_gb"] = estimate_gb(P, L, H, V, PROMPT_TOKENS + new, micro, prompts * gens, trained,
+                                               frozen, bf16=cuda, kv_dim=kv, cpu=not cuda)  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(saved | {"hub_estimates_gb": hub_estimates()}, f, indent=1)
+
+
+def write(out_dir, saved):
+    """scale_<device>.md (when a config was measured) and scale_head_<device>.md (when the head was) in out_dir, from
+    a scale_<device>.json's contents; returns the markdown."""
+    device, results, head = saved["device"], saved["results"], saved["head"]
     precision, peak = ("bf16 autocast", "max_memory_allocated") if device == "cuda" else ("fp32", "the peak RSS")
-    machines = ", and ".join(sorted({r["machine"] for r in results.values()})) or machine_name(device)
-    lines = [f"Machine: {machines}, torch {torch.__version__}, {precision}. "
+    machines = ", and ".join(sorted({r["machine"] for r in results.values()}))
+    lines = [f"Machine: {machines}, torch {saved['torch']}, {precision}. "
              "Command: `python benchmarks/scale.py --runs NAME --updates N`; seconds are medians over the N - 1 "
              f"updates after 1 of warm-up; peak memory is {peak} of the process.", "",
              "| config (prompts x generations x new tokens, micro-batch) | N | run | s/update | generation | scoring | "
              "training | tokens/s | peak GiB | estimate GiB | ours/TRL s/update | ours/TRL peak |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, r in results.items():
-        config = name.split(",")[0]  # without ", glibc keeps freed memory"
-        shape, script, prompts, gens, new, micro, extra = CONFIGS[config]
-        P, L, H, V, kv, trained, frozen = MEASURED[config]
-        est = estimate_gb(P, L, H, V, PROMPT_TOKENS + new, micro, prompts * gens, trained, frozen,
-                          bf16=device == "cuda", kv_dim=kv, cpu=device == "cpu")  # fmt: skip
-        r["ours"]["estimate_gb"] = est
+        shape, script, prompts, gens, new, micro, extra = CONFIGS[name.split(",")[0]]
         label = f"{name} ({prompts}x{gens}x{new}, {micro}{', ' + ' '.join(extra) if extra else ''}) | {r['updates']}"
-        lines.append(table_row(label, "ours", r["ours"], r.get("trl"), est))
+        lines.append(table_row(label, "ours", r["ours"], r.get("trl"), r["ours"]["estimate_gb"]))
         if "trl" in r:
             lines.append(table_row(label, "TRL", r["trl"], None, None))
-    table = "\n".join(lines)
-    write_table(os.path.basename(out) + ".md", table)
+    tables = []
+    if results:
+        tables.append("\n".join(lines))
+        write_table(f"scale_{device}.md", tables[-1], out_dir)
     if head:
-        head_lines = [f"LM head: peak memory of one call and its backward over the resident set (MiB), V = "
-                      f"{head['V']}, one chunk = {head['chunk_mb']:.0f} MiB of fp32 logits; the naive head holds the "
-                      "full (tokens, V) logits; glibc's mmap threshold fixed at 128 KiB. "
-                      f"Machine: {head['machine']}, torch {torch.__version__}. "
+        if device == "cuda":
+            over = "over the memory allocated before it (MiB, max_memory_allocated)"
+            allocator = ""
+        else:
+            over = "over the resident set (MiB)"
+            allocator = "; glibc's mmap threshold fixed at 128 KiB"
+        head_lines = [f"LM head: peak memory of one call and its backward {over}, V = {head['V']}, one chunk = "
+                      f"{head['chunk_mb']:.0f} MiB of fp32 logits; the naive head holds the full (tokens, V) "
+                      f"logits{allocator}. Machine: {head['machine']}, torch {saved['torch']}. "
                       "Command: `python benchmarks/scale.py --runs`", "",
                       "| head | the loss reads | gradient of | H | "
-                      + " | ".join(f"{t:,} tokens" for t in HEAD_TOKENS) + " |",
-                      "|---|---|---|---|" + "---|" * len(HEAD_TOKENS)]  # fmt: skip
+                      + " | ".join(f"{t:,} tokens" for t in head["tokens"]) + " |",
+                      "|---|---|---|---|" + "---|" * len(head["tokens"])]  # fmt: skip
         for row in head["rows"]:
-            peaks = [row["peak_mb"].get(str(t)) for t in HEAD_TOKENS]
+            peaks = [row["peak_mb"].get(str(t)) for t in head["tokens"]]
             head_lines.append(f"| {row['impl']} | {row['loss']} | {row['grad'] or '-'} | {row['H']} | "
                               + " | ".join("-" if p is None else f"{p:.0f}" for p in peaks) + " |")  # fmt: skip
-        write_table(f"scale_head_{device}.md", "\n".join(head_lines))
-        table += "\n\n" + "\n".join(head_lines)
-    with open(out + ".json", "w") as f:
-        json.dump({"device": device, "results": results, "head": head,
-                   "hub_estimates_gb": hub_estimates()}, f, indent=1)  # fmt: skip
-    return table
+        tables.append("\n".join(head_lines))
+        write_table(f"scale_head_{device}.md", tables[-1], out_dir)
+    return "\n\n".join(tables)
 
 
 if __name__ == "__main__":
