@@ -1,13 +1,17 @@
 """The benchmarks' table-only commands: without their result files they say so in one line and write nothing (a
 table with a header and no rows would replace the docs'); with them, they write the tables the docs show."""
 
+import csv
 import functools
 import glob
 import importlib
 import json
 import os
 import shutil
+import subprocess
 import sys
+import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +52,8 @@ def run_main(monkeypatch, module, argv):
         ("save_time", ["--table"], ["--table", "save_time.json does not exist"]),
         ("llm_speed", ["--table"], ["--table", "llm_speed_*.json does not exist"]),
         ("torchrun_stress", ["--table"], ["--table", "torchrun_stress_ppo_llm.json does not exist"]),
+        ("scale", ["--table"], ["--table", "scale_c*.json does not exist"]),
+        ("gpu", ["--table"], ["--table", "gpu_*.json does not exist"]),
     ],
 )
 def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(
@@ -57,7 +63,7 @@ def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(
     results = tmp_path / "results"
     if script in ("llm_learning", "trl_learning"):
         argv = [*argv, "--out-dir", str(results), "--runs-dir", str(tmp_path / "runs")]
-    elif script in ("eval_noise", "llm_speed"):
+    elif script in ("eval_noise", "llm_speed", "scale"):
         argv = [*argv, "--out-dir", str(results)]
     elif script == "torchrun_stress":
         argv = [*argv, "--root", str(tmp_path)]
@@ -152,3 +158,52 @@ def test_the_committed_curves_rebuild_every_committed_learning_table_and_figure(
     for name in written:
         with open(os.path.join(RESULTS, name), "rb") as f:
             assert (tmp_path / name).read_bytes() == f.read(), name
+
+
+def test_gpu_smoke_runs_every_part_and_a_part_past_its_budget_is_cut_off(tmp_path):
+    """benchmarks/gpu.py --smoke: each part at toy size on the CPU, into OUT alone. The set-up, given 0.1 s, is cut off
+    and noted; every part after it still runs and writes its result files, with numbers in them."""
+    results_before = {path: path.read_bytes() for path in sorted(Path(RESULTS).rglob("*")) if path.is_file()}
+    before = pages()
+    out = tmp_path / "out"
+    command = [sys.executable, "benchmarks/gpu.py", "--smoke", "--budget", "setup=0.1", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # three files: few enough for a machine that hands back a handful
+    assert sorted(os.listdir(out)) == ["results.tar.gz", "summary.json", "summary.md"]
+    summary = json.loads((out / "summary.json").read_text())
+    parts = summary["parts"]
+    assert list(parts) == ["setup", "tests", "speed", "trl", "head", "learning"]
+    assert parts["setup"]["state"] == "cut off" and parts["setup"]["budget"] == 0.1
+    assert parts["setup"]["tail"][-1] == "cut off: past its budget of 0.1 s"
+    for name in ["tests", "speed", "trl", "head", "learning"]:
+        assert parts[name]["state"] == "ok", (name, parts[name]["tail"])
+    assert parts["tests"]["tests"]["tests"] > 0 and parts["tests"]["tests"]["failed"] == []
+    assert summary["versions"]["torch"] and "| setup | " in (out / "summary.md").read_text()
+
+    with tarfile.open(out / "results.tar.gz") as tar:
+        packed = {member.name: tar.extractfile(member).read().decode() for member in tar if member.isfile()}
+    assert {"logs/speed.log", "logs/tests.xml", "logs/learning.log"} <= set(packed)
+    speed = json.loads(packed["results/llm_speed_arith-sft_cpu.json"])
+    assert len(speed["results"]) == 3 and "--out-dir" not in speed["command"]
+    for r in speed["results"].values():
+        assert r["time/total"] > 0 and r["perf/tokens_per_sec"] > 0 and r["perf/peak_memory_mb"] > 0
+    scale = json.loads(packed["results/scale_cpu.json"])
+    ours = scale["results"]["tiny-grpo"]["ours"]
+    assert ours["s/update"] > 0 and ours["perf/peak_memory_mb"] > 0 and ours["estimate_gb"] > 0
+    assert [(row["impl"], sorted(row["peak_mb"])) for row in scale["head"]["rows"]] == [
+        ("chunked", ["16"]),
+        ("naive", ["16"]),
+    ]
+    assert all(row["peak_mb"]["16"] >= 0 for row in scale["head"]["rows"])
+    curves = csv.DictReader(packed["results/llm_curves/gpu-ppo.csv"].splitlines())
+    accuracy = [float(row["eval/accuracy"]) for row in curves if row["eval/accuracy"]]
+    assert len(accuracy) == 2 and all(0 <= a <= 1 for a in accuracy)  # before the update and after it
+    for table in ["llm_speed_arith-sft_cpu.md", "scale_cpu.md", "scale_head_cpu.md", "llm_learning_cuda.md"]:
+        assert "|---|" in packed[f"results/{table}"], table
+
+    gpu = importlib.import_module("gpu")
+    with pytest.raises(SystemExit, match="^error: --install-results .*: a --smoke run; only a GPU run's results"):
+        gpu.install(str(out), str(tmp_path / "installed"))
+    assert pages() == before
+    assert {path: path.read_bytes() for path in sorted(Path(RESULTS).rglob("*")) if path.is_file()} == results_before

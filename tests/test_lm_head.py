@@ -1,6 +1,7 @@
 """lm_head_logprobs (chunks under torch.utils.checkpoint) against autograd through the full (B, T, V) logits in
 float64: values, and gradients into the hidden states, the head weight and its bias, for a loss of both outputs."""
 
+import os
 from contextlib import nullcontext
 
 import pytest
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 import ppo_llm
 
 B, T, H, V = 3, 5, 8, 11  # 15 tokens
+# the CPU, or the GPU with TEST_DEVICE=cuda (benchmarks/gpu.py runs this file on one)
+DEVICE = torch.device(os.environ.get("TEST_DEVICE", "cpu"))
 
 
 def reference(hidden, weight, bias, labels, temperature, scale, softcap):
@@ -22,16 +25,17 @@ def reference(hidden, weight, bias, labels, temperature, scale, softcap):
 
 
 def inputs(bias=True, weight_grad=True, seed=0):
+    """Drawn on the CPU (the same numbers on every device), then on DEVICE."""
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(B, T, H, generator=g).requires_grad_()
+    hidden = torch.randn(B, T, H, generator=g).to(DEVICE).requires_grad_()
     head = torch.nn.Linear(H, V, bias=bias)
     with torch.no_grad():  # logits of a few units: the softcap of 3 bends them
         head.weight.copy_(torch.randn(V, H, generator=g))
         if bias:
             head.bias.copy_(torch.randn(V, generator=g))
-    head.requires_grad_(weight_grad)
-    labels = torch.randint(0, V, (B, T), generator=g)
-    coefs = torch.randn(2, B, T, generator=g)  # the loss: sum(a * logprobs + c * entropy)
+    head.to(DEVICE).requires_grad_(weight_grad)
+    labels = torch.randint(0, V, (B, T), generator=g).to(DEVICE)
+    coefs = torch.randn(2, B, T, generator=g).to(DEVICE)  # the loss: sum(a * logprobs + c * entropy)
     return hidden, head, labels, coefs
 
 
@@ -50,7 +54,7 @@ def values_and_grads(fn, hidden, head, coefs, use=(0, 1), context=nullcontext())
 def expected(hidden, head, labels, coefs, temperature, scale, softcap, use=(0, 1)):
     """The reference in float64, its values and gradients cast back to the inputs' dtypes."""
     h64 = hidden.detach().double().requires_grad_()
-    head64 = torch.nn.Linear(H, V, bias=head.bias is not None).double()
+    head64 = torch.nn.Linear(H, V, bias=head.bias is not None).double().to(hidden.device)
     with torch.no_grad():
         head64.weight.copy_(head.weight)
         if head.bias is not None:
@@ -116,7 +120,7 @@ def test_autocast(monkeypatch):
     # fp32=True: the same numbers as without autocast; fp32=False: a bf16 matmul, the fp32 weight's gradient fp32
     monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", 2 * V)
     hidden, head, labels, coefs = inputs()
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    autocast = torch.autocast(DEVICE.type, dtype=torch.bfloat16)
     check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=True, context=autocast)
     check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=False, tol=0.05, context=autocast)
 
@@ -139,9 +143,9 @@ def peak_chunks(tokens, grad, with_entropy, entropy_grad):
 
     vocab = 4096  # 16 tokens a chunk; a head of 2 x 4096 weights is 1/8 of a chunk
     g = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(2, vocab, bias=False)
-    hidden = torch.randn(1, tokens, 2, generator=g, requires_grad=grad)
-    labels = torch.randint(0, vocab, (1, tokens), generator=g)
+    head = torch.nn.Linear(2, vocab, bias=False).to(DEVICE)
+    hidden = torch.randn(1, tokens, 2, generator=g).to(DEVICE).requires_grad_(grad)
+    labels = torch.randint(0, vocab, (1, tokens), generator=g).to(DEVICE)
     tracker = MemTracker()
     with tracker, torch.set_grad_enabled(grad):
         logprobs, entropy = ppo_llm.lm_head_logprobs(
@@ -150,7 +154,7 @@ def peak_chunks(tokens, grad, with_entropy, entropy_grad):
         if grad:
             loss = logprobs.sum() + (entropy.sum() if entropy_grad else 0)
             loss.backward()
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] / (ppo_llm.LM_HEAD_CHUNK * 4)
+    return tracker.get_tracker_snapshot("peak")[hidden.device]["Total"] / (ppo_llm.LM_HEAD_CHUNK * 4)
 
 
 @pytest.mark.parametrize(
