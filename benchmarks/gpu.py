@@ -33,6 +33,7 @@ alone (the set-up never installs torch), so it uses argparse, not tyro.
 """
 
 import argparse
+import glob
 import importlib.metadata
 import importlib.util
 import json
@@ -155,7 +156,7 @@ def run_part(commands, env, budget, log_path):
     return "ok"
 
 
-def test_counts(path):
+def junit_counts(path):
     """pytest's junit XML: the counts and the names of the tests that failed."""
     if not os.path.exists(path):
         return None
@@ -242,7 +243,8 @@ def table(summary):
 
 
 def write_out(out, work, summary):
-    """summary.json, summary.md and results.tar.gz (results/ and logs/ of the work folder) in out."""
+    """summary.json, summary.md and results.tar.gz (results/ and logs/ of the work folder, and the log of each run of
+    the learning part) in out."""
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(out, "summary.md"), "w") as f:
@@ -250,6 +252,8 @@ def write_out(out, work, summary):
     with tarfile.open(os.path.join(out, "results.tar.gz"), "w:gz") as tar:
         for folder in ["results", "logs"]:
             tar.add(os.path.join(work, folder), arcname=folder)
+        for path in sorted(glob.glob(os.path.join(work, "runs", "*.log"))):  # llm_learning.py's: <config>_<seed>.log
+            tar.add(path, arcname=os.path.join("logs", os.path.basename(path)))
 
 
 def measure(out, parts, budgets, wheels, smoke):
@@ -286,7 +290,7 @@ def measure(out, parts, budgets, wheels, smoke):
             if name == "setup":
                 part["installed"] = missing
             if name == "tests":
-                part["tests"] = test_counts(os.path.join(work, "logs", "tests.xml"))
+                part["tests"] = junit_counts(os.path.join(work, "logs", "tests.xml"))
             summary["parts"][name] = part
             summary["seconds"] = time.monotonic() - start
             summary["versions"] = versions()

@@ -183,7 +183,7 @@ def test_gpu_smoke_runs_every_part_and_a_part_past_its_budget_is_cut_off(tmp_pat
 
     with tarfile.open(out / "results.tar.gz") as tar:
         packed = {member.name: tar.extractfile(member).read().decode() for member in tar if member.isfile()}
-    assert {"logs/speed.log", "logs/tests.xml", "logs/learning.log"} <= set(packed)
+    assert {"logs/speed.log", "logs/tests.xml", "logs/learning.log", "logs/gpu-ppo_1.log"} <= set(packed)
     speed = json.loads(packed["results/llm_speed_arith-sft_cpu.json"])
     assert len(speed["results"]) == 3 and "--out-dir" not in speed["command"]
     for r in speed["results"].values():
