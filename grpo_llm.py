@@ -34,7 +34,7 @@ Implementation details, cited "detail N":
     and bonus; --off-policy-mask-threshold (DeepSeek-V3.2): completions with A < 0 far from pi_old leave it.
 
 Each variant is a few flags (docs/grpo_llm.md). Running it for real: any causal LM, chat templates, bf16 autocast on
-CUDA, LoRA, torchrun (FSDP2); nothing is lost when a run stops (checkpoint.pt, --resume).
+CUDA, LoRA, torchrun (FSDP2); nothing is lost when a run stops (checkpoint/, --resume).
 """
 
 import contextlib
@@ -48,6 +48,7 @@ import random
 import re
 import resource
 import runpy
+import shutil
 import signal
 import sys
 import tempfile
@@ -61,13 +62,14 @@ import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint.state_dict as dcp
-import torch.distributed.nn  # noqa: F401  now: imported after init_process_group, its defaults would hold the group
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dsd
+import torch.distributed.nn  # noqa: F401  here: imported after init_process_group, it would bind to that group
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 import tyro
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
@@ -84,9 +86,9 @@ class Args:
     track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works)
     wandb_project_name: str = "rlhf-reference"  # wandb project
     wandb_entity: str | None = None  # wandb entity (team)
-    output_dir: str = "runs"  # parent of the run directory: metrics.jsonl, samples.jsonl, policy/, checkpoint.pt
-    save_every: int = 20  # write checkpoint.pt and policy/ every N updates (0: only at the end and when stopped)
-    resume: str | None = None  # go on with the run in this directory from its checkpoint.pt; flags given win
+    output_dir: str = "runs"  # parent of the run directory: metrics.jsonl, samples.jsonl, policy/, checkpoint/
+    save_every: int = 20  # write checkpoint/ and policy/ every N updates (0: only at the end and when stopped)
+    resume: str | None = None  # go on with the run in this directory from its checkpoint/; flags given win
     # ---- models and data
     model: str = "assets/arith-sft"  # policy and reference: a directory (as the embedded SFT model) or a hub id
     reward_model: str | None = None  # a sequence-classification reward model; it replaces --reward-fn as the reward
@@ -477,12 +479,6 @@ def optimizer_step(optimizer, params, max_grad_norm):
 # GRPO's own: its files, the flags' checks; then main()
 
 
-def save_policy(path, models, weights, tokenizer):
-    """save_pretrained of the policy and its tokenizer (with LoRA the adapter), from its gathered weights."""
-    models["policy"].save_pretrained(path, state_dict=weights["policy"])
-    tokenizer.save_pretrained(path)
-
-
 def check_args(args, world):
     """Every flag out of range and every bad combination, one line each, before anything loads; derived defaults set."""
     check_range(args, ">= 0", "save_every lora_r learning_rate weight_decay ent_coef beta off_policy_mask_threshold")
@@ -520,32 +516,32 @@ def main(args: Args | None = None):
     (rank, world), device, autocast = setup(args)
     check_args(args, world)
     reward_fns = [load_reward_fn(name) for name in args.reward_fn]  # a bad name or file fails here, before loading
-    tokenizer, policy, reward_model, rm_tokenizer = load_models(args)
+    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device)
     G = args.num_generations
     batch_size = args.prompts_per_update // world * G  # this process's share of the completions
     eval_problems = eval_rows(args, tokenizer) if args.eval_every or args.eval_only else None
     if args.eval_only:  # no training, no run directory
-        result = evaluate(policy.to(device), tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
+        result = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
         print(eval_line(result, n=len(eval_problems)))
         return result
     ref_policy = None  # beta 0, TRL's default: no KL term, no reference (details 5, 10)
-    if args.beta:
-        ref_policy = policy if args.lora_r else copy.deepcopy(policy)  # LoRA: the base, with the adapters off
-    params, optimizer = prepare(args, device, [policy], [ref_policy, reward_model])
+    if args.beta:  # LoRA: the base, with the adapters off
+        ref_policy = policy if args.lora_r else frozen_copy(policy, device, args.mixed_precision == "bf16")
+    params, optimizer = prepare(args, [policy])
     names = [name.rpartition(":")[2] for name in args.reward_fn]
     if args.reward_model:
         names = [os.path.basename(args.reward_model)]
     reward_weights = torch.tensor(args.reward_weights or [1.0] * len(names), device=device)
     needs_answers = reward_model is None and bool({"arithmetic", "gsm8k"} & set(args.reward_fn))
     rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
-    models = nn.ModuleDict({"policy": policy})  # what checkpoint.pt and policy/ hold; the reference is --model's
+    models = nn.ModuleDict({"policy": policy})  # what checkpoint/ and policy/ hold; the reference is --model's
     resumed = load_checkpoint(args, models, optimizer)  # {} for a new run
     run_dir, writer = open_run(args, rank, resumed)
     first_update = update = resumed.get("update", 0)
     prompts = prompt_stream(rows, args.seed, first_update * args.prompts_per_update, rank, world)
     state = {"update": update}  # what a resume restores besides the weights and AdamW
     start_time = time.time()
-    print(f"{run_dir}/checkpoint.pt: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
+    print(f"{run_dir}/checkpoint: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     STOP.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -741,8 +737,10 @@ def finite_scores(values, source, completions):
     for value in values:
         try:
             scores.append(float(value))
-        except (TypeError, ValueError):  # None, a string, a list
+        except (TypeError, ValueError):  # None, a list
             scores.append(math.nan)
+        if isinstance(value, str):  # float() reads "1", but a score is a number, not text
+            scores[-1] = math.nan
     bad = [i for i, score in enumerate(scores) if not math.isfinite(score)]
     if bad:
         first = f"the first: {values[bad[0]]!r} for {completions[bad[0]]!r}"
@@ -829,12 +827,15 @@ def from_pretrained(cls, name, flag, **kwargs):
 
 
 def load_model(cls, name, flag, dtype=torch.float32):
-    """Dropout 0, in the config and every nn.Dropout (detail 6), fp32 unless dtype; an adapter on its base (LoRA)."""
+    """Dropout 0, in the config and every nn.Dropout (detail 6), fp32 unless dtype; an adapter on its base (LoRA). Under
+    torchrun rank 0 alone reads the weights (place() sends each rank its shards); the others build it on the meta
+    device, with no memory."""
     adapter = os.path.join(name, "adapter_config.json")
     base = json.load(open(adapter))["base_model_name_or_path"] if os.path.isfile(adapter) else name
     config = from_pretrained(AutoConfig, base, flag)
     config.update({k: 0.0 for k, v in config.to_dict().items() if isinstance(v, float) and "drop" in k})
-    model = from_pretrained(cls, name, flag, config=config, dtype=dtype)
+    meta = dist.is_initialized() and dist.get_rank() > 0
+    model = from_pretrained(cls, name, flag, config=config, dtype=dtype, device_map="meta" if meta else None)
     for module in model.modules():  # for models that hard-code one
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -867,8 +868,8 @@ def add_pad_token(tokenizer, models, eos_ids=()):
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
         print(f"note: the tokenizer had no pad token distinct from EOS; added [PAD] (id {tokenizer.pad_token_id})")
     for model in models:
-        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-            model.resize_token_embeddings(len(tokenizer))
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # a meta model's new rows come from rank 0
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=model.device.type != "meta")
         model.config.pad_token_id = tokenizer.pad_token_id
 
 
@@ -899,21 +900,14 @@ def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, ar
     return scores
 
 
-def load_models(args):
-    """(tokenizer, policy, frozen reward model, its tokenizer) on the CPU; generation settings to generation_config."""
+def load_models(args, device):
+    """(tokenizer, policy, frozen reward model, its tokenizer) on the device (sharded under torchrun, each model as it
+    loads: rank 0 holds one whole model at a time); generation settings to generation_config."""
+    bf16 = args.mixed_precision == "bf16"
     policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
-    with torch.no_grad():  # refuse a model whose logits response_logprobs does not reproduce (an unknown family)
-        ids = torch.arange(1, 9)[None] % policy.get_output_embeddings().weight.shape[0]
-        hidden = hidden_states(policy, ids, torch.ones_like(ids), 1)
-        got, _ = response_logprobs(policy, hidden, ids[:, 1:], 1.0, fp32=False)  # the matmul in the model's dtype
-        want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
-    error = (got[0] - want).abs().max().item()
-    if error > 1e-3:
-        why = f"its forward changes the logits in a way this script does not reproduce (log-probs {error:.3g} apart)"
-        raise SystemExit(f"error: --model {args.model}: {why}")
     if args.max_new_tokens is None:
         args.max_new_tokens = policy.generation_config.max_new_tokens or 8
     context = getattr(policy.config, "max_position_embeddings", 0)  # GPT-2's n_positions too
@@ -936,7 +930,7 @@ def load_models(args):
             add_pad_token(tokenizer, [reward_model], eos_ids)
         else:
             add_pad_token(rm_tokenizer, [reward_model])
-        reward_model.eval().requires_grad_(False)
+        reward_model = place(reward_model.eval().requires_grad_(False), device, bf16)
     add_pad_token(tokenizer, [policy], eos_ids)
     # detail 4: a generation_config of our own, every field set, none left to the checkpoint's
     policy.generation_config = transformers.GenerationConfig(
@@ -945,20 +939,71 @@ def load_models(args):
     policy.generation_config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
     if args.lora_r:
         policy = add_lora(policy, args)
+    policy = place(policy, device, bf16)
+    with torch.no_grad(), unsharded(policy):  # refuse a model whose logits response_logprobs does not reproduce
+        ids = torch.arange(1, 9, device=device)[None] % policy.get_output_embeddings().weight.shape[0]
+        hidden = hidden_states(policy, ids, torch.ones_like(ids), 1)
+        got, _ = response_logprobs(policy, hidden, ids[:, 1:], 1.0, fp32=False)  # the matmul in the model's dtype
+        want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
+    error = (got[0] - want).abs().max().item()
+    if error > 1e-3:
+        why = f"its forward changes the logits in a way this script does not reproduce (log-probs {error:.3g} apart)"
+        raise SystemExit(f"error: --model {args.model}: {why}")
     return tokenizer, policy, reward_model, rm_tokenizer
 
 
-def shard(model):
-    """FSDP2 (docs/scaling.md): each transformer block a unit, gathered for its forward and backward; the rest, root."""
+def shard(model, bf16=False):
+    """FSDP2 (docs/scaling.md): each transformer block a unit, gathered for its forward and backward; the rest, root.
+    bf16: FSDP gathers bf16 copies of the fp32 shards, and reduces the gradients in fp32."""
+    mp_policy = MixedPrecisionPolicy()
+    if bf16:
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     blocks = getattr(model, "_no_split_modules", None) or ()  # transformers' names of its blocks
     for module in model.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
     if hasattr(model, "generate"):  # a LoRA model's generate() runs the inner model's forward, not its own
         register_fsdp_forward_method(model, "generate")
     # transformers returns views (GPT-2's hidden states), which FSDP warns of; none is modified in place here
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def place(model, device, bf16=False):
+    """The model on the device; under torchrun sharded, each rank's shards sent by rank 0, the only rank that read the
+    weights, a tensor at a time, and the buffers with them (rotary inv_freq is in no state dict)."""
+    if not dist.is_initialized():
+        return model.to(device)
+    weights = model.state_dict() if dist.get_rank() == 0 else {}
+    buffers = list(model.buffers())
+    model.to("meta")
+    if hasattr(model, "tie_weights"):  # moving to meta unties a tied head
+        model.tie_weights()
+    shard(model, bf16)
+    model.to_empty(device=device)
+    options = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    dsd.set_model_state_dict(model, weights, options=options)
+    for buffer, saved in zip(model.buffers(), buffers):
+        if dist.get_rank() == 0:
+            buffer.copy_(saved)
+        dist.broadcast(buffer, src=0)
+    return model
+
+
+def frozen_copy(model, device, bf16):
+    """A copy of the fp32 policy that does not train (the reference); under torchrun an empty model sharded as the
+    policy is, filled from its shards: no rank holds either whole."""
+    if not dist.is_initialized():
+        return copy.deepcopy(model).eval()
+    with torch.device("meta"):
+        copied = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
+    copied.generation_config = model.generation_config
+    shard(copied, bf16)
+    copied.to_empty(device=device)
+    copied.load_state_dict(model.state_dict())
+    for buffer, source in zip(copied.buffers(), model.buffers()):
+        buffer.copy_(source)
+    return copied
 
 
 @contextlib.contextmanager
@@ -976,19 +1021,14 @@ def unsharded(model):
             module.set_reshard_after_forward(module is not model, recurse=False)  # FSDP's default: not the root
 
 
-def prepare(args, device, trained, frozen):
-    """The models onto the device (sharded under torchrun), --learning-rate's default by size, and AdamW."""
+def prepare(args, trained):
+    """--learning-rate's default by size, gradient checkpointing, and AdamW over the trained models' parameters."""
     trained = [model for model in trained if model is not None]
-    frozen = [model for model in frozen if model is not None and model not in trained]  # a LoRA reference: the policy
-    for model in trained + frozen:
-        if args.gradient_checkpointing and model in trained and hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable()  # HF's, in train mode only
-        if dist.is_initialized():
-            shard(model)  # FSDP moves each unit to the device, then keeps this rank's shard: no whole model on it
-        else:
-            model.to(device)
+    for model in trained:
+        if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only (5.17: gradient_)
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     n_params = sum(p.numel() for p in trained[0].parameters())
-    if device.type == "cpu" and n_params < 50e6:
+    if trained[0].device.type == "cpu" and n_params < 50e6:
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
     if args.learning_rate is None:
         args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
@@ -1089,8 +1129,12 @@ def open_run(args, rank, checkpoint):
                 rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= resumed_update]
             with open(os.path.join(run_dir, name), "w") as f:
                 f.writelines(rows)
-    for tmp in glob.glob(os.path.join(run_dir, "checkpoint.*.tmp")):  # a save that a hard kill cut short
-        os.remove(tmp)
+    in_use = os.path.realpath(os.path.join(run_dir, "checkpoint"))
+    for leftover in glob.glob(os.path.join(run_dir, "checkpoint.*")):  # of a save that a hard kill cut short
+        if os.path.islink(leftover) or os.path.isfile(leftover):
+            os.remove(leftover)
+        elif os.path.realpath(leftover) != in_use:
+            shutil.rmtree(leftover)
     with open(os.path.join(run_dir, "args.json"), "w") as f:
         json.dump(asdict(args) | {"script": os.path.basename(__file__)}, f, indent=1)
     if args.track:  # wandb imported only here: it is slow to import
@@ -1248,88 +1292,122 @@ def on_every_rank(fn):
 
 
 class SaveFailed(Exception):
-    """checkpoint.pt or policy/ could not be written (the OS's reason); an earlier checkpoint.pt is whole."""
+    """checkpoint/ or policy/ could not be written (the OS's reason); an earlier checkpoint/ is whole."""
 
 
 def reason(error):
-    """'OSError: [Errno 28] No space left on device': the OSError behind an error (torch.save wraps it), else it."""
+    """'OSError: [Errno 28] No space left on device': the OSError behind an error (torch wraps it), else it."""
     cause = error
     while cause is not None and not isinstance(cause, OSError):
-        cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, dcp.CheckpointException):  # each failed rank's (error, traceback)
+            cause = next(iter(cause.failures.values()))[0]
+        else:
+            cause = cause.__cause__ or cause.__context__
     cause = cause or error
     return f"{type(cause).__name__}: {(str(cause).strip() or ' ').splitlines()[0]}"
 
 
-def saved_names(model):
-    """The names of a model's weights in checkpoint.pt: its state_dict's but a LoRA base's (frozen, --model's own)."""
-    parameters = model.named_parameters(remove_duplicate=False)  # a tied head's name too
-    frozen = {name for name, p in parameters if not p.requires_grad}
-    return {name for name in model.state_dict() if name not in frozen}
+def trained_state(models, optimizer):
+    """What checkpoint/ holds: this rank's shards of the trained weights (not a LoRA base's) and of AdamW's state."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: no_dist, on purpose
+    frozen = {name for name, p in models.named_parameters(remove_duplicate=False) if not p.requires_grad}  # tied too
+    weights = {k: v for k, v in dsd.get_model_state_dict(models).items() if k not in frozen}
+    return {"models": weights, "optimizer": dsd.get_optimizer_state_dict(models, optimizer)}
 
 
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
-    """checkpoint.pt (state, weights, AdamW's, wandb id), whole or not at all, then policy/; under torchrun every rank
-    sends its shards into rank 0's CPU memory, a tensor at a time, and rank 0 writes (SaveFailed on every rank)."""
+    """checkpoint/, whole or not at all: every rank writes its own shards (torch.distributed.checkpoint) into
+    checkpoint.a or .b, whichever the link `checkpoint` does not point to, with policy/ (save_policy) and the state
+    (state.json) after them; then the link points to it. SaveFailed on every rank if any rank failed."""
     SAVING.append(True)
-    path, tmp = os.path.join(run_dir, "checkpoint.pt"), os.path.join(run_dir, f"checkpoint.{os.getpid()}.tmp")
-    failed, weights = None, {}
+    rank, link = dist.get_rank() if dist.is_initialized() else 0, os.path.join(run_dir, "checkpoint")
+    slot, old = "checkpoint.a", "checkpoint.b"
+    if os.path.realpath(link).endswith(".a"):  # the slot in use stays whole until the link points to the other
+        slot, old = old, slot
+    path, failed = os.path.join(run_dir, slot), None
     try:
-        options = dcp.StateDictOptions(
-            full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True
-        )
-        for name, model in models.items():
-            names = saved_names(model)
-            weights[name] = {k: v for k, v in dcp.get_model_state_dict(model, options=options).items() if k in names}
-        optimizer_state = dcp.get_optimizer_state_dict(models, optimizer, options=options)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # a failed save's
+        if dist.is_initialized():
+            dist.barrier()
+        dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())
+        save_policy(os.path.join(run_dir, "policy"), models, tokenizer, merged)
+        if rank == 0:
             wandb_id = getattr(getattr(sys.modules.get("wandb"), "run", None), "id", None)
-            with open(tmp, "wb") as f:
-                torch.save(state | {"weights": weights, "optimizer": optimizer_state, "wandb_id": wandb_id}, f)
+            with open(os.path.join(path, "state.json"), "w") as f:
+                json.dump(state | {"wandb_id": wandb_id}, f)
                 f.flush()
-                os.fsync(f.fileno())  # on disk before the rename
-            os.replace(tmp, path)  # atomic
-            save_policy(os.path.join(run_dir, "policy"), models, weights, tokenizer)
-            if merged:  # W + (alpha / r) B A, on the CPU: the adapter loaded as peft loads one, on its base
-                adapter = __import__("peft").AutoPeftModelForCausalLM.from_pretrained(os.path.join(run_dir, "policy"))
-                adapter.merge_and_unload().save_pretrained(os.path.join(run_dir, "policy", "merged"))
-                tokenizer.save_pretrained(os.path.join(run_dir, "policy", "merged"))
-    except Exception as e:  # a full disk, a file-size limit, a directory gone
+                os.fsync(f.fileno())  # on disk before the link points to it
+            os.symlink(slot, link + ".tmp")
+            os.replace(link + ".tmp", link)  # atomic
+            shutil.rmtree(os.path.join(run_dir, old), ignore_errors=True)
+    except (Exception, dcp.CheckpointException) as e:  # a full disk, a file-size limit, a directory gone
         failed = e
     finally:
         SAVING.clear()
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    if failed is not None and os.path.realpath(link) != os.path.realpath(path):
+        shutil.rmtree(path, ignore_errors=True)  # no half-written checkpoint stays
     if all_reduce(torch.tensor(float(failed is not None))).item():
         raise SaveFailed(f"saving update {state['update']} failed ({reason(failed) if failed else 'on rank 0'})")
 
 
+def save_policy(path, models, tokenizer, merged=False):
+    """policy/: save_pretrained of the policy and its tokenizer (with LoRA the adapter; merged: also the base with the
+    adapters merged in, in policy/merged), and PPO's value model (its critic in policy/critic, value_head.pt; see
+    docs/ppo_llm.md). Under torchrun each model is gathered into rank 0's CPU memory in turn, and rank 0 writes it."""
+    rank, failed = dist.get_rank() if dist.is_initialized() else 0, None
+    options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True)
+    for name, model in models.items():  # every rank takes part in each gather, rank 0 too after a failure
+        if name == "ref_policy":  # --model's, or a copy of the policy
+            continue
+        weights = dsd.get_model_state_dict(model, options=options)
+        where = os.path.join(path, "critic") if name != "policy" and "critic" in models else path
+        try:
+            if rank == 0 and failed is None and name == "value_head":
+                os.makedirs(where, exist_ok=True)
+                torch.save(weights, os.path.join(where, "value_head.pt"))
+            elif rank == 0 and failed is None:
+                model.save_pretrained(where, state_dict=weights)
+                tokenizer.save_pretrained(where)
+        except Exception as e:
+            failed = e
+    if merged and rank == 0 and failed is None:  # W + (alpha / r) B A, on the CPU: the adapter loaded as peft loads it
+        adapter = __import__("peft").AutoPeftModelForCausalLM.from_pretrained(path)
+        adapter.merge_and_unload().save_pretrained(os.path.join(path, "merged"))
+        tokenizer.save_pretrained(os.path.join(path, "merged"))
+    if failed is not None:
+        raise failed
+
+
 def load_checkpoint(args, models, optimizer):
-    """--resume's checkpoint.pt ({} if none): rank 0 reads it, and each rank gets its shards, whatever their number."""
+    """--resume's checkpoint/ state ({} if none): each rank reads its own shards, whatever the number of processes."""
     if not args.resume:
         return {}
-    checkpoint, error = {}, None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:  # none (a run killed before its first save), a truncated or damaged one, or one of other models or flags
-            checkpoint = torch.load(os.path.join(args.resume, "checkpoint.pt"), map_location="cpu", weights_only=False)
-            names = {name: set(weights) for name, weights in checkpoint["weights"].items()}
-            if names != {name: saved_names(model) for name, model in models.items()}:
-                raise KeyError(f"its weights are of {', '.join(names)}, with other names")
-        except Exception as e:
-            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:100]}"
-            error = f"error: --resume {args.resume}: checkpoint.pt unreadable, or not of these models ({why})"
-    if dist.is_initialized():  # the other ranks: the verdict and the state, without the weights
-        shared = [error, {k: v for k, v in checkpoint.items() if k not in ("weights", "optimizer")}]
-        dist.broadcast_object_list(shared)
-        error, checkpoint = shared[0], checkpoint or shared[1]
-    if error:
-        raise SystemExit(error)
-    options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False)
-    for name, model in models.items():
-        dcp.set_model_state_dict(model, checkpoint.get("weights", {}).get(name, {}), options=options)
-    dcp.set_optimizer_state_dict(models, optimizer, checkpoint.get("optimizer", {}), options=options)
-    print(f"resuming after update {checkpoint['update']} of the saved run")
+    path = os.path.join(args.resume, "checkpoint")
+    if os.path.isfile(os.path.join(args.resume, "checkpoint.pt")) and not os.path.exists(path):
+        how = f"go on with the version that wrote it, or start a new run from its policy: --model {args.resume}/policy"
+        raise SystemExit(f"error: --resume {args.resume}: checkpoint.pt is of an earlier version of this script: {how}")
+    state = trained_state(models, optimizer)
+    try:  # none (a run killed before its first save), a damaged one, or one of other models or flags
+        with open(os.path.join(path, "state.json")) as f:
+            saved = json.load(f)
+        names = {k for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith("models.")}
+        if names != {f"models.{k}" for k in state["models"]}:
+            raise KeyError(f"its weights are of {', '.join(sorted({k.split('.')[1] for k in names}))}, other names")
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except (Exception, dcp.CheckpointException) as e:
+        with open(os.path.join(args.resume, "args.json")) as f:
+            run_model = json.load(f)["model"]
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:100]}"
+        if run_model != args.model:
+            why += f"; the run trained --model {run_model}, not --model {args.model}"
+        raise SystemExit(f"error: --resume {args.resume}: checkpoint unreadable, or of other models ({why})") from None
+    options = dsd.StateDictOptions(strict=False)  # a LoRA base is not in it
+    dsd.set_model_state_dict(models, state["models"], options=options)
+    dsd.set_optimizer_state_dict(models, optimizer, state["optimizer"])
+    print(f"resuming after update {saved['update']} of the saved run")
     optimizer.param_groups[0]["lr"] = args.learning_rate  # a flag given on resuming wins
-    return checkpoint
+    return saved
 
 
 def save_and_exit(error, update, state, run_dir, rank, save):
@@ -1337,18 +1415,19 @@ def save_and_exit(error, update, state, run_dir, rank, save):
     together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
     what, saved = str(error) or type(error).__name__, None
     if not together and dist.is_initialized():
-        what += "; one rank alone cannot gather the sharded weights to save them"
+        what += "; one rank alone cannot save the sharded weights"
     elif not isinstance(error, SaveFailed):  # a failed save is not tried again
         try:
             save()
-            saved = f"the state after update {state['update']} is in {run_dir}/checkpoint.pt"
+            saved = f"the state after update {state['update']} is in {run_dir}/checkpoint"
         except SaveFailed as e:
             what += f"; {e}"
-    go_on, path = f"python {os.path.basename(__file__)} --resume {run_dir} goes on", f"{run_dir}/checkpoint.pt"
-    if saved is None and os.path.exists(path):  # the last save that was written: its update, read without the weights
-        saved = f"{path} holds update {torch.load(path, mmap=True, weights_only=False)['update']}"
+    go_on, path = f"python {os.path.basename(__file__)} --resume {run_dir} goes on", f"{run_dir}/checkpoint"
+    if saved is None and os.path.exists(path):  # the last save that was written
+        with open(os.path.join(path, "state.json")) as f:
+            saved = f"{path} holds update {json.load(f)['update']}"
     elif saved is None:
-        saved, go_on = "no checkpoint.pt was written", "start the run again"
+        saved, go_on = "no checkpoint was written", "start the run again"
     cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
     if cause is not None and not isinstance(cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit):
         traceback.print_exception(cause)

@@ -49,7 +49,7 @@ def main():
     torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args = ppo_llm.Args(max_new_tokens=8)
-    tokenizer, policy, *_ = ppo_llm.load_models(args)
+    tokenizer, policy, *_ = ppo_llm.load_models(args, torch.device("cpu"))
     policy.to(device)
     with open(os.path.join(ROOT, "assets", "arith", "test.jsonl")) as f:
         prompts = [json.loads(line)["prompt"] for line in f]

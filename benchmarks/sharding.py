@@ -58,24 +58,34 @@ def local_bytes(tensors):
 
 
 def child(spec):
-    """One rank of a launch: the script's main() with optimizer_step wrapped to count this rank's bytes once."""
+    """One rank of a launch: the script's main() with its loading, optimizer_step and final save wrapped to count this
+    rank's bytes and peaks."""
     sys.path.insert(0, ROOT)
     script = __import__(spec["script"].removesuffix(".py"))
     models, counts = [], {}
-    prepare, optimizer_step, save_checkpoint = (
-        script.prepare,
-        script.optimizer_step,
-        script.save_checkpoint,
-    )
+    load_models, place, frozen_copy, prepare = script.load_models, script.place, script.frozen_copy, script.prepare
+    optimizer_step, save_checkpoint = script.optimizer_step, script.save_checkpoint
 
-    def counting_build(args, device, trained, frozen):
-        models.extend(m for m in trained + frozen if m is not None)
-        built = prepare(args, device, trained, frozen)
-        counts["loading_peak_mb"] = peak_mb()  # every rank reads the whole checkpoints before sharding
+    def counting_load(*args):  # the process before any model: Python, torch, transformers, the tokenizer
+        counts["before_loading_mb"] = current_mb()
+        return load_models(*args)
+
+    def counting_place(model, *args):
+        counts["largest_unit_mb"] = max(counts.get("largest_unit_mb", 0), largest_unit(model) / 2**20)
+        models.append(place(model, *args))
+        return models[-1]
+
+    def counting_copy(*args):
+        models.append(frozen_copy(*args))
+        return models[-1]
+
+    def counting_prepare(*args):  # every model loaded and placed
+        counts["loading_peak_mb"] = peak_mb()
+        counts["loaded_mb"] = local_bytes({id(p): p for m in models for p in m.parameters()}.values()) / 2**20
         reset_peak()
-        return built
+        return prepare(*args)
 
-    def counting_save(*args, **kwargs):  # the final save: rank 0 gathers the whole state into its CPU memory
+    def counting_save(*args, **kwargs):  # the final save
         counts["training_peak_mb"] = peak_mb()
         reset_peak()
         save_checkpoint(*args, **kwargs)
@@ -90,11 +100,35 @@ def child(spec):
             counts.update(params=local_bytes(weights), grads=grads, optimizer=local_bytes(state))
         return norm
 
-    script.prepare, script.optimizer_step, script.save_checkpoint = counting_build, counting_step, counting_save
+    script.load_models, script.place, script.frozen_copy, script.prepare = (
+        counting_load,
+        counting_place,
+        counting_copy,
+        counting_prepare,
+    )
+    script.optimizer_step, script.save_checkpoint = counting_step, counting_save
     rank = int(os.environ.get("RANK", 0))
     script.main(script.parse_args(spec["argv"]))
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
         json.dump(counts, f)
+
+
+def largest_unit(model):
+    """Bytes of the largest FSDP unit of a model as it is loaded: a transformer block, or the rest (the root)."""
+    blocks = getattr(model, "_no_split_modules", None) or ()
+    units = [m for m in model.modules() if type(m).__name__ in blocks]
+    in_blocks = sum(p.nbytes for m in units for p in m.parameters())
+    return max(
+        [sum(p.nbytes for p in m.parameters()) for m in units] + [sum(p.nbytes for p in model.parameters()) - in_blocks]
+    )
+
+
+def current_mb():
+    """This process's memory now: allocated on a GPU, the RSS on a CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated() / 2**20
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 2**10
 
 
 def reset_peak():

@@ -87,3 +87,21 @@ def interrupt_generation(monkeypatch, call, error=KeyboardInterrupt):
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(transformers.GenerationMixin, "generate", patched)
+
+
+def saved_update(run_dir):
+    """The update whose state a run directory's checkpoint holds (its state.json)."""
+    with open(os.path.join(run_dir, "checkpoint", "state.json")) as f:
+        return json.load(f)["update"]
+
+
+def saved_weights(run_dir, name):
+    """The weights of models[name] in a run directory's checkpoint, read whole in one process."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = os.path.join(run_dir, "checkpoint", "whole.pt")
+    dcp_to_torch_save(os.path.join(run_dir, "checkpoint"), path)
+    weights = torch.load(path)["models"]
+    os.remove(path)
+    return {k.removeprefix(f"{name}."): v for k, v in weights.items() if k.startswith(f"{name}.")}

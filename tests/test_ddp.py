@@ -1,6 +1,7 @@
 """Sharded data parallel under torchrun (FSDP2), on CPU with gloo: one update on 2 ranks is the one-process update over
 the union of their batches, and `torchrun --nproc_per_node 2` runs each LLM script end to end."""
 
+import copy
 import json
 import os
 import signal
@@ -13,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import untimed_metrics
+from conftest import saved_weights, untimed_metrics
+from test_families import families  # noqa: F401 (a fixture)
 from torch.distributed.tensor import DTensor
 from transformers import AutoModel, AutoModelForCausalLM
 
@@ -22,6 +24,7 @@ import ppo_llm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT = os.path.join(ROOT, "assets", "arith-sft")
+CPU = torch.device("cpu")
 B, Q, R = 8, 4, 6  # the union batch: 2 ranks x 4 sequences, micro-batches of 2
 
 
@@ -45,9 +48,11 @@ def ppo_models(critic):
     policy = ppo_llm.load_model(AutoModelForCausalLM, SFT, "--model")
     critic_model = ppo_llm.load_model(AutoModel, SFT, "--model") if critic == "separate" else None
     value_head = torch.nn.Linear(policy.config.hidden_size, 1)  # random, so that the critic gets a gradient
-    for model in [policy, critic_model, value_head]:
-        if dist.is_initialized() and model is not None:
-            ppo_llm.shard(model)  # under torchrun (FSDP2)
+    if dist.is_initialized():  # under torchrun: sharded (FSDP2), each rank's shards of rank 0's weights
+        policy = ppo_llm.place(policy, CPU)
+        if critic_model is not None:
+            critic_model = ppo_llm.place(critic_model, CPU)
+        value_head = ppo_llm.place(value_head, CPU)
     return [policy, critic_model, value_head]
 
 
@@ -70,7 +75,7 @@ def update(case, r):
         if args.lora_r:
             models = [grpo_llm.add_lora(models[0], args)]
         if dist.is_initialized():
-            grpo_llm.shard(models[0])
+            models = [grpo_llm.place(models[0], CPU)]
         loss, stats = grpo_llm.accumulate_gradients(models[0], r, args, nullcontext())
         stats = {k: grpo_llm.global_mean([s[k] for s in stats]) for k in stats[0]} | {
             "loss": grpo_llm.global_mean([loss])
@@ -130,14 +135,14 @@ def worker(rank, world, init_file):
     assert metrics == {"update": 3, "mean": 0.5, "n": 3, "lo": 5.0}, metrics
     # generation sharded: the policy gathered once (one all-gather per FSDP unit, none per token), the tokens of the
     # unsharded model, and ranks that stop at different lengths do not wait for each other
-    torch.manual_seed(0)
-    policy = ppo_llm.load_model(AutoModelForCausalLM, SFT, "--model")
     prompts = full["query_responses"][mine, :Q]
     settings = dict(max_new_tokens=3 + 2 * rank, do_sample=True, pad_token_id=0, eos_token_id=None)
     torch.manual_seed(rank)
     with torch.no_grad():
-        want = policy.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), **settings)
-    ppo_llm.shard(policy)
+        want = AutoModelForCausalLM.from_pretrained(SFT).generate(
+            input_ids=prompts, attention_mask=torch.ones_like(prompts), **settings
+        )
+    policy = ppo_llm.place(ppo_llm.load_model(AutoModelForCausalLM, SFT, "--model"), CPU)
     gathers, all_gather = [], dist.all_gather_single
     dist.all_gather_single = lambda *args, **kwargs: gathers.append(1) or all_gather(*args, **kwargs)
     torch.manual_seed(rank)
@@ -232,7 +237,7 @@ def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
         lines = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         assert [m["update"] for m in lines] == [1, 2]
         assert lines[-1]["episode"] == 16  # 8 sequences an update, counted over both ranks
-        saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)["weights"]["policy"]
+        saved = saved_weights(run_dir, "policy")
         policy = AutoModelForCausalLM.from_pretrained(run_dir / "policy")  # a LoRA run's: transformers loads the base
         for key, value in saved.items():  # the gathered weights, as the checkpoint holds them
             assert torch.equal(policy.state_dict()[key.removeprefix("base_model.model.")], value)
@@ -254,3 +259,85 @@ def test_processes_must_divide_the_prompts(script):
     with pytest.raises(SystemExit) as e:
         script.check_args(script.Args(prompts_per_update=8), 3)  # torchrun --nproc_per_node 3
     assert str(e.value) == "error: 3 processes must divide --prompts-per-update"
+
+
+def family_outputs(args):
+    """Every model the scripts load for `args` (policy, reference, reward model, critic, value head), through their
+    own loading, and each one's output on fixed ids (whole on every rank, as the one-process model's)."""
+    cpu = torch.device("cpu")
+    tokenizer, policy, reward_model, _ = ppo_llm.load_models(args, cpu)
+    critic, value_head = ppo_llm.build_value_model(args, cpu, policy, tokenizer, reward_model, None)
+    ref_policy = policy if args.lora_r else ppo_llm.frozen_copy(policy, cpu, bf16=False)  # as main() makes it
+    models = {"policy": policy, "ref_policy": ref_policy, "critic": critic}
+    models["reward_model"] = reward_model
+    ids = torch.arange(3, 13)[None] % len(tokenizer)
+    outputs = {"eos_ids": torch.tensor(policy.generation_config.eos_token_id)}
+    with torch.no_grad():
+        for name, model in models.items():
+            if model is None:
+                continue
+            with ppo_llm.unsharded(model):
+                out = model(input_ids=ids)
+            outputs[name] = out.logits if hasattr(out, "logits") else out.last_hidden_state
+        with ppo_llm.unsharded(value_head):
+            outputs["value_head"] = value_head(torch.ones(1, value_head.in_features))
+    return outputs
+
+
+BF16_GAP = 0.005  # nats: measured 0.0011 (the Llama below, 2 ranks, torch 2.13 on a CPU)
+
+
+def bf16_logprobs(path):
+    """The response log-probs of the union batch under bf16 autocast, with the script's --mixed-precision bf16."""
+    args = ppo_llm.Args(model=path, max_new_tokens=4, mixed_precision="bf16")
+    tokenizer, policy, _, _ = ppo_llm.load_models(args, torch.device("cpu"))
+    if dist.is_initialized():
+        with ppo_llm.unsharded(policy):  # the gathered copy
+            assert policy.get_output_embeddings().weight.dtype == torch.bfloat16
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), ppo_llm.unsharded(policy):
+        logprobs, _, _ = ppo_llm.training_forward(policy, None, None, union_batch(), torch.arange(B), args)
+    return logprobs
+
+
+FAMILIES = {  # the test's families, each with models that exercise one loading path
+    "gpt2": dict(reward_model="rm"),  # tied embeddings; a reward model, and the critic from it (same tokenizer)
+    "llama": dict(lora_r=4),  # rotary (inv_freq, in no state dict), its own generation_config; LoRA on a frozen base
+    "qwen2": dict(),  # saved in bf16, 30 spare embedding rows, a [PAD] added
+    "gemma2": dict(critic="head"),  # bf16, soft-capped logits, tied embeddings
+}
+
+
+def family_worker(rank, world, init_file, paths):
+    torch.set_num_threads(1)
+    arguments = {
+        family: ppo_llm.Args(model=paths[family], max_new_tokens=4, mixed_precision="no", **flags)
+        for family, flags in FAMILIES.items()
+    }
+    for args in arguments.values():
+        if args.reward_model:
+            args.reward_model = paths[args.reward_model]
+    expected = {family: family_outputs(copy.deepcopy(args)) for family, args in arguments.items()}
+    want_bf16 = bf16_logprobs(paths["llama"])
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # rank 1 reads no weights: its models are built on the meta device, and rank 0 sends it its shards
+    skeleton = ppo_llm.load_model(AutoModelForCausalLM, paths["llama"], "--model")
+    assert {p.device.type for p in skeleton.parameters()} == ({"cpu"} if rank == 0 else {"meta"})
+    for family, args in arguments.items():
+        got = family_outputs(copy.deepcopy(args))
+        assert got.keys() == expected[family].keys(), (family, got.keys())
+        for name, want in expected[family].items():
+            # equal: 0 apart, but the reward model's score (7e-9, fp32 rounding)
+            torch.testing.assert_close(got[name], want, rtol=0, atol=1e-7, msg=lambda m: f"{family} {name}: {m}")
+    # bf16 autocast: FSDP gathers bf16 copies of the fp32 shards, on which generation and the forwards run; the
+    # log-probs against one process's under the same autocast (fp32 weights, bf16 matmuls): close, not equal
+    got = bf16_logprobs(paths["llama"])
+    gap = (got - want_bf16).abs().max().item()
+    assert 0 < gap < BF16_GAP, gap
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as worker() does
+
+
+def test_two_ranks_load_every_model_as_one_process_does(families, tmp_path):  # noqa: F811
+    mp.spawn(family_worker, args=(2, str(tmp_path / "rendezvous"), families), nprocs=2)

@@ -33,8 +33,7 @@ def test_the_value_model_reload_block_runs_as_written_and_gives_the_runs_values(
     models = dict(policy=policy, value_head=value_head)
     if trunk is not None:
         models["critic"] = trunk
-    weights = {name: model.state_dict() for name, model in models.items()}
-    ppo_llm.save_policy(str(run_dir / "policy"), models, weights, AutoTokenizer.from_pretrained(tiny["policy"]))
+    ppo_llm.save_policy(str(run_dir / "policy"), models, AutoTokenizer.from_pretrained(tiny["policy"]))
     monkeypatch.chdir(tmp_path)
     names = {}
     exec(code, names)  # as a reader runs it

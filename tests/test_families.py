@@ -78,7 +78,7 @@ def families(tmp_path_factory, tiny):
 
 def load(path, **kwargs):
     args = ppo_llm.Args(model=path, max_new_tokens=4, **kwargs)
-    return args, ppo_llm.load_models(args)
+    return args, ppo_llm.load_models(args, torch.device("cpu"))
 
 
 MATRIX = [("gpt2", "no"), ("llama", "no"), ("qwen2", "no"), ("gemma2", "no"), ("qwen2", "bf16"), ("gemma2", "bf16")]

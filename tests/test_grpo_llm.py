@@ -7,7 +7,7 @@ import os
 import huggingface_hub
 import pytest
 import torch
-from conftest import ends_at, interrupt_generation, untimed_metrics
+from conftest import ends_at, interrupt_generation, saved_update, untimed_metrics
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
@@ -552,7 +552,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_weights(tiny, tmp_path, m
     (run_dir,) = os.listdir(tmp_path / "runs")
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / run_dir / "policy")
     assert all(torch.isfinite(p).all() for p in saved.parameters())
-    assert torch.load(tmp_path / "runs" / run_dir / "checkpoint.pt", weights_only=False)["update"] == 1
+    assert saved_update(tmp_path / "runs" / run_dir) == 1
 
 
 def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):

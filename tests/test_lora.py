@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import untimed_metrics
+from conftest import saved_weights, untimed_metrics
 from test_families import families  # noqa: F401 (a fixture)
 from transformers import AutoModelForCausalLM
 
@@ -149,5 +149,5 @@ def test_resume_restores_the_adapters_and_adamw(tiny, tmp_path):
     assert [m["update"] for m in untimed_metrics(split)] == [1, 2, 3, 4]
     assert untimed_metrics(split) == untimed_metrics(whole)
     assert untimed_metrics(whole)[-1]["kl"] > 0  # the adapters moved the policy
-    saved = torch.load(os.path.join(split, "checkpoint.pt"), weights_only=False)["weights"]["policy"]
+    saved = saved_weights(split, "policy")
     assert saved and all("lora_A" in k or "lora_B" in k for k in saved)

@@ -1,5 +1,6 @@
 """ppo_llm.py: numerics against hand-computed values, end-to-end runs on tiny models, one-line errors."""
 
+import glob
 import json
 import math
 import os
@@ -8,7 +9,15 @@ import signal
 import pytest
 import torch
 import transformers
-from conftest import char_tokenizer, ends_at, interrupt_generation, tiny_config, untimed_metrics
+from conftest import (
+    char_tokenizer,
+    ends_at,
+    interrupt_generation,
+    saved_update,
+    saved_weights,
+    tiny_config,
+    untimed_metrics,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
@@ -291,8 +300,11 @@ def test_run_logs_saves_and_loads_back(tiny, tmp_path, capsys):
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "policy"))
     assert policy.config.vocab_size == GPT2LMHeadModel.from_pretrained(tiny["policy"]).config.vocab_size
     assert set(torch.load(os.path.join(run_dir, "policy", "critic", "value_head.pt"))) == {"weight", "bias"}
-    assert os.path.isfile(os.path.join(run_dir, "checkpoint.pt"))
-    assert not [name for name in os.listdir(run_dir) if name.endswith(".tmp")]
+    assert saved_update(run_dir) == metrics[-1]["update"]
+    assert sorted(glob.glob(os.path.join(run_dir, "checkpoint*"))) == [
+        f"{run_dir}/checkpoint",
+        f"{run_dir}/checkpoint.a",
+    ]
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         assert {"prompt", "completion", "score"} <= set(json.loads(f.readline()))
 
@@ -319,30 +331,32 @@ def test_a_stop_inside_an_update_resumes_by_redoing_it(tiny, tmp_path, monkeypat
     monkeypatch.undo()
     (run_dir,) = (tmp_path / "split").iterdir()
     assert stop.value.code == 1 and [m["update"] for m in untimed_metrics(run_dir)] == [1]
-    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["update"] == 1
+    assert saved_update(run_dir) == 1
     assert f"python ppo_llm.py --resume {run_dir} goes on" in capsys.readouterr().err
     ppo_llm.main(ppo_llm.parse_args(["--resume", str(run_dir)]))
     assert untimed_metrics(run_dir) == untimed_metrics(whole)
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    # killed once its shards are written, before the link points to them: the checkpoint is update 1's, whole
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(model.parameters())
-    monkeypatch.setattr(ppo_llm, "save_policy", lambda *args: None)  # checkpoint.pt alone
+    monkeypatch.setattr(ppo_llm, "save_policy", lambda *args: None)  # checkpoint/ alone
     models = torch.nn.ModuleDict({"policy": model})
     ppo_llm.save_checkpoint(str(tmp_path), models, optimizer, {"update": 1}, None)
-    real_save = torch.save
+    saved, real_save = model.weight.detach().clone(), ppo_llm.dcp.save
 
-    def crash(obj, f):
-        real_save(obj, f)
-        f.truncate(10)  # half written
+    def killed(*args, **kwargs):
+        real_save(*args, **kwargs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ppo_llm.torch, "save", crash)
+    monkeypatch.setattr(ppo_llm.dcp, "save", killed)
+    with torch.no_grad():
+        model.weight.add_(1.0)
     with pytest.raises(KeyboardInterrupt):
         ppo_llm.save_checkpoint(str(tmp_path), models, optimizer, {"update": 2}, None)
-    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
-    assert checkpoint["update"] == 1 and torch.equal(checkpoint["weights"]["policy"]["weight"], model.weight)
+    assert saved_update(tmp_path) == 1 and torch.equal(saved_weights(tmp_path, "policy")["weight"], saved)
+    assert not ppo_llm.SAVING  # a second signal may stop the run at once again
 
 
 def test_prompt_stream_shards_and_resumes():
@@ -379,7 +393,7 @@ def test_evaluation_prompts_are_fixed_and_cut_as_in_training(tiny, tmp_path):
 
 
 def test_resume_needs_a_readable_run(tiny, tmp_path):
-    # no args.json, a truncated one, one that is no {flag: value} object; no checkpoint.pt (killed before its first
+    # no args.json, a truncated one, one that is no {flag: value} object; no checkpoint (killed before its first
     # save), one of other models (resumed with another --critic), a truncated one: one line each
     with pytest.raises(SystemExit, match=r"^error: --resume /no/such/run: args.json unreadable \(FileNotFoundError"):
         ppo_llm.parse_args(["--resume", "/no/such/run"])
@@ -393,13 +407,27 @@ def test_resume_needs_a_readable_run(tiny, tmp_path):
     for bad, flags in [(str(tmp_path / "runs" / "no_checkpoint"), []), (run_dir, ["--critic", "head"])]:
         with pytest.raises(SystemExit) as e:
             ppo_llm.main(ppo_llm.parse_args(["--resume", bad, *flags]))
-        assert str(e.value).startswith(f"error: --resume {bad}: checkpoint.pt unreadable, or not of these models (")
+        assert str(e.value).startswith(f"error: --resume {bad}: checkpoint unreadable, or of other models (")
         assert "\n" not in str(e.value)
-    checkpoint = os.path.join(run_dir, "checkpoint.pt")
-    with open(checkpoint, "r+b") as f:
-        f.truncate(os.path.getsize(checkpoint) // 2)  # a disk that filled up, a copy cut short
-    with pytest.raises(SystemExit, match=r"^error: --resume .*: checkpoint.pt unreadable, or not of these models \("):
+    shards = os.path.join(run_dir, "checkpoint", "__0_0.distcp")
+    with open(shards, "r+b") as f:
+        f.truncate(os.path.getsize(shards) // 2)  # a disk that filled up, a copy cut short
+    with pytest.raises(SystemExit, match=r"^error: --resume .*: checkpoint unreadable, or of other models \([^\n]*$"):
         ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir]))
+    # a run of this script's earlier versions (one checkpoint.pt): one line says what to do
+    os.remove(os.path.join(run_dir, "checkpoint"))
+    torch.save({"update": 1}, os.path.join(run_dir, "checkpoint.pt"))
+    with pytest.raises(SystemExit, match=r"^error: --resume .*: checkpoint.pt is of an earlier version .* --model "):
+        ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir]))
+
+
+def test_resume_with_another_model_names_both(tmp_path):
+    # the embedded arithmetic run resumed with the running-sums policy (another shape): one line naming both
+    run_dir = ppo_llm.main(ppo_llm.Args(total_steps=1, prompts_per_update=4, eval_every=0, output_dir=str(tmp_path)))
+    with pytest.raises(SystemExit) as e:
+        ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--model", "assets/sums-sft", "--total-steps", "2"]))
+    assert str(e.value).startswith(f"error: --resume {run_dir}: checkpoint unreadable, or of other models (")
+    assert str(e.value).endswith("; the run trained --model assets/arith-sft, not --model assets/sums-sft)")
 
 
 def test_options_all_run(tiny, tmp_path):
@@ -457,7 +485,9 @@ def test_value_head_starts_at_zero_and_dropout_is_off(tiny, tmp_path, monkeypatc
     # detail 8: the value head is zero-initialised, so the first values are 0
     policy = ppo_llm.load_model(AutoModelForCausalLM, tiny["policy"], "--model")
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
-    critic, head = ppo_llm.build_value_model(ppo_llm.Args(critic="head"), policy, tokenizer, None, None)
+    critic, head = ppo_llm.build_value_model(
+        ppo_llm.Args(critic="head"), torch.device("cpu"), policy, tokenizer, None, None
+    )
     assert critic is None and not head.weight.any() and not head.bias.any()
     # detail 6: dropout 0 in the config and in every nn.Dropout, also one that ignores the config
     model = AutoModelForCausalLM.from_pretrained(tiny["policy"])

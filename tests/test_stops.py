@@ -11,9 +11,10 @@ import sys
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
-from conftest import interrupt_generation, untimed_metrics
+from conftest import interrupt_generation, saved_update, untimed_metrics
 
 import grpo_llm
 import ppo_llm
@@ -86,8 +87,7 @@ def test_sigterm_saves_and_resume_goes_on(tiny, tmp_path):
     done = [json.loads(line)["update"] for line in open(run_dir / "metrics.jsonl")]
     assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "(SIGTERM)" in err and err.rstrip().endswith(f"--resume {run_dir} goes on") and "Traceback" not in err
-    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
-    assert checkpoint["update"] == done[-1] < 500  # the state after the last finished update
+    assert saved_update(run_dir) == done[-1] < 500  # the state after the last finished update
     command = [sys.executable, "ppo_llm.py", "--resume", str(run_dir), "--total-steps", str(done[-1] + 2)]
     resumed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -107,7 +107,7 @@ def test_a_reward_file_that_does_not_import_is_one_line(script, tiny, tmp_path):
 @pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
 def test_a_signal_during_an_update_lets_it_finish(script, tiny, tmp_path, monkeypatch, capsys):
     # SIGTERM arrives at update 2's first optimizer step (its handler appends to STOP): update 2 finishes, the next
-    # rollout ends at its first token and stops every rank, so checkpoint.pt holds exactly the state after update 2
+    # rollout ends at its first token and stops every rank, so the checkpoint holds exactly the state after update 2
     steps, real = [], script.optimizer_step
     per_update = 2 * 2 if script is ppo_llm else 1  # PPO: 2 epochs x 2 minibatches; GRPO: --num-iterations 1
 
@@ -126,7 +126,7 @@ def test_a_signal_during_an_update_lets_it_finish(script, tiny, tmp_path, monkey
         run(script, tiny, tmp_path / "split", save_every=2)  # update 2's periodic save waits for the stop's
     (run_dir,) = (tmp_path / "split").iterdir()
     assert stop.value.code == 128 + signal.SIGTERM and "stopped in update 3 (SIGTERM)" in capsys.readouterr().err
-    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["update"] == 2 and len(steps) == 2 * per_update
+    assert saved_update(run_dir) == 2 and len(steps) == 2 * per_update
     assert len(saves) == 1
     monkeypatch.setattr(script, "optimizer_step", real)
     script.main(script.parse_args(["--resume", str(run_dir)]))
@@ -152,11 +152,11 @@ def test_a_second_signal_stops_at_once(script, tiny, tmp_path, monkeypatch, caps
         run(script, tiny, tmp_path)
     (run_dir,) = tmp_path.iterdir()
     assert stop.value.code == 128 + signal.SIGTERM and "stopped in update 2 (" in capsys.readouterr().err
-    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["update"] == 1 and len(steps) == per_update + 1
+    assert saved_update(run_dir) == 1 and len(steps) == per_update + 1
 
 
 def test_a_second_signal_during_the_stops_save_waits_for_it(tiny, tmp_path, monkeypatch, capsys):
-    # SIGTERM in update 2's generation; a second one while the stop writes checkpoint.pt: the save finishes (a line
+    # SIGTERM in update 2's generation; a second one while the stop writes the checkpoint: the save finishes (a line
     # says it will), the last line says where the state is, no temporary file stays, and --resume goes on
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # as torchrun sets it
     generate, calls = ppo_llm.transformers.GenerationMixin.generate, []
@@ -180,10 +180,10 @@ def test_a_second_signal_during_the_stops_save_waits_for_it(tiny, tmp_path, monk
     monkeypatch.undo()
     (run_dir,) = (tmp_path / "runs").iterdir()
     err = capsys.readouterr().err
-    last = f"stopped in update 2 (SIGTERM); the state after update 1 is in {run_dir}/checkpoint.pt: python ppo_llm.py"
+    last = f"stopped in update 2 (SIGTERM); the state after update 1 is in {run_dir}/checkpoint: python ppo_llm.py"
     assert stop.value.code == 128 + signal.SIGTERM and err.splitlines()[-1].startswith(last), err
     assert "SIGTERM: the checkpoint being written is finished first" in err and "Traceback" not in err
-    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["update"] == 1
+    assert saved_update(run_dir) == 1
     assert not list(run_dir.glob("*.tmp"))
     assert json.load(open(tmp_path / "error.json"))["message"] == err.splitlines()[-1]  # torchrun's report ends so
     ppo_llm.main(ppo_llm.parse_args(["--resume", str(run_dir)]))
@@ -191,10 +191,11 @@ def test_a_second_signal_during_the_stops_save_waits_for_it(tiny, tmp_path, monk
 
 
 def test_a_save_that_fails_says_why_and_what_is_on_disk(tiny, tmp_path):
-    # a file-size limit (ulimit -f) that checkpoint.pt exceeds: the final save of update 3 fails; one line gives the
-    # OS's reason (not torch's "unexpected pos") and the checkpoint that is there, no temporary file stays, exit 1
+    # a file-size limit (ulimit -f) that the checkpoint's shards exceed: the final save of update 3 fails; one line
+    # gives the OS's reason (not torch.distributed.checkpoint's wrapping) and the checkpoint that is there, no
+    # half-written one stays, exit 1
     run_dir = run(ppo_llm, tiny, tmp_path, total_steps=2)
-    size = os.path.getsize(os.path.join(run_dir, "checkpoint.pt"))
+    size = os.path.getsize(os.path.join(run_dir, "checkpoint", "__0_0.distcp"))
     command = [sys.executable, "ppo_llm.py", "--resume", run_dir, "--total-steps", "3", "--save-every", "0"]
 
     def limit():
@@ -203,38 +204,40 @@ def test_a_save_that_fails_says_why_and_what_is_on_disk(tiny, tmp_path):
     p = subprocess.run(command, cwd=ROOT, preexec_fn=limit, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert p.stderr.rstrip().splitlines()[-1] == (
-        f"stopped in update 3 (saving update 3 failed (OSError: [Errno 27] File too large)); {run_dir}/checkpoint.pt "
+        f"stopped in update 3 (saving update 3 failed (OSError: [Errno 27] File too large)); {run_dir}/checkpoint "
         f"holds update 2: python ppo_llm.py --resume {run_dir} goes on"
     )
-    assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["update"] == 2
-    assert not glob.glob(os.path.join(run_dir, "*.tmp"))
+    assert saved_update(run_dir) == 2
+    assert glob.glob(os.path.join(run_dir, "checkpoint.*")) == [os.path.realpath(os.path.join(run_dir, "checkpoint"))]
 
 
 def test_a_stop_whose_save_fails_names_the_last_checkpoint(tiny, tmp_path, monkeypatch, capsys):
     # Ctrl-C in update 4 and then a full disk: the line gives the reason and the periodic save of update 2 that is
     # there; stopped before any save, the line says there is nothing to resume
-    real_save = torch.save
+    real_save, saves = ppo_llm.dcp.save, []
 
-    def full_disk(obj, f):
-        if "weights" not in obj or obj["update"] == 2:  # value_head.pt, update 2's checkpoint.pt
-            return real_save(obj, f)
-        f.write(b"x")
-        raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos") from OSError(28, "No space left")
+    def full_disk(state_dict, checkpoint_id, **kwargs):
+        saves.append(checkpoint_id)
+        if len(saves) == 1:  # update 2's
+            return real_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+        os.makedirs(checkpoint_id)
+        open(os.path.join(checkpoint_id, "__0_0.distcp"), "w").close()  # half written, then torch's wrapping
+        raise ppo_llm.dcp.CheckpointException("write", {0: (OSError(28, "No space left"), None)})
 
-    monkeypatch.setattr(ppo_llm.torch, "save", full_disk)
+    monkeypatch.setattr(ppo_llm.dcp, "save", full_disk)
     interrupt_generation(monkeypatch, call=4)
     with pytest.raises(SystemExit):
         run(ppo_llm, tiny, tmp_path / "a", save_every=2, total_steps=4)
     (run_dir,) = (tmp_path / "a").iterdir()
     assert capsys.readouterr().err.rstrip().splitlines()[-1] == (
         f"stopped in update 4 (interrupted by the test; saving update 3 failed (OSError: [Errno 28] No space left)); "
-        f"{run_dir}/checkpoint.pt holds update 2: python ppo_llm.py --resume {run_dir} goes on"
+        f"{run_dir}/checkpoint holds update 2: python ppo_llm.py --resume {run_dir} goes on"
     )
-    assert not list(run_dir.glob("*.tmp"))
+    assert [str(p) for p in run_dir.glob("checkpoint.*")] == [os.path.realpath(run_dir / "checkpoint")]
     interrupt_generation(monkeypatch, call=1)
     with pytest.raises(SystemExit):
         run(ppo_llm, tiny, tmp_path / "b")
-    assert capsys.readouterr().err.rstrip().endswith("no checkpoint.pt was written: start the run again")
+    assert capsys.readouterr().err.rstrip().endswith("no checkpoint was written: start the run again")
 
 
 @pytest.mark.parametrize("script, other", [(ppo_llm, grpo_llm), (grpo_llm, ppo_llm)])
@@ -326,12 +329,17 @@ def test_paths_that_cannot_be_read_or_written_are_one_line(tiny, tmp_path):
 
 
 def test_a_resume_removes_a_stale_temporary_and_a_signal_in_the_first_evaluation_saves(tiny, tmp_path, monkeypatch):
-    # a hard kill in the middle of a save leaves checkpoint.<pid>.tmp: the resume removes it; SIGTERM while the
-    # initial policy is evaluated stops the run with its line and a checkpoint of update 0
+    # a hard kill in the middle of a save leaves half a checkpoint in the slot not in use, and one at its end the
+    # link that was to replace `checkpoint`: the resume removes both (the link would fail the next save); SIGTERM
+    # while the initial policy is evaluated stops the run with its line and a checkpoint of update 0
     run_dir = run(ppo_llm, tiny, tmp_path / "a", total_steps=1)
-    (tmp_path / "a" / os.path.basename(run_dir) / "checkpoint.12345.tmp").write_bytes(b"half")
+    half = os.path.join(run_dir, "checkpoint.b")
+    os.makedirs(half)
+    open(os.path.join(half, "__0_0.distcp"), "wb").close()
+    os.symlink("checkpoint.b", os.path.join(run_dir, "checkpoint.tmp"))
     ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--total-steps", "2"]))
-    assert not glob.glob(os.path.join(run_dir, "*.tmp"))
+    assert saved_update(run_dir) == 2 and not os.path.lexists(os.path.join(run_dir, "checkpoint.tmp"))
+    assert glob.glob(os.path.join(run_dir, "checkpoint.*")) == [os.path.realpath(os.path.join(run_dir, "checkpoint"))]
     generate = ppo_llm.transformers.GenerationMixin.generate
 
     def signalled(self, *args, **kwargs):
@@ -343,7 +351,7 @@ def test_a_resume_removes_a_stale_temporary_and_a_signal_in_the_first_evaluation
         run(ppo_llm, tiny, tmp_path / "b", eval_every=1, eval_split=tiny["jsonl"], eval_size=4)
     (run_dir,) = (tmp_path / "b").iterdir()
     assert stop.value.code == 128 + signal.SIGTERM
-    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["update"] == 0
+    assert saved_update(run_dir) == 0
     assert [m["update"] for m in untimed_metrics(run_dir)] == [0]  # the first evaluation, logged
 
 
@@ -356,3 +364,15 @@ def test_logs_that_cannot_be_written_are_one_line(tmp_path):
     assert str(e.value) == f"error: {tmp_path}: the logs could not be written (IsADirectoryError: [Errno 21] Is a " + (
         f"directory: '{tmp_path / 'metrics.jsonl'}')"
     )
+
+
+def test_a_score_that_is_text_is_refused_as_none_is():
+    # a reward function that returns "1" (text that float() would read), None or a list: one line naming it and the
+    # first such completion; numbers of any type (int, numpy's, a 0-d tensor) are scores
+    source, completions = "--reward-fn f.py:r", ["12", "13", "14"]
+    for bad in ["1", "0.5", None, [1.0]]:
+        with pytest.raises(SystemExit) as e:
+            ppo_llm.finite_scores([1.0, bad, 0.0], source, completions)
+        first = f"(the first: {bad!r} for '13')"
+        assert str(e.value) == f"error: {source} scored 1 of 3 completions with no finite number {first}"
+    assert ppo_llm.finite_scores([1, np.float32(0.5), torch.tensor(2.0)], source, completions) == [1.0, 0.5, 2.0]
