@@ -2,7 +2,9 @@
 
 Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath) is PPO without the critic: every prompt gets a
 group of G sampled completions, a completion's advantage is its reward relative to the group's, and the KL to the frozen
-reference is a loss term, not a reward penalty. main() is the loop, its steps numbered in the algorithm's order.
+reference is a loss term, not a reward penalty. Read down to the end of main(), the loop, its steps numbered in the
+algorithm's order; below the SHARED label is the plumbing that a first reading skips (flag checks, loading, sharding,
+logging, evaluation, stops, checkpoints).
 
     python grpo_llm.py                                  # the embedded arithmetic SFT policy: offline, CPU, minutes
     python grpo_llm.py --model gpt2 --total-steps 200   # a hub model (a GPU is advisable)
@@ -39,9 +41,9 @@ CUDA, LoRA, torchrun (FSDP2); nothing is lost when a run stops (checkpoint/, --r
 
 import contextlib
 import copy
-import glob
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -64,7 +66,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
-import torch.distributed.nn  # noqa: F401  here: imported after init_process_group, it would bind to that group
+import torch.distributed.nn  # noqa: F401  before init_process_group: imported after it, it would hold the group
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
@@ -149,16 +151,8 @@ class Args:
     num_samples: int = 3  # samples shown each time
 
 
-# ALGO LOGIC: the numerics, checked by tests/ against hand-computed values; under torchrun, over every rank's entries.
-
-
-def all_reduce(x, op="sum"):
-    """The tensor x summed over the torchrun ranks (or their "min" or "max"); x itself in one process."""
-    if not dist.is_initialized():
-        return x
-    y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
-    dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
-    return y.to(x.device)
+# ALGO LOGIC: the numerics, checked by tests/ against hand-computed values; under torchrun, over every rank's entries
+# (all_reduce: a sum over the ranks).
 
 
 def global_mean(values):
@@ -316,19 +310,16 @@ def tokenize_texts(tokenizer, texts, max_length):
 
 
 @torch.no_grad()
-def rollout(policy, tokenizer, prompts, args, autocast, stoppable=False):
+def rollout(policy, tokenizer, prompts, args, autocast, stop=None):
     """Step 1: the prompts left-padded (detail 6) and cut on the left to --max-prompt-length, a response sampled for
     each with the policy's generation_config (detail 4), cut after its first EOS (detail 2). The rollout batch:
         query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens
         responses, mask                  (B, R)      the response tokens (pad after EOS), 1.0 on the real ones
         ended                            (B,)        whether the response has an EOS
         prompt_width                     Q
-    A stoppable rollout ends at the next token once a signal has come."""
+    With stop (generate()'s stopping_criteria), every response ends at the next token once one of them says so."""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
-    stop = []
-    if stoppable:
-        stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)]
     with autocast:
         out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
     eos_ids = policy.generation_config.eos_token_id  # end_of_response_ids(), set by load_models
@@ -367,14 +358,9 @@ def lm_head_logprobs(
     def logits(h):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place where it can be
         bias = None if head.bias is None else head.bias.to(dtype)
         z = F.linear(h.to(dtype), head.weight.to(dtype), bias).float()
-        if softcap:
-            z = z.mul_(scale / softcap).tanh_()
-            if torch.is_grad_enabled():
-                return z * (softcap / temperature)  # tanh's backward reads its output: not in place
-            return z.mul_(softcap / temperature)
-        if scale / temperature != 1:
-            return z.mul_(scale / temperature)
-        return z
+        if softcap:  # tanh's backward reads its output: that product not in place
+            return z.mul_(scale / softcap).tanh_() * (softcap / temperature)
+        return z.mul_(scale / temperature)
 
     def chunk(h, y):  # (N, H), (N,) -> log p of y (N,), entropy (N,) or None
         with torch.autocast(device_type, enabled=False):
@@ -441,11 +427,11 @@ def accumulate_gradients(policy, batch, args, autocast):
     for micro_batch in torch.arange(batch_size, device=loss_mask.device).split(args.micro_batch_size):
         with autocast:
             logprobs, entropy = training_forward(policy, batch, micro_batch, args, with_entropy=True)
-        old_logprobs = logprobs.detach()  # --num-iterations 1 (detail 5)
-        if batch["old_logprobs"] is not None:
+        old_logprobs = logprobs.detach()  # --num-iterations 1: the current ones (detail 5)
+        if args.num_iterations > 1:
             old_logprobs = batch["old_logprobs"][micro_batch]
-        ref_logprobs = None
-        if batch["ref_logprobs"] is not None:
+        ref_logprobs = None  # beta 0: no KL term
+        if args.beta:
             ref_logprobs = batch["ref_logprobs"][micro_batch]
         advantages, mask = batch["advantages"][micro_batch], loss_mask[micro_batch]
         loss, micro_stats = grpo_loss(
@@ -476,38 +462,7 @@ def optimizer_step(optimizer, params, max_grad_norm):
     return grad_norm
 
 
-# GRPO's own: its files, the flags' checks; then main()
-
-
-def check_args(args, world):
-    """Every flag out of range and every bad combination, one line each, before anything loads; derived defaults set."""
-    check_range(args, ">= 0", "save_every lora_r learning_rate weight_decay ent_coef beta off_policy_mask_threshold")
-    check_range(args, ">= 0", "overlong_buffer overlong_penalty eval_every sample_every num_samples")
-    check_range(args, ">= 1", "max_new_tokens max_prompt_length total_steps prompts_per_update micro_batch_size")
-    check_range(args, ">= 1", "num_iterations eval_size")
-    check_range(args, ">= 2", "num_generations")  # the group is the baseline
-    check_range(args, "> 0", "lora_alpha temperature max_grad_norm sapo_temperature_pos sapo_temperature_neg")
-    check_range(args, "in (0, 1)", "epsilon")
-    check_range(args, "in (0, 1]", "top_entropy_quantile")
-    check_range(args, ">= 0", "epsilon_high delta")  # and the bounds below
-    check_range(args, "finite", "reward_weights")
-    check_run(args, world)
-    batch_size = args.prompts_per_update // world * args.num_generations  # this process's completions
-    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # the default 64 must not refuse a smaller batch
-    high = 1 + (args.epsilon if args.epsilon_high is None else args.epsilon_high)
-    n_rewards = 1 if args.reward_model else len(args.reward_fn)
-    if batch_size % args.micro_batch_size:
-        completions = f"the completions per update ({batch_size} a process)"
-        raise SystemExit(f"error: --micro-batch-size ({args.micro_batch_size}) must divide {completions}")
-    if args.epsilon_high is not None and args.epsilon_high < args.epsilon:
-        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high})")
-    if args.delta is not None and args.delta <= high:
-        raise SystemExit(f"error: --delta must be > 1 + --epsilon-high (got {args.delta})")
-    if not args.reward_fn:
-        raise SystemExit("error: --reward-fn needs at least one reward function")
-    if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
-        weights = f"({n_rewards}), not {len(args.reward_weights or [])}"
-        raise SystemExit(f"error: --reward-weights needs one weight per reward {weights}")
+# GRPO's own: main()
 
 
 def main(args: Args | None = None):
@@ -515,10 +470,11 @@ def main(args: Args | None = None):
     # TRY NOT TO MODIFY: set-up and seeding, the models, a resumed run's state, the run directory
     (rank, world), device, autocast = setup(args)
     check_args(args, world)
-    reward_fns = [load_reward_fn(name) for name in args.reward_fn]  # a bad name or file fails here, before loading
-    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device)
     G = args.num_generations
     batch_size = args.prompts_per_update // world * G  # this process's share of the completions
+    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # the default 64 fits a smaller batch
+    reward_fns = [load_reward_fn(name) for name in args.reward_fn]  # a bad name or file fails here, before loading
+    tokenizer, policy, reward_model, rm_tokenizer, rm_reads_ids = load_models(args, device)
     eval_problems = eval_rows(args, tokenizer) if args.eval_every or args.eval_only else None
     if args.eval_only:  # no training, no run directory
         result = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
@@ -526,31 +482,29 @@ def main(args: Args | None = None):
         return result
     ref_policy = None  # beta 0, TRL's default: no KL term, no reference (details 5, 10)
     if args.beta:  # LoRA: the base, with the adapters off
-        ref_policy = policy if args.lora_r else frozen_copy(policy, device, args.mixed_precision == "bf16")
+        ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))
     params, optimizer = prepare(args, [policy])
     names = [name.rpartition(":")[2] for name in args.reward_fn]
     if args.reward_model:
         names = [os.path.basename(args.reward_model)]
     reward_weights = torch.tensor(args.reward_weights or [1.0] * len(names), device=device)
-    needs_answers = reward_model is None and bool({"arithmetic", "gsm8k"} & set(args.reward_fn))
-    rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
     models = nn.ModuleDict({"policy": policy})  # what checkpoint/ and policy/ hold; the reference is --model's
     resumed = load_checkpoint(args, models, optimizer)  # {} for a new run
+    needs_answers = reward_model is None and bool({"arithmetic", "gsm8k"} & set(args.reward_fn))
+    rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
     run_dir, writer = open_run(args, rank, resumed)
-    first_update = update = resumed.get("update", 0)
+    first_update, start_time = resumed.get("update", 0), time.time()
     prompts = prompt_stream(rows, args.seed, first_update * args.prompts_per_update, rank, world)
-    state = {"update": update}  # what a resume restores besides the weights and AdamW
-    start_time = time.time()
-    print(f"{run_dir}/checkpoint: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
-    STOP.clear()
-    handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    run = {"update": first_update, "state": {"update": first_update}}  # what a stop saves
+    with guarded(
+        args, run, run_dir, writer, lambda: save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
+    ):
         if eval_problems and not resumed:  # the initial policy, at update 0
             initial = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
-            # each update's own random numbers, so that a resume repeats them (ints hash alike in every process)
-            torch.manual_seed(hash((args.seed, update, rank)))
+            run["update"] = update
+            torch.manual_seed(hash((args.seed, update, rank)))  # each update's numbers: a resume repeats them
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
 
@@ -559,8 +513,8 @@ def main(args: Args | None = None):
             prompt_rows = [next(prompts) for _ in range(batch_size // G)]
             rows = [row for row in prompt_rows for _ in range(G)]
             with unsharded(policy):  # FSDP: gathered once for generation, not once per token
-                batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, stoppable=True)
-            stop_if_signalled()
+                batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, [signalled])
+            stop_if_signalled()  # every rank, before the update changes anything
             mask, lengths = batch["mask"], batch["mask"].sum(1)  # (B, R), (B,)
             t1 = wall_clock(device)
 
@@ -570,7 +524,8 @@ def main(args: Args | None = None):
                 scores = on_every_rank(lambda: [reward_fn(completions, rows) for reward_fn in reward_fns])
                 scores = torch.tensor(scores, dtype=torch.float, device=device).T  # (B, reward functions)
             else:
-                scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)[:, None]
+                scores = reward_model_scores(reward_model, rm_tokenizer, rm_reads_ids, batch, rows, completions, args)
+                scores = scores[:, None]
             overlong = overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer, args.overlong_penalty)
             rewards = scores @ reward_weights - overlong
 
@@ -583,7 +538,6 @@ def main(args: Args | None = None):
                 dropped |= ~batch["ended"]
             loss_mask = mask * ~dropped[:, None]
             batch |= {"loss_mask": loss_mask, "advantages": advantages, "entropy_mask": torch.ones_like(mask)}
-            batch |= {"old_logprobs": None, "ref_logprobs": None}  # mu = 1: the current ones, detached; beta 0: none
 
             # 4. old log-probs (mu > 1), entropies (detail 13) and reference log-probs: the training forward (detail 5)
             micro_batches = torch.arange(batch_size, device=device).split(args.micro_batch_size)
@@ -591,16 +545,13 @@ def main(args: Args | None = None):
             mask_by_entropy = args.top_entropy_quantile < 1
             if has_loss_tokens and (args.num_iterations > 1 or mask_by_entropy):
                 with torch.no_grad(), autocast, unsharded(policy):
-                    out = [
-                        training_forward(policy, batch, mb, args, with_entropy=mask_by_entropy) for mb in micro_batches
-                    ]
-                if args.num_iterations > 1:
-                    batch["old_logprobs"] = torch.cat([logprobs for logprobs, _ in out])
+                    out = [training_forward(policy, batch, mb, args, mask_by_entropy) for mb in micro_batches]
+                batch["old_logprobs"] = torch.cat([logprobs for logprobs, _ in out])  # read with mu > 1
                 if mask_by_entropy:  # the whole batch's, from the rollout policy
                     entropy = torch.cat([entropy for _, entropy in out])
                     batch["entropy_mask"] = high_entropy_mask(entropy, loss_mask, args.top_entropy_quantile)
-            if ref_policy is not None:
-                adapters_off = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()
+            if args.beta:
+                adapters_off = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()  # LoRA
                 with torch.no_grad(), autocast, adapters_off, unsharded(ref_policy):
                     out = [training_forward(ref_policy, batch, mb, args) for mb in micro_batches]
                 batch["ref_logprobs"] = torch.cat([logprobs for logprobs, _ in out])
@@ -609,13 +560,12 @@ def main(args: Args | None = None):
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 9)
             policy.train()
             stats, losses, grad_norms = [], [], []
-            if has_loss_tokens:
-                for _ in range(args.num_iterations):
-                    loss, micro_stats = accumulate_gradients(policy, batch, args, autocast)
-                    grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
-                    stats += micro_stats
-                    losses.append(loss)
-            state = {"update": update}  # update done: a stop from here on resumes after it
+            for _ in range(args.num_iterations if has_loss_tokens else 0):
+                loss, micro_stats = accumulate_gradients(policy, batch, args, autocast)
+                grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
+                stats += micro_stats
+                losses.append(loss)
+            run["state"] = {"update": update}  # update done: a stop from here on resumes after it
             t3 = wall_clock(device)
 
             # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
@@ -652,32 +602,50 @@ def main(args: Args | None = None):
             if not losses:
                 line += "(no loss tokens)  "
             values = dict(reward=rewards[::G].tolist(), advantage=advantages[::G].tolist())  # one of each group
-            samples = samples_to_log(args, update, rows[::G], completions[::G], **values)
-            log(writer, metrics, line + progress, samples)
+            log(writer, metrics, line + progress, samples_to_log(args, update, rows[::G], completions[::G], **values))
             if args.save_every and update % args.save_every == 0 and not stopping:
-                save_checkpoint(run_dir, models, optimizer, state, tokenizer)
-        save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=args.save_merged)
-    except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss, an error, a failed save: nothing is lost
-        save_and_exit(
-            e, update, state, run_dir, rank, lambda: save_checkpoint(run_dir, models, optimizer, state, tokenizer)
-        )
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        if writer is not None:
-            writer.close()
-    print(f"saved the policy to {run_dir}/policy")
-    if args.track and rank == 0:
-        sys.modules["wandb"].finish()
-    if dist.is_initialized():
-        dist.barrier()  # every rank waits for rank 0's save
-        dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
+                save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
+        save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer, merged=args.save_merged)
     return run_dir
 
 
 # SHARED WITH the other LLM script, kept identical by tests/test_shared.py (as is each function above that both
 # define): rewards, prompts, models, sharding and set-up, logging, evaluation, stops, checkpoints. To add a reward:
 # REWARD_FNS, or --reward-fn file.py:fn.
+
+# This script's own flag checks, then the shared code.
+
+
+def check_args(args, world):
+    """Every flag out of range and every bad combination, one line each, before anything loads."""
+    check_range(args, ">= 0", "save_every lora_r learning_rate weight_decay ent_coef beta off_policy_mask_threshold")
+    check_range(args, ">= 0", "overlong_buffer overlong_penalty eval_every sample_every num_samples")
+    check_range(args, ">= 1", "max_new_tokens max_prompt_length total_steps prompts_per_update micro_batch_size")
+    check_range(args, ">= 1", "num_iterations eval_size")
+    check_range(args, ">= 2", "num_generations")  # the group is the baseline
+    check_range(args, "> 0", "lora_alpha temperature max_grad_norm sapo_temperature_pos sapo_temperature_neg")
+    check_range(args, "in (0, 1)", "epsilon")
+    check_range(args, "in (0, 1]", "top_entropy_quantile")
+    check_range(args, ">= 0", "epsilon_high delta")  # and the bounds below
+    check_range(args, "finite", "reward_weights")
+    check_run(args, world)
+    batch_size = args.prompts_per_update // world * args.num_generations  # this process's completions
+    micro_batch_size = min(args.micro_batch_size, batch_size)  # main() caps it so
+    high = 1 + (args.epsilon if args.epsilon_high is None else args.epsilon_high)
+    n_rewards = 1 if args.reward_model else len(args.reward_fn)
+    if batch_size % micro_batch_size:
+        completions = f"the completions per update ({batch_size} a process)"
+        raise SystemExit(f"error: --micro-batch-size ({micro_batch_size}) must divide {completions}")
+    if args.epsilon_high is not None and args.epsilon_high < args.epsilon:
+        raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high})")
+    if args.delta is not None and args.delta <= high:
+        raise SystemExit(f"error: --delta must be > 1 + --epsilon-high (got {args.delta})")
+    if not args.reward_fn:
+        raise SystemExit("error: --reward-fn needs at least one reward function")
+    if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
+        weights = f"({n_rewards}), not {len(args.reward_weights or [])}"
+        raise SystemExit(f"error: --reward-weights needs one weight per reward {weights}")
+
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
 
@@ -882,9 +850,9 @@ def rm_text(rm_tokenizer, row, completion):
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
-    """Score of each sequence (B,) at its last real token: of the ids (rm_tokenizer None), or of rm_text, cut left."""
-    if rm_tokenizer is None:
+def reward_model_scores(reward_model, rm_tokenizer, reads_ids, batch, rows, completions, args):
+    """Score of each sequence (B,) at its last real token: of the policy's ids (reads_ids), or of rm_text, cut left."""
+    if reads_ids:
         mask = batch["attention_mask"]
         inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
     else:
@@ -901,23 +869,16 @@ def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, ar
 
 
 def load_models(args, device):
-    """(tokenizer, policy, frozen reward model, its tokenizer) on the device (sharded under torchrun, each model as it
-    loads: rank 0 holds one whole model at a time); generation settings to generation_config."""
-    bf16 = args.mixed_precision == "bf16"
+    """(tokenizer, policy, frozen reward model, its tokenizer, whether it reads the policy's ids as they are) on the
+    device (sharded under torchrun, each model as it loads: rank 0 holds one whole model at a time)."""
     policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
-    if args.max_new_tokens is None:
-        args.max_new_tokens = policy.generation_config.max_new_tokens or 8
-    context = getattr(policy.config, "max_position_embeddings", 0)  # GPT-2's n_positions too
-    max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
-    if context and (args.max_new_tokens >= context or max_prompt_length + args.max_new_tokens > context):
-        flags = f"--max-new-tokens {args.max_new_tokens} and a prompt (--max-prompt-length {args.max_prompt_length})"
-        raise SystemExit(f"error: {flags} do not fit the model's context of {context} tokens")
-    args.max_prompt_length = max_prompt_length
+    model_defaults(args, policy)
     eos_ids = end_of_response_ids(tokenizer, policy.generation_config)
     reward_model = rm_tokenizer = None
+    rm_reads_ids = False
     if args.reward_model is not None:
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
         n = reward_model.config.num_labels
@@ -925,12 +886,12 @@ def load_models(args, device):
             why = f"--reward-label (0 to {n - 1}) chooses the logit that is the score (got {args.reward_label})"
             raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={n}: {why}")
         rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model", truncation_side="left")
-        if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
-            rm_tokenizer = None  # the same tokens: the ids are scored as they are, with no decoding and encoding
+        rm_reads_ids = rm_tokenizer.get_vocab() == tokenizer.get_vocab()  # no decoding and encoding
+        if rm_reads_ids:
             add_pad_token(tokenizer, [reward_model], eos_ids)
         else:
             add_pad_token(rm_tokenizer, [reward_model])
-        reward_model = place(reward_model.eval().requires_grad_(False), device, bf16)
+        reward_model = place(reward_model.eval().requires_grad_(False), device, uses_bf16(args))
     add_pad_token(tokenizer, [policy], eos_ids)
     # detail 4: a generation_config of our own, every field set, none left to the checkpoint's
     policy.generation_config = transformers.GenerationConfig(
@@ -939,17 +900,36 @@ def load_models(args, device):
     policy.generation_config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
     if args.lora_r:
         policy = add_lora(policy, args)
-    policy = place(policy, device, bf16)
-    with torch.no_grad(), unsharded(policy):  # refuse a model whose logits response_logprobs does not reproduce
-        ids = torch.arange(1, 9, device=device)[None] % policy.get_output_embeddings().weight.shape[0]
-        hidden = hidden_states(policy, ids, torch.ones_like(ids), 1)
+    policy = place(policy, device, uses_bf16(args))
+    with torch.no_grad():  # refuse a model whose logits response_logprobs does not reproduce (FSDP: a unit at a time)
+        ids = torch.arange(1, 9, device=device)[None] % len(tokenizer)
+        hidden = hidden_states(policy, ids, torch.ones_like(ids), 1)  # the root unit stays gathered for the head
         got, _ = response_logprobs(policy, hidden, ids[:, 1:], 1.0, fp32=False)  # the matmul in the model's dtype
         want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
+    if isinstance(policy, FSDPModule):
+        policy.reshard()
     error = (got[0] - want).abs().max().item()
     if error > 1e-3:
         why = f"its forward changes the logits in a way this script does not reproduce (log-probs {error:.3g} apart)"
         raise SystemExit(f"error: --model {args.model}: {why}")
-    return tokenizer, policy, reward_model, rm_tokenizer
+    return tokenizer, policy, reward_model, rm_tokenizer, rm_reads_ids
+
+
+def model_defaults(args, policy):
+    """The flags whose default depends on the model, set in args (no other helper writes args): --max-new-tokens (the
+    checkpoint's generation_config's, else 8), --max-prompt-length (the context's rest), --learning-rate (by size)."""
+    if args.max_new_tokens is None:
+        args.max_new_tokens = policy.generation_config.max_new_tokens or 8
+    context = getattr(policy.config, "max_position_embeddings", 0)  # GPT-2's n_positions too
+    max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
+    if context and (args.max_new_tokens >= context or max_prompt_length + args.max_new_tokens > context):
+        flags = f"--max-new-tokens {args.max_new_tokens} and a prompt (--max-prompt-length {args.max_prompt_length})"
+        raise SystemExit(f"error: {flags} do not fit the model's context of {context} tokens")
+    args.max_prompt_length = max_prompt_length
+    n_params = sum(p.numel() for p in policy.parameters())
+    if args.learning_rate is None:
+        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
+        print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
 
 
 def shard(model, bf16=False):
@@ -970,22 +950,18 @@ def shard(model, bf16=False):
 
 
 def place(model, device, bf16=False):
-    """The model on the device; under torchrun sharded, each rank's shards sent by rank 0, the only rank that read the
-    weights, a tensor at a time, and the buffers with them (rotary inv_freq is in no state dict)."""
+    """The model on the device; under torchrun sharded, rank 0's whole weights sent a tensor at a time into the other
+    ranks' empty shards (their model is on the meta device), and the buffers with them (in no state dict: inv_freq)."""
     if not dist.is_initialized():
         return model.to(device)
     weights = model.state_dict() if dist.get_rank() == 0 else {}
-    buffers = list(model.buffers())
-    model.to("meta")
-    if hasattr(model, "tie_weights"):  # moving to meta unties a tied head
-        model.tie_weights()
     shard(model, bf16)
-    model.to_empty(device=device)
-    options = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    dsd.set_model_state_dict(model, weights, options=options)
-    for buffer, saved in zip(model.buffers(), buffers):
-        if dist.get_rank() == 0:
-            buffer.copy_(saved)
+    if dist.get_rank():
+        model.to_empty(device=device)
+    dsd.set_model_state_dict(
+        model, weights, options=dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     return model
 
@@ -997,7 +973,6 @@ def frozen_copy(model, device, bf16):
         return copy.deepcopy(model).eval()
     with torch.device("meta"):
         copied = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
-    copied.generation_config = model.generation_config
     shard(copied, bf16)
     copied.to_empty(device=device)
     copied.load_state_dict(model.state_dict())
@@ -1022,7 +997,7 @@ def unsharded(model):
 
 
 def prepare(args, trained):
-    """--learning-rate's default by size, gradient checkpointing, and AdamW over the trained models' parameters."""
+    """Gradient checkpointing, torch's threads, and AdamW over the trained models' parameters: (params, optimizer)."""
     trained = [model for model in trained if model is not None]
     for model in trained:
         if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only (5.17: gradient_)
@@ -1030,9 +1005,6 @@ def prepare(args, trained):
     n_params = sum(p.numel() for p in trained[0].parameters())
     if trained[0].device.type == "cpu" and n_params < 50e6:
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
-    if args.learning_rate is None:
-        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
-        print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
     return params, optimizer
@@ -1077,6 +1049,21 @@ def check_run(args, world):
             raise SystemExit(f"error: {message}")
 
 
+def all_reduce(x, op="sum"):
+    """The tensor x summed over the torchrun ranks (or their "min" or "max"); x itself in one process."""
+    if not dist.is_initialized():
+        return x
+    y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
+    return y.to(x.device)
+
+
+def uses_bf16(args):
+    """--mixed-precision: bf16 autocast over fp32 weights (auto: on CUDA)."""
+    auto = args.mixed_precision == "auto" and args.cuda and torch.cuda.is_available()
+    return args.mixed_precision == "bf16" or auto
+
+
 def setup(args):
     """torchrun's process group (rank 0 alone prints), seeds, device, autocast: ((rank, world), device, autocast)."""
     cuda = args.cuda and torch.cuda.is_available()
@@ -1087,10 +1074,11 @@ def setup(args):
         if dist.get_rank():
             sys.stdout = open(os.devnull, "w")
     transformers.utils.logging.disable_progress_bar()
+    # a false alarm (docs/grpo_llm.md): generate() drops an all-ones mask, and a finished response's next input is pad
+    padding = "We strongly recommend passing in an `attention_mask` since your input_ids may be padded"
+    logging.getLogger("transformers.modeling_utils").addFilter(lambda record: padding not in record.getMessage())
     transformers.set_seed(args.seed)  # python's random, numpy, torch
-    if args.mixed_precision == "auto":
-        args.mixed_precision = "bf16" if cuda else "no"
-    device, bf16 = torch.device("cuda" if cuda else "cpu"), args.mixed_precision == "bf16"
+    device, bf16 = torch.device("cuda" if cuda else "cpu"), uses_bf16(args)
     print(f"device: {device}, fp32 weights" + (", bf16 autocast" if bf16 else ""))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     return (rank, world), device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
@@ -1129,23 +1117,18 @@ def open_run(args, rank, checkpoint):
                 rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= resumed_update]
             with open(os.path.join(run_dir, name), "w") as f:
                 f.writelines(rows)
-    in_use = os.path.realpath(os.path.join(run_dir, "checkpoint"))
-    for leftover in glob.glob(os.path.join(run_dir, "checkpoint.*")):  # of a save that a hard kill cut short
-        if os.path.islink(leftover) or os.path.isfile(leftover):
-            os.remove(leftover)
-        elif os.path.realpath(leftover) != in_use:
-            shutil.rmtree(leftover)
-    with open(os.path.join(run_dir, "args.json"), "w") as f:
-        json.dump(asdict(args) | {"script": os.path.basename(__file__)}, f, indent=1)
-    if args.track:  # wandb imported only here: it is slow to import
+    saved = {"script": os.path.basename(__file__), "wandb_id": None}
+    if args.track:
+        import wandb  # here: it is slow to import
+
         settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), dir=run_dir)
         settings |= dict(name=os.path.basename(os.path.normpath(run_dir)), sync_tensorboard=True)
-        settings |= dict(id=checkpoint.get("wandb_id"), resume="allow" if checkpoint else None)  # the same run goes on
-        __import__("wandb").init(**settings)
-    purge_step = None
-    if resumed_update:  # and TensorBoard's events past it
-        purge_step = resumed_update + 1
-    return run_dir, SummaryWriter(run_dir, purge_step=purge_step)
+        if resumed_update:  # the same wandb run goes on
+            settings |= dict(id=json.load(open(os.path.join(run_dir, "args.json"))).get("wandb_id"), resume="allow")
+        saved["wandb_id"] = wandb.init(**settings).id
+    with open(os.path.join(run_dir, "args.json"), "w") as f:
+        json.dump(asdict(args) | saved, f, indent=1)
+    return run_dir, SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
 
 
 def log(writer, metrics, line, samples=()):
@@ -1263,6 +1246,11 @@ def on_signal(signum, frame):
     STOP.append(signum)
 
 
+def signalled(ids, scores, **kwargs):
+    """generate()'s stopping criterion: every response ends at its next token once a Ctrl-C or SIGTERM has come."""
+    return torch.full((len(ids),), bool(STOP), device=ids.device)
+
+
 def stop_requested():
     """Whether any rank has had a Ctrl-C or SIGTERM: the same answer on every rank."""
     return all_reduce(torch.tensor(float(len(STOP)))).item() > 0
@@ -1326,18 +1314,17 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
         slot, old = old, slot
     path, failed = os.path.join(run_dir, slot), None
     try:
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)  # a failed save's
-        if dist.is_initialized():
-            dist.barrier()
+        if rank == 0:  # a failed save's, or a hard kill's (no rank writes before dcp.save's first collective)
+            shutil.rmtree(path, ignore_errors=True)
         dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())
         save_policy(os.path.join(run_dir, "policy"), models, tokenizer, merged)
         if rank == 0:
-            wandb_id = getattr(getattr(sys.modules.get("wandb"), "run", None), "id", None)
             with open(os.path.join(path, "state.json"), "w") as f:
-                json.dump(state | {"wandb_id": wandb_id}, f)
+                json.dump(state, f)
                 f.flush()
                 os.fsync(f.fileno())  # on disk before the link points to it
+            if os.path.lexists(link + ".tmp"):  # a hard kill's
+                os.remove(link + ".tmp")
             os.symlink(slot, link + ".tmp")
             os.replace(link + ".tmp", link)  # atomic
             shutil.rmtree(os.path.join(run_dir, old), ignore_errors=True)
@@ -1372,7 +1359,9 @@ def save_policy(path, models, tokenizer, merged=False):
         except Exception as e:
             failed = e
     if merged and rank == 0 and failed is None:  # W + (alpha / r) B A, on the CPU: the adapter loaded as peft loads it
-        adapter = __import__("peft").AutoPeftModelForCausalLM.from_pretrained(path)
+        import peft
+
+        adapter = peft.AutoPeftModelForCausalLM.from_pretrained(path)
         adapter.merge_and_unload().save_pretrained(os.path.join(path, "merged"))
         tokenizer.save_pretrained(os.path.join(path, "merged"))
     if failed is not None:
@@ -1410,8 +1399,35 @@ def load_checkpoint(args, models, optimizer):
     return saved
 
 
-def save_and_exit(error, update, state, run_dir, rank, save):
-    """A stop saves (every rank together), prints an error's traceback, what is on disk and how to go on."""
+@contextlib.contextmanager
+def guarded(args, run, run_dir, writer, save):
+    """The run's plumbing around main()'s loop: Ctrl-C and SIGTERM stop it after the update (on_signal); any exception
+    saves (save(), every rank together), prints an error's traceback, what is on disk and how to go on, and exits; the
+    end closes the logs and the processes. run: the update in progress and the state a save holds."""
+    STOP.clear()
+    handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except BaseException as error:  # Ctrl-C, SIGTERM, a non-finite loss, an error, a failed save: nothing is lost
+        stop_line(error, run, run_dir, save)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        if writer is not None:
+            writer.close()
+    print(f"saved the policy to {run_dir}/policy")
+    if args.track and writer is not None:
+        import wandb
+
+        wandb.finish()
+    if dist.is_initialized():
+        dist.barrier()  # every rank waits for rank 0's save
+        dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
+
+
+def stop_line(error, run, run_dir, save):
+    """A stop saves (every rank together), prints an error's traceback, what is on disk and how to go on, and exits."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
     together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
     what, saved = str(error) or type(error).__name__, None
     if not together and dist.is_initialized():
@@ -1419,7 +1435,7 @@ def save_and_exit(error, update, state, run_dir, rank, save):
     elif not isinstance(error, SaveFailed):  # a failed save is not tried again
         try:
             save()
-            saved = f"the state after update {state['update']} is in {run_dir}/checkpoint"
+            saved = f"the state after update {run['state']['update']} is in {run_dir}/checkpoint"
         except SaveFailed as e:
             what += f"; {e}"
     go_on, path = f"python {os.path.basename(__file__)} --resume {run_dir} goes on", f"{run_dir}/checkpoint"
@@ -1434,7 +1450,7 @@ def save_and_exit(error, update, state, run_dir, rank, save):
     if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
         dist.barrier()
         dist.destroy_process_group()
-    line = f"stopped in update {update} ({what}); {saved}: {go_on}"
+    line = f"stopped in update {run['update']} ({what}); {saved}: {go_on}"
     if rank == 0 or not together:
         print(line, file=sys.stderr)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report of a failed rank then ends with the line

@@ -3,7 +3,8 @@
 Stage 3 of RLHF (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences"; Ouyang et al. 2022, InstructGPT): a
 policy generates responses to prompts, a reward model or a reward function scores them, and PPO (Schulman et al. 2017)
 raises the score while a per-token KL penalty keeps the policy close to the frozen reference, the SFT model it started
-from. main() is the loop, its steps numbered in the algorithm's order.
+from. Read down to the end of main(), the loop, its steps numbered in the algorithm's order; below the SHARED label is
+the plumbing that a first reading skips (flag checks, loading, sharding, logging, evaluation, stops, checkpoints).
 
     python ppo_llm.py                                  # the embedded arithmetic SFT policy: offline, CPU, minutes
     python ppo_llm.py --model gpt2 --total-steps 200   # a hub model (a GPU is advisable)
@@ -36,9 +37,9 @@ nothing is lost when a run stops (checkpoint/, --resume).
 
 import contextlib
 import copy
-import glob
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -60,7 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
-import torch.distributed.nn  # noqa: F401  here: imported after init_process_group, it would bind to that group
+import torch.distributed.nn  # noqa: F401  before init_process_group: imported after it, it would hold the group
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
@@ -143,16 +144,8 @@ class Args:
     num_samples: int = 3  # samples shown each time
 
 
-# ALGO LOGIC: the numerics, checked by tests/ against hand-computed values; under torchrun, over every rank's entries.
-
-
-def all_reduce(x, op="sum"):
-    """The tensor x summed over the torchrun ranks (or their "min" or "max"); x itself in one process."""
-    if not dist.is_initialized():
-        return x
-    y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
-    dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
-    return y.to(x.device)
+# ALGO LOGIC: the numerics, checked by tests/ against hand-computed values; under torchrun, over every rank's entries
+# (all_reduce: a sum over the ranks).
 
 
 def global_mean(values):
@@ -272,19 +265,16 @@ def tokenize_texts(tokenizer, texts, max_length):
 
 
 @torch.no_grad()
-def rollout(policy, tokenizer, prompts, args, autocast, stoppable=False):
+def rollout(policy, tokenizer, prompts, args, autocast, stop=None):
     """Step 1: the prompts left-padded (detail 6) and cut on the left to --max-prompt-length, a response sampled for
     each with the policy's generation_config (detail 4), cut after its first EOS (detail 2). The rollout batch:
         query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens
         responses, mask                  (B, R)      the response tokens (pad after EOS), 1.0 on the real ones
         ended                            (B,)        whether the response has an EOS
         prompt_width                     Q
-    A stoppable rollout ends at the next token once a signal has come."""
+    With stop (generate()'s stopping_criteria), every response ends at the next token once one of them says so."""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
-    stop = []
-    if stoppable:
-        stop = [lambda ids, scores, **kwargs: torch.full((len(ids),), bool(STOP), device=ids.device)]
     with autocast:
         out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
     eos_ids = policy.generation_config.eos_token_id  # end_of_response_ids(), set by load_models
@@ -323,14 +313,9 @@ def lm_head_logprobs(
     def logits(h):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place where it can be
         bias = None if head.bias is None else head.bias.to(dtype)
         z = F.linear(h.to(dtype), head.weight.to(dtype), bias).float()
-        if softcap:
-            z = z.mul_(scale / softcap).tanh_()
-            if torch.is_grad_enabled():
-                return z * (softcap / temperature)  # tanh's backward reads its output: not in place
-            return z.mul_(softcap / temperature)
-        if scale / temperature != 1:
-            return z.mul_(scale / temperature)
-        return z
+        if softcap:  # tanh's backward reads its output: that product not in place
+            return z.mul_(scale / softcap).tanh_() * (softcap / temperature)
+        return z.mul_(scale / temperature)
 
     def chunk(h, y):  # (N, H), (N,) -> log p of y (N,), entropy (N,) or None
         with torch.autocast(device_type, enabled=False):
@@ -378,18 +363,18 @@ def hidden_states(model, query_responses, attention_mask, prompt_width):
     return out.hidden_states[-1][:, prompt_width - 1 : -1]
 
 
-def training_forward(policy, critic, value_head, batch, micro_batch, args, with_entropy=False):
+def training_forward(policy, critic, value_head, batch, micro_batch, args, with_values=True, with_entropy=False):
     """The rows micro_batch of the rollout batch: the responses' log-probs and entropies (B, R) under `policy`, and
-    with a value head their values (B, R) in fp32, on the critic's trunk or the policy's (detail 8)."""
+    with_values their values (B, R) in fp32, the value head on the critic's trunk or on the policy's (detail 8)."""
     query_responses, attention_mask = batch["query_responses"][micro_batch], batch["attention_mask"][micro_batch]
     hidden = hidden_states(policy, query_responses, attention_mask, batch["prompt_width"])
     entropy_grad = args.ent_coef != 0  # else the entropy is for the logs alone, computed without autograd
     options = dict(fp32=args.cast_lm_head_to_fp32, with_entropy=with_entropy, entropy_grad=entropy_grad)
     logprobs, entropy = response_logprobs(policy, hidden, batch["responses"][micro_batch], args.temperature, **options)
-    if value_head is None:
+    if not with_values:
         return logprobs, entropy, None
     value_hidden = hidden  # --critic head: the policy's trunk
-    if critic is not None:
+    if args.critic == "separate":
         value_hidden = hidden_states(critic, query_responses, attention_mask, batch["prompt_width"])
     with torch.autocast(hidden.device.type, enabled=False):
         return logprobs, entropy, value_head(value_hidden.float()).squeeze(-1)
@@ -436,50 +421,36 @@ def optimizer_step(optimizer, params, max_grad_norm):
     return grad_norm
 
 
-# PPO's own: the value model, its files, the flags' checks; then main()
+# PPO's own: the value model, the no-grad forward of step 2; then main()
 
 
-def build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer):
-    """Detail 8: (critic: None with --critic head, else from the reward model if it reads our tokens, value head)."""
+def build_value_model(args, device, policy, tokenizer, reward_model, rm_reads_ids):
+    """Detail 8: (critic: None with --critic head, else from the reward model if it reads our ids, value head)."""
     critic = None
     if args.critic == "separate":
-        source = args.reward_model if reward_model is not None and rm_tokenizer is None else args.model
+        source = args.reward_model if rm_reads_ids else args.model
         critic = load_model(AutoModel, source, "--critic source", "auto" if args.lora_r else torch.float32)
         add_pad_token(tokenizer, [critic])
         if args.lora_r:
             critic = add_lora(critic, args)  # adapters of its own; the value head trains in full
-        critic = place(critic, device, args.mixed_precision == "bf16")
+        critic = place(critic, device, uses_bf16(args))
     value_head = nn.Linear((critic or policy).config.hidden_size, 1)
     nn.init.zeros_(value_head.weight)
     nn.init.zeros_(value_head.bias)
     return critic, place(value_head, device)  # fp32, also under bf16 autocast
 
 
-def check_args(args, world):
-    """Every flag out of range and every bad combination, one line each, before anything loads; derived defaults set."""
-    check_range(args, ">= 0", "save_every lora_r learning_rate weight_decay vf_coef ent_coef kl_coef ref_update_every")
-    check_range(args, ">= 0", "missing_eos_penalty eval_every sample_every num_samples")
-    check_range(args, ">= 1", "max_new_tokens max_prompt_length total_steps prompts_per_update num_mini_batches")
-    check_range(args, ">= 1", "micro_batch_size num_ppo_epochs kl_horizon eval_size")
-    check_range(args, "> 0", "lora_alpha temperature cliprange cliprange_value max_grad_norm target_kl kl_target")
-    check_range(args, "> 0", "score_clip")
-    check_range(args, "in [0, 1]", "gamma lam")
-    check_run(args, world)
-    batch_size = args.prompts_per_update // world  # this process's share
-    minibatch_size = batch_size // args.num_mini_batches
-    if args.micro_batch_size > minibatch_size > 0:  # the default 64 must not refuse a smaller batch, or 8 GPUs
-        args.micro_batch_size = minibatch_size
-    if args.score_norm == "auto":
-        args.score_norm = "on" if args.reward_model else "off"
-    if batch_size % args.num_mini_batches or minibatch_size % args.micro_batch_size or not minibatch_size:
-        sizes = f"({batch_size} a process) into minibatches that --micro-batch-size ({args.micro_batch_size}) divides"
-        raise SystemExit(f"error: --num-mini-batches must divide --prompts-per-update {sizes}")
-    if args.lora_r and args.ref_update_every:
-        raise SystemExit("error: --ref-update-every cannot refresh a LoRA run's reference, its base")
-    if args.score_norm == "on" and args.prompts_per_update < 2:
-        raise SystemExit("error: --score-norm on needs --prompts-per-update >= 2")
-    if args.kl_target and not args.kl_coef:
-        raise SystemExit("error: --kl-target scales --kl-coef up or down: start it above 0 (got 0)")
+@torch.no_grad()
+def batch_forward(policy, critic, value_head, batch, args, autocast, with_values=True):
+    """Step 2: the log-probs (B, R) of the whole rollout batch under `policy`, and with_values its values (B, R), by
+    the training forward in its micro-batches (detail 5), the policy gathered once under torchrun."""
+    micro_batches = torch.arange(len(batch["mask"]), device=batch["mask"].device).split(args.micro_batch_size)
+    with autocast, unsharded(policy):
+        out = [training_forward(policy, critic, value_head, batch, mb, args, with_values) for mb in micro_batches]
+    logprobs = torch.cat([logprobs for logprobs, _, _ in out])
+    if not with_values:
+        return logprobs, None
+    return logprobs, torch.cat([values for _, _, values in out])
 
 
 def main(args: Args | None = None):
@@ -487,18 +458,19 @@ def main(args: Args | None = None):
     # TRY NOT TO MODIFY: set-up and seeding, the models, a resumed run's state, the run directory
     (rank, world), device, autocast = setup(args)
     check_args(args, world)
-    reward_fn = load_reward_fn(args.reward_fn)  # a bad name or file fails here, before anything is loaded
-    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device)
     batch_size = args.prompts_per_update // world  # this process's share of the prompts, one response each
+    args.micro_batch_size = min(args.micro_batch_size, batch_size // args.num_mini_batches)  # the default fits 8 GPUs
+    reward_fn = load_reward_fn(args.reward_fn)  # a bad name or file fails here, before anything is loaded
+    tokenizer, policy, reward_model, rm_tokenizer, rm_reads_ids = load_models(args, device)
     eval_problems = eval_rows(args, tokenizer) if args.eval_every or args.eval_only else None
     if args.eval_only:  # no training, no run directory
         result = evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
         print(eval_line(result, n=len(eval_problems)))
         return result
-    critic, value_head = build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer)
+    critic, value_head = build_value_model(args, device, policy, tokenizer, reward_model, rm_reads_ids)
     ref_policy = None  # beta 0 without --kl-target: no KL penalty, no reference
     if args.kl_coef or args.kl_target:  # LoRA: the base, with the adapters off
-        ref_policy = policy if args.lora_r else frozen_copy(policy, device, args.mixed_precision == "bf16")
+        ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))
     params, optimizer = prepare(args, [policy, critic, value_head])
     models = {"policy": policy, "critic": critic, "value_head": value_head}  # what checkpoint/ and policy/ hold
     if args.ref_update_every:  # else the reference is --model's
@@ -508,20 +480,19 @@ def main(args: Args | None = None):
     needs_answers = reward_model is None and args.reward_fn in ("arithmetic", "gsm8k")
     rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
     run_dir, writer = open_run(args, rank, resumed)
-    first_update = update = resumed.get("update", 0)
+    first_update = resumed.get("update", 0)
     kl_coef, start_time = resumed.get("kl_coef", args.kl_coef), time.time()
     prompts = prompt_stream(rows, args.seed, first_update * args.prompts_per_update, rank, world)
-    state = {"update": update, "kl_coef": kl_coef}  # what a resume restores besides the weights and AdamW
-    print(f"{run_dir}/checkpoint: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
-    STOP.clear()
-    handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    run = {"update": first_update, "state": {"update": first_update, "kl_coef": kl_coef}}  # what a stop saves
+    with guarded(
+        args, run, run_dir, writer, lambda: save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
+    ):
         if eval_problems and not resumed:  # the initial policy, at update 0
             initial = evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
-            # each update's own random numbers, so that a resume repeats them (ints hash alike in every process)
-            torch.manual_seed(hash((args.seed, update, rank)))
+            run["update"] = update
+            torch.manual_seed(hash((args.seed, update, rank)))  # each update's numbers: a resume repeats them
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
 
@@ -529,33 +500,27 @@ def main(args: Args | None = None):
             t0 = wall_clock(device)
             rows = [next(prompts) for _ in range(batch_size)]
             with unsharded(policy):  # FSDP: gathered once for generation, not once per token
-                batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, stoppable=True)
-            stop_if_signalled()
+                batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, [signalled])
+            stop_if_signalled()  # every rank, before the update changes anything
             mask = batch["mask"]  # (B, R)
             t1 = wall_clock(device)
 
-            # 2a. old and reference log-probs and values: the training forward in its shapes (detail 5)
-            micro_batches = torch.arange(batch_size, device=device).split(args.micro_batch_size)
-            with torch.no_grad(), autocast, unsharded(policy):
-                out = [training_forward(policy, critic, value_head, batch, mb, args) for mb in micro_batches]
-            old_logprobs = torch.cat([logprobs for logprobs, _, _ in out])
-            values = torch.cat([v for _, _, v in out])
+            # 2a. old log-probs and values, the reference's log-probs: the training forward in its shapes (detail 5)
+            old_logprobs, values = batch_forward(policy, critic, value_head, batch, args, autocast)
             ref_logprobs = old_logprobs
             if ref_policy is not None:
-                adapters_off = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()
-                with torch.no_grad(), autocast, adapters_off, unsharded(ref_policy):
-                    out = [training_forward(ref_policy, None, None, batch, mb, args) for mb in micro_batches]
-                ref_logprobs = torch.cat([logprobs for logprobs, _, _ in out])
+                adapters_off = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()  # LoRA
+                with adapters_off:
+                    ref_logprobs, _ = batch_forward(ref_policy, None, None, batch, args, autocast, with_values=False)
             # 2b. scores: the reward function's, or the reward model's (and the function's too, when rows have answers)
             completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-            has_answers = rows[0]["answer"] is not None  # load_prompts: every row has one, or none does
             fn_scores = None
-            if reward_model is None or has_answers:  # an error on one rank stops every rank here
-                fn_scores = on_every_rank(lambda: reward_fn(completions, rows))
+            if reward_model is None or rows[0]["answer"] is not None:  # every row has an answer, or none does
+                fn_scores = on_every_rank(lambda: reward_fn(completions, rows))  # an error on one rank stops all
             if reward_model is None:
                 scores = torch.tensor(fn_scores, dtype=torch.float, device=device)
             else:
-                scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)
+                scores = reward_model_scores(reward_model, rm_tokenizer, rm_reads_ids, batch, rows, completions, args)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~batch["ended"]).float()
             t2 = wall_clock(device)
@@ -564,7 +529,8 @@ def main(args: Args | None = None):
             kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator) * mask
             non_score_reward = -kl_coef * kl
             rewards = non_score_reward.clone()
-            normalized = normalize_scores(scores, args.score_norm == "on", args.score_clip)  # detail 13
+            whiten = args.score_norm == "on" or (args.score_norm == "auto" and reward_model is not None)
+            normalized = normalize_scores(scores, whiten, args.score_clip)  # detail 13
             rewards[torch.arange(batch_size, device=device), mask.long().sum(1) - 1] += normalized
             if args.whiten_rewards:
                 rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
@@ -596,7 +562,7 @@ def main(args: Args | None = None):
                 kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, args.prompts_per_update)
             if args.ref_update_every and update % args.ref_update_every == 0:
                 ref_policy.load_state_dict(policy.state_dict())
-            state = {"update": update, "kl_coef": kl_coef}  # update done: a stop from here on resumes after it
+            run["state"] = {"update": update, "kl_coef": kl_coef}  # update done: a stop from here on resumes after it
 
             # TRY NOT TO MODIFY: log (TRL's metric names), evaluate, show samples, save
             n_tokens = mask.sum().item()
@@ -625,32 +591,45 @@ def main(args: Args | None = None):
                 metrics |= evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
             line = f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
             line += f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
-            samples = samples_to_log(args, update, rows, completions, score=scores.tolist())
-            log(writer, metrics, line + progress, samples)
+            log(
+                writer, metrics, line + progress, samples_to_log(args, update, rows, completions, score=scores.tolist())
+            )
             if args.save_every and update % args.save_every == 0 and not stopping:
-                save_checkpoint(run_dir, models, optimizer, state, tokenizer)
-        save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=args.save_merged)
-    except BaseException as e:  # Ctrl-C, SIGTERM, a non-finite loss, an error, a failed save: nothing is lost
-        save_and_exit(
-            e, update, state, run_dir, rank, lambda: save_checkpoint(run_dir, models, optimizer, state, tokenizer)
-        )
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        if writer is not None:
-            writer.close()
-    print(f"saved the policy to {run_dir}/policy")
-    if args.track and rank == 0:
-        sys.modules["wandb"].finish()
-    if dist.is_initialized():
-        dist.barrier()  # every rank waits for rank 0's save
-        dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
+                save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
+        save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer, merged=args.save_merged)
     return run_dir
 
 
 # SHARED WITH the other LLM script, kept identical by tests/test_shared.py (as is each function above that both
 # define): rewards, prompts, models, sharding and set-up, logging, evaluation, stops, checkpoints. To add a reward:
 # REWARD_FNS, or --reward-fn file.py:fn.
+
+# This script's own flag checks, then the shared code.
+
+
+def check_args(args, world):
+    """Every flag out of range and every bad combination, one line each, before anything loads."""
+    check_range(args, ">= 0", "save_every lora_r learning_rate weight_decay vf_coef ent_coef kl_coef ref_update_every")
+    check_range(args, ">= 0", "missing_eos_penalty eval_every sample_every num_samples")
+    check_range(args, ">= 1", "max_new_tokens max_prompt_length total_steps prompts_per_update num_mini_batches")
+    check_range(args, ">= 1", "micro_batch_size num_ppo_epochs kl_horizon eval_size")
+    check_range(args, "> 0", "lora_alpha temperature cliprange cliprange_value max_grad_norm target_kl kl_target")
+    check_range(args, "> 0", "score_clip")
+    check_range(args, "in [0, 1]", "gamma lam")
+    check_run(args, world)
+    batch_size = args.prompts_per_update // world  # this process's share
+    minibatch_size = batch_size // args.num_mini_batches
+    micro_batch_size = min(args.micro_batch_size, minibatch_size)  # main() caps it so: the default 64 fits 8 GPUs
+    if batch_size % args.num_mini_batches or not minibatch_size or minibatch_size % micro_batch_size:
+        sizes = f"({batch_size} a process) into minibatches that --micro-batch-size ({micro_batch_size}) divides"
+        raise SystemExit(f"error: --num-mini-batches must divide --prompts-per-update {sizes}")
+    if args.lora_r and args.ref_update_every:
+        raise SystemExit("error: --ref-update-every cannot refresh a LoRA run's reference, its base")
+    if args.prompts_per_update < 2 and (args.score_norm == "on" or (args.score_norm == "auto" and args.reward_model)):
+        raise SystemExit("error: --score-norm on (auto: with --reward-model) needs --prompts-per-update >= 2")
+    if args.kl_target and not args.kl_coef:
+        raise SystemExit("error: --kl-target scales --kl-coef up or down: start it above 0 (got 0)")
+
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
 
@@ -855,9 +834,9 @@ def rm_text(rm_tokenizer, row, completion):
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
-    """Score of each sequence (B,) at its last real token: of the ids (rm_tokenizer None), or of rm_text, cut left."""
-    if rm_tokenizer is None:
+def reward_model_scores(reward_model, rm_tokenizer, reads_ids, batch, rows, completions, args):
+    """Score of each sequence (B,) at its last real token: of the policy's ids (reads_ids), or of rm_text, cut left."""
+    if reads_ids:
         mask = batch["attention_mask"]
         inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
     else:
@@ -874,23 +853,16 @@ def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, ar
 
 
 def load_models(args, device):
-    """(tokenizer, policy, frozen reward model, its tokenizer) on the device (sharded under torchrun, each model as it
-    loads: rank 0 holds one whole model at a time); generation settings to generation_config."""
-    bf16 = args.mixed_precision == "bf16"
+    """(tokenizer, policy, frozen reward model, its tokenizer, whether it reads the policy's ids as they are) on the
+    device (sharded under torchrun, each model as it loads: rank 0 holds one whole model at a time)."""
     policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
-    if args.max_new_tokens is None:
-        args.max_new_tokens = policy.generation_config.max_new_tokens or 8
-    context = getattr(policy.config, "max_position_embeddings", 0)  # GPT-2's n_positions too
-    max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
-    if context and (args.max_new_tokens >= context or max_prompt_length + args.max_new_tokens > context):
-        flags = f"--max-new-tokens {args.max_new_tokens} and a prompt (--max-prompt-length {args.max_prompt_length})"
-        raise SystemExit(f"error: {flags} do not fit the model's context of {context} tokens")
-    args.max_prompt_length = max_prompt_length
+    model_defaults(args, policy)
     eos_ids = end_of_response_ids(tokenizer, policy.generation_config)
     reward_model = rm_tokenizer = None
+    rm_reads_ids = False
     if args.reward_model is not None:
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
         n = reward_model.config.num_labels
@@ -898,12 +870,12 @@ def load_models(args, device):
             why = f"--reward-label (0 to {n - 1}) chooses the logit that is the score (got {args.reward_label})"
             raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={n}: {why}")
         rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model", truncation_side="left")
-        if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
-            rm_tokenizer = None  # the same tokens: the ids are scored as they are, with no decoding and encoding
+        rm_reads_ids = rm_tokenizer.get_vocab() == tokenizer.get_vocab()  # no decoding and encoding
+        if rm_reads_ids:
             add_pad_token(tokenizer, [reward_model], eos_ids)
         else:
             add_pad_token(rm_tokenizer, [reward_model])
-        reward_model = place(reward_model.eval().requires_grad_(False), device, bf16)
+        reward_model = place(reward_model.eval().requires_grad_(False), device, uses_bf16(args))
     add_pad_token(tokenizer, [policy], eos_ids)
     # detail 4: a generation_config of our own, every field set, none left to the checkpoint's
     policy.generation_config = transformers.GenerationConfig(
@@ -912,17 +884,36 @@ def load_models(args, device):
     policy.generation_config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
     if args.lora_r:
         policy = add_lora(policy, args)
-    policy = place(policy, device, bf16)
-    with torch.no_grad(), unsharded(policy):  # refuse a model whose logits response_logprobs does not reproduce
-        ids = torch.arange(1, 9, device=device)[None] % policy.get_output_embeddings().weight.shape[0]
-        hidden = hidden_states(policy, ids, torch.ones_like(ids), 1)
+    policy = place(policy, device, uses_bf16(args))
+    with torch.no_grad():  # refuse a model whose logits response_logprobs does not reproduce (FSDP: a unit at a time)
+        ids = torch.arange(1, 9, device=device)[None] % len(tokenizer)
+        hidden = hidden_states(policy, ids, torch.ones_like(ids), 1)  # the root unit stays gathered for the head
         got, _ = response_logprobs(policy, hidden, ids[:, 1:], 1.0, fp32=False)  # the matmul in the model's dtype
         want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
+    if isinstance(policy, FSDPModule):
+        policy.reshard()
     error = (got[0] - want).abs().max().item()
     if error > 1e-3:
         why = f"its forward changes the logits in a way this script does not reproduce (log-probs {error:.3g} apart)"
         raise SystemExit(f"error: --model {args.model}: {why}")
-    return tokenizer, policy, reward_model, rm_tokenizer
+    return tokenizer, policy, reward_model, rm_tokenizer, rm_reads_ids
+
+
+def model_defaults(args, policy):
+    """The flags whose default depends on the model, set in args (no other helper writes args): --max-new-tokens (the
+    checkpoint's generation_config's, else 8), --max-prompt-length (the context's rest), --learning-rate (by size)."""
+    if args.max_new_tokens is None:
+        args.max_new_tokens = policy.generation_config.max_new_tokens or 8
+    context = getattr(policy.config, "max_position_embeddings", 0)  # GPT-2's n_positions too
+    max_prompt_length = args.max_prompt_length or (context - args.max_new_tokens if context else None)
+    if context and (args.max_new_tokens >= context or max_prompt_length + args.max_new_tokens > context):
+        flags = f"--max-new-tokens {args.max_new_tokens} and a prompt (--max-prompt-length {args.max_prompt_length})"
+        raise SystemExit(f"error: {flags} do not fit the model's context of {context} tokens")
+    args.max_prompt_length = max_prompt_length
+    n_params = sum(p.numel() for p in policy.parameters())
+    if args.learning_rate is None:
+        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
+        print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
 
 
 def shard(model, bf16=False):
@@ -943,22 +934,18 @@ def shard(model, bf16=False):
 
 
 def place(model, device, bf16=False):
-    """The model on the device; under torchrun sharded, each rank's shards sent by rank 0, the only rank that read the
-    weights, a tensor at a time, and the buffers with them (rotary inv_freq is in no state dict)."""
+    """The model on the device; under torchrun sharded, rank 0's whole weights sent a tensor at a time into the other
+    ranks' empty shards (their model is on the meta device), and the buffers with them (in no state dict: inv_freq)."""
     if not dist.is_initialized():
         return model.to(device)
     weights = model.state_dict() if dist.get_rank() == 0 else {}
-    buffers = list(model.buffers())
-    model.to("meta")
-    if hasattr(model, "tie_weights"):  # moving to meta unties a tied head
-        model.tie_weights()
     shard(model, bf16)
-    model.to_empty(device=device)
-    options = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    dsd.set_model_state_dict(model, weights, options=options)
-    for buffer, saved in zip(model.buffers(), buffers):
-        if dist.get_rank() == 0:
-            buffer.copy_(saved)
+    if dist.get_rank():
+        model.to_empty(device=device)
+    dsd.set_model_state_dict(
+        model, weights, options=dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     return model
 
@@ -970,7 +957,6 @@ def frozen_copy(model, device, bf16):
         return copy.deepcopy(model).eval()
     with torch.device("meta"):
         copied = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
-    copied.generation_config = model.generation_config
     shard(copied, bf16)
     copied.to_empty(device=device)
     copied.load_state_dict(model.state_dict())
@@ -995,7 +981,7 @@ def unsharded(model):
 
 
 def prepare(args, trained):
-    """--learning-rate's default by size, gradient checkpointing, and AdamW over the trained models' parameters."""
+    """Gradient checkpointing, torch's threads, and AdamW over the trained models' parameters: (params, optimizer)."""
     trained = [model for model in trained if model is not None]
     for model in trained:
         if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only (5.17: gradient_)
@@ -1003,9 +989,6 @@ def prepare(args, trained):
     n_params = sum(p.numel() for p in trained[0].parameters())
     if trained[0].device.type == "cpu" and n_params < 50e6:
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
-    if args.learning_rate is None:
-        args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
-        print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
     return params, optimizer
@@ -1050,6 +1033,21 @@ def check_run(args, world):
             raise SystemExit(f"error: {message}")
 
 
+def all_reduce(x, op="sum"):
+    """The tensor x summed over the torchrun ranks (or their "min" or "max"); x itself in one process."""
+    if not dist.is_initialized():
+        return x
+    y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
+    return y.to(x.device)
+
+
+def uses_bf16(args):
+    """--mixed-precision: bf16 autocast over fp32 weights (auto: on CUDA)."""
+    auto = args.mixed_precision == "auto" and args.cuda and torch.cuda.is_available()
+    return args.mixed_precision == "bf16" or auto
+
+
 def setup(args):
     """torchrun's process group (rank 0 alone prints), seeds, device, autocast: ((rank, world), device, autocast)."""
     cuda = args.cuda and torch.cuda.is_available()
@@ -1060,10 +1058,11 @@ def setup(args):
         if dist.get_rank():
             sys.stdout = open(os.devnull, "w")
     transformers.utils.logging.disable_progress_bar()
+    # a false alarm (docs/grpo_llm.md): generate() drops an all-ones mask, and a finished response's next input is pad
+    padding = "We strongly recommend passing in an `attention_mask` since your input_ids may be padded"
+    logging.getLogger("transformers.modeling_utils").addFilter(lambda record: padding not in record.getMessage())
     transformers.set_seed(args.seed)  # python's random, numpy, torch
-    if args.mixed_precision == "auto":
-        args.mixed_precision = "bf16" if cuda else "no"
-    device, bf16 = torch.device("cuda" if cuda else "cpu"), args.mixed_precision == "bf16"
+    device, bf16 = torch.device("cuda" if cuda else "cpu"), uses_bf16(args)
     print(f"device: {device}, fp32 weights" + (", bf16 autocast" if bf16 else ""))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     return (rank, world), device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
@@ -1102,23 +1101,18 @@ def open_run(args, rank, checkpoint):
                 rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= resumed_update]
             with open(os.path.join(run_dir, name), "w") as f:
                 f.writelines(rows)
-    in_use = os.path.realpath(os.path.join(run_dir, "checkpoint"))
-    for leftover in glob.glob(os.path.join(run_dir, "checkpoint.*")):  # of a save that a hard kill cut short
-        if os.path.islink(leftover) or os.path.isfile(leftover):
-            os.remove(leftover)
-        elif os.path.realpath(leftover) != in_use:
-            shutil.rmtree(leftover)
-    with open(os.path.join(run_dir, "args.json"), "w") as f:
-        json.dump(asdict(args) | {"script": os.path.basename(__file__)}, f, indent=1)
-    if args.track:  # wandb imported only here: it is slow to import
+    saved = {"script": os.path.basename(__file__), "wandb_id": None}
+    if args.track:
+        import wandb  # here: it is slow to import
+
         settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), dir=run_dir)
         settings |= dict(name=os.path.basename(os.path.normpath(run_dir)), sync_tensorboard=True)
-        settings |= dict(id=checkpoint.get("wandb_id"), resume="allow" if checkpoint else None)  # the same run goes on
-        __import__("wandb").init(**settings)
-    purge_step = None
-    if resumed_update:  # and TensorBoard's events past it
-        purge_step = resumed_update + 1
-    return run_dir, SummaryWriter(run_dir, purge_step=purge_step)
+        if resumed_update:  # the same wandb run goes on
+            settings |= dict(id=json.load(open(os.path.join(run_dir, "args.json"))).get("wandb_id"), resume="allow")
+        saved["wandb_id"] = wandb.init(**settings).id
+    with open(os.path.join(run_dir, "args.json"), "w") as f:
+        json.dump(asdict(args) | saved, f, indent=1)
+    return run_dir, SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
 
 
 def log(writer, metrics, line, samples=()):
@@ -1236,6 +1230,11 @@ def on_signal(signum, frame):
     STOP.append(signum)
 
 
+def signalled(ids, scores, **kwargs):
+    """generate()'s stopping criterion: every response ends at its next token once a Ctrl-C or SIGTERM has come."""
+    return torch.full((len(ids),), bool(STOP), device=ids.device)
+
+
 def stop_requested():
     """Whether any rank has had a Ctrl-C or SIGTERM: the same answer on every rank."""
     return all_reduce(torch.tensor(float(len(STOP)))).item() > 0
@@ -1299,18 +1298,17 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
         slot, old = old, slot
     path, failed = os.path.join(run_dir, slot), None
     try:
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)  # a failed save's
-        if dist.is_initialized():
-            dist.barrier()
+        if rank == 0:  # a failed save's, or a hard kill's (no rank writes before dcp.save's first collective)
+            shutil.rmtree(path, ignore_errors=True)
         dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())
         save_policy(os.path.join(run_dir, "policy"), models, tokenizer, merged)
         if rank == 0:
-            wandb_id = getattr(getattr(sys.modules.get("wandb"), "run", None), "id", None)
             with open(os.path.join(path, "state.json"), "w") as f:
-                json.dump(state | {"wandb_id": wandb_id}, f)
+                json.dump(state, f)
                 f.flush()
                 os.fsync(f.fileno())  # on disk before the link points to it
+            if os.path.lexists(link + ".tmp"):  # a hard kill's
+                os.remove(link + ".tmp")
             os.symlink(slot, link + ".tmp")
             os.replace(link + ".tmp", link)  # atomic
             shutil.rmtree(os.path.join(run_dir, old), ignore_errors=True)
@@ -1345,7 +1343,9 @@ def save_policy(path, models, tokenizer, merged=False):
         except Exception as e:
             failed = e
     if merged and rank == 0 and failed is None:  # W + (alpha / r) B A, on the CPU: the adapter loaded as peft loads it
-        adapter = __import__("peft").AutoPeftModelForCausalLM.from_pretrained(path)
+        import peft
+
+        adapter = peft.AutoPeftModelForCausalLM.from_pretrained(path)
         adapter.merge_and_unload().save_pretrained(os.path.join(path, "merged"))
         tokenizer.save_pretrained(os.path.join(path, "merged"))
     if failed is not None:
@@ -1383,8 +1383,35 @@ def load_checkpoint(args, models, optimizer):
     return saved
 
 
-def save_and_exit(error, update, state, run_dir, rank, save):
-    """A stop saves (every rank together), prints an error's traceback, what is on disk and how to go on."""
+@contextlib.contextmanager
+def guarded(args, run, run_dir, writer, save):
+    """The run's plumbing around main()'s loop: Ctrl-C and SIGTERM stop it after the update (on_signal); any exception
+    saves (save(), every rank together), prints an error's traceback, what is on disk and how to go on, and exits; the
+    end closes the logs and the processes. run: the update in progress and the state a save holds."""
+    STOP.clear()
+    handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except BaseException as error:  # Ctrl-C, SIGTERM, a non-finite loss, an error, a failed save: nothing is lost
+        stop_line(error, run, run_dir, save)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        if writer is not None:
+            writer.close()
+    print(f"saved the policy to {run_dir}/policy")
+    if args.track and writer is not None:
+        import wandb
+
+        wandb.finish()
+    if dist.is_initialized():
+        dist.barrier()  # every rank waits for rank 0's save
+        dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
+
+
+def stop_line(error, run, run_dir, save):
+    """A stop saves (every rank together), prints an error's traceback, what is on disk and how to go on, and exits."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
     together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
     what, saved = str(error) or type(error).__name__, None
     if not together and dist.is_initialized():
@@ -1392,7 +1419,7 @@ def save_and_exit(error, update, state, run_dir, rank, save):
     elif not isinstance(error, SaveFailed):  # a failed save is not tried again
         try:
             save()
-            saved = f"the state after update {state['update']} is in {run_dir}/checkpoint"
+            saved = f"the state after update {run['state']['update']} is in {run_dir}/checkpoint"
         except SaveFailed as e:
             what += f"; {e}"
     go_on, path = f"python {os.path.basename(__file__)} --resume {run_dir} goes on", f"{run_dir}/checkpoint"
@@ -1407,7 +1434,7 @@ def save_and_exit(error, update, state, run_dir, rank, save):
     if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
         dist.barrier()
         dist.destroy_process_group()
-    line = f"stopped in update {update} ({what}); {saved}: {go_on}"
+    line = f"stopped in update {run['update']} ({what}); {saved}: {go_on}"
     if rank == 0 or not together:
         print(line, file=sys.stderr)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report of a failed rank then ends with the line

@@ -80,7 +80,7 @@ def child(spec):
         return models[-1]
 
     def counting_prepare(*args):  # every model loaded and placed
-        counts["loading_peak_mb"] = peak_mb()
+        counts["loading_peak_mb"], counts["loaded_rss_mb"] = peak_mb(), current_mb()
         counts["loaded_mb"] = local_bytes({id(p): p for m in models for p in m.parameters()}.values()) / 2**20
         reset_peak()
         return prepare(*args)
@@ -170,33 +170,85 @@ def launch(name, n, updates):
 
 
 def table(results, device):
-    """The markdown table: per configuration and N, the largest rank's bytes, their share of one process's, peak
-    memory and seconds."""
+    """The markdown table: per configuration and N, the largest rank's bytes, their share of one process's, each phase's
+    peak memory, the worst rank's whole-process peak against one process's, what a rank other than 0 holds for a while
+    as it loads, and seconds."""
     backend = "NCCL" if device == "cuda" else "gloo"
     caption = (
         f"Machine: {results['machine']}, {backend}, torch {results['torch']}. Command: `{results['command']}`; "
         f"{results['updates']} updates a launch, seconds the median after the first. State = parameters of every "
         "model + gradients + AdamW, the largest rank's; share = state / (the one-process state / N), 1.00 being a "
-        "perfect split. Peak memory of the largest rank while loading (every rank reads whole checkpoints), training, "
-        "and saving at the end (rank 0 gathers the whole state into its CPU memory): max_memory_allocated on a GPU, "
-        "the RSS on a CPU (glibc's mmap threshold fixed at 128 KiB)."
+        "perfect split. Peak memory of the largest rank while loading (rank 0 reads each checkpoint and sends each "
+        "rank its shards), training, and saving at the end (each rank writes its own shards; policy/ is gathered into "
+        "rank 0 a model at a time): max_memory_allocated on a GPU, the RSS on a CPU (glibc's mmap threshold fixed at "
+        "128 KiB). Worst: the largest whole-process peak of any rank, against one process's. Loading, rank > 0: the "
+        "most such a rank held for a while as it loaded (its peak over its memory once loaded), against the largest "
+        "FSDP unit (a block, or the root: embeddings, final norm, head)."
     )
     header = "| script | N | parameters MiB | gradients MiB | AdamW MiB | state share | peak MiB: loading | training "
-    lines = [caption, "", header + "| saving | s/update |", "|---|---|---|---|---|---|---|---|---|---|"]
+    header += "| saving | worst | loading, rank > 0: transient MiB / unit MiB | s/update |"
+    lines = [caption, "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in CONFIGS:
         runs = {int(n): r for n, r in results["runs"].get(name, {}).items()}
         if 1 not in runs:
             continue
         one = max(sum(r[k] for k in ("params", "grads", "optimizer")) for r in runs[1]["ranks"])
+        one_peak = max(x[f"{k}_peak_mb"] for x in runs[1]["ranks"] for k in ("loading", "training", "saving"))
         for n, r in sorted(runs.items()):
             top = max(r["ranks"], key=lambda x: x["params"] + x["grads"] + x["optimizer"])
             share = (top["params"] + top["grads"] + top["optimizer"]) / (one / n)
             mib = [top[k] / 2**20 for k in ("params", "grads", "optimizer")]
             peaks = [max(x[f"{k}_peak_mb"] for x in r["ranks"]) for k in ("loading", "training", "saving")]
+            worst = f"{max(peaks) / one_peak:.2f}x"
+            transient = "-"
+            if n > 1:
+                others = r["ranks"][1:]
+                held = max(x["loading_peak_mb"] - x["loaded_rss_mb"] for x in others)
+                transient = f"{held:.0f} / {max(x['largest_unit_mb'] for x in others):.0f}"
             cells = [CONFIGS[name][0], n, f"{mib[0]:.1f}", f"{mib[1]:.1f}", f"{mib[2]:.1f}", f"{share:.2f}"]
-            cells += [f"{p:.0f}" for p in peaks] + [f"{r['s_per_update']:.2f}"]
+            cells += [f"{p:.0f}" for p in peaks] + [worst, transient, f"{r['s_per_update']:.2f}"]
             lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines)
+
+
+def estimate():
+    """Paper estimates for docs/scaling.md: the host memory of one 8-GPU node while a PPO run loads and saves (policy
+    and critic trained, reference and reward model frozen, all fp32), with every rank reading every model whole and
+    rank 0 gathering the trained state to save (as the scripts did before) and as they do now; and the largest model
+    that trains on 8 GPUs of 80 GB with the policy gathered for generation in fp32 or bf16."""
+    rows = ["| run | P | loading: before | now | saving: before | now |", "|---|---|---|---|---|---|"]
+    for label, params in [("7B", 7e9), ("70B", 70e9)]:
+        before_loading = 8 * 4 * 4 * params  # 8 ranks, 4 models, 4 bytes a parameter, all read before any is sharded
+        now_loading = 4 * params  # rank 0, one model at a time; the others build it on the meta device
+        before_saving = (
+            2 * 16 * params
+        )  # rank 0: weights, AdamW's two moments and policy/'s copy of both trained models
+        now_saving = 4 * params  # each rank writes its own shards; rank 0 gathers policy/ a model at a time
+        cells = [before_loading, now_loading, before_saving, now_saving]
+        rows.append(
+            f"| PPO, separate critic, reward model | {label} | "
+            + " | ".join(f"{x / 1e9:,.0f} GB" for x in cells)
+            + " |"
+        )
+    caption = (
+        "Host memory of one node of 8 GPUs, on paper (`python benchmarks/sharding.py --no-run`): the most held at once "
+        "while the run loads its four models, and while it saves."
+    )
+    largest = [
+        "| run | T, F | bytes a parameter at N = 8: fp32 gather | bf16 gather | largest P: fp32 gather | bf16 gather |"
+    ]
+    largest.append("|---|---|---|---|---|---|")
+    for run, trained, frozen in [
+        ("PPO, separate critic, reward model", 2, 2),
+        ("PPO, `--critic head`, reward model", 1, 2),
+        ("GRPO, β > 0 (a reference)", 1, 1),
+        ("GRPO, β = 0 (TRL's default)", 1, 0),
+    ]:
+        per_param = [(16 * trained + 4 * frozen) / 8 + gathered for gathered in (4, 2)]
+        params = [70e9 / b for b in per_param]  # 80 GB less 10 GB for activations and the KV cache
+        cells = [f"{b:g}" for b in per_param] + [f"{p / 1e9:.1f}B" for p in params]
+        largest.append(f"| {run} | {trained}, {frozen} | " + " | ".join(cells) + " |")
+    return caption + "\n\n" + "\n".join(rows), "\n".join(largest)
 
 
 def main():
@@ -222,6 +274,9 @@ def main():
     markdown = table(results, device)
     write_table(f"sharding_{device}.md", markdown)
     print(markdown)
+    host, largest = estimate()
+    write_table("sharding_host_estimate.md", host)
+    write_table("sharding_largest_estimate.md", largest)
 
 
 if __name__ == "__main__":

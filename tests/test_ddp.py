@@ -64,7 +64,7 @@ def update(case, r):
     if script == "ppo":
         models = ppo_models(variant)
         args = types.SimpleNamespace(micro_batch_size=2, temperature=1.0, cast_lm_head_to_fp32=True, cliprange=0.2,
-                                     cliprange_value=0.2, vf_coef=0.1, ent_coef=0.01)  # fmt: skip
+                                     cliprange_value=0.2, vf_coef=0.1, ent_coef=0.01, critic=variant)  # fmt: skip
         stats = ppo_llm.accumulate_gradients(*models, r, torch.arange(r["mask"].shape[0]), args, nullcontext())
         stats = {k: ppo_llm.global_mean([s[k] for s in stats]) for k in stats[0]}
     else:
@@ -265,8 +265,8 @@ def family_outputs(args):
     """Every model the scripts load for `args` (policy, reference, reward model, critic, value head), through their
     own loading, and each one's output on fixed ids (whole on every rank, as the one-process model's)."""
     cpu = torch.device("cpu")
-    tokenizer, policy, reward_model, _ = ppo_llm.load_models(args, cpu)
-    critic, value_head = ppo_llm.build_value_model(args, cpu, policy, tokenizer, reward_model, None)
+    tokenizer, policy, reward_model, _, reads_ids = ppo_llm.load_models(args, cpu)
+    critic, value_head = ppo_llm.build_value_model(args, cpu, policy, tokenizer, reward_model, reads_ids)
     ref_policy = policy if args.lora_r else ppo_llm.frozen_copy(policy, cpu, bf16=False)  # as main() makes it
     models = {"policy": policy, "ref_policy": ref_policy, "critic": critic}
     models["reward_model"] = reward_model
@@ -290,12 +290,12 @@ BF16_GAP = 0.005  # nats: measured 0.0011 (the Llama below, 2 ranks, torch 2.13 
 def bf16_logprobs(path):
     """The response log-probs of the union batch under bf16 autocast, with the script's --mixed-precision bf16."""
     args = ppo_llm.Args(model=path, max_new_tokens=4, mixed_precision="bf16")
-    tokenizer, policy, _, _ = ppo_llm.load_models(args, torch.device("cpu"))
+    tokenizer, policy, *_ = ppo_llm.load_models(args, torch.device("cpu"))
     if dist.is_initialized():
         with ppo_llm.unsharded(policy):  # the gathered copy
             assert policy.get_output_embeddings().weight.dtype == torch.bfloat16
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), ppo_llm.unsharded(policy):
-        logprobs, _, _ = ppo_llm.training_forward(policy, None, None, union_batch(), torch.arange(B), args)
+        logprobs, _, _ = ppo_llm.training_forward(policy, None, None, union_batch(), torch.arange(B), args, False)
     return logprobs
 
 

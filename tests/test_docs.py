@@ -40,6 +40,8 @@ def test_the_value_model_reload_block_runs_as_written_and_gives_the_runs_values(
     ids = names["input_ids"]
     r = dict(query_responses=ids, attention_mask=torch.ones_like(ids), responses=ids[:, 1:], prompt_width=1)
     with torch.no_grad():
-        _, _, expected = ppo_llm.training_forward(policy, trunk, value_head, r, torch.arange(1), ppo_llm.Args())
+        _, _, expected = ppo_llm.training_forward(
+            policy, trunk, value_head, r, torch.arange(1), ppo_llm.Args(critic=critic)
+        )
     assert ids.shape == (1, len("37+85=122"))
     torch.testing.assert_close(names["values"][:, :-1], expected)  # the states at positions 0 .. T-2 predict 1 .. T-1

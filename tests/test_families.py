@@ -180,7 +180,8 @@ def test_accumulated_gradient_is_the_minibatch_gradient(tiny, critic):
     grads = {}
     for micro_batch_size in [1, 2, 4]:
         args = types.SimpleNamespace(micro_batch_size=micro_batch_size, temperature=1.0, cast_lm_head_to_fp32=True,
-                                     cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, ent_coef=0.01)  # fmt: skip
+                                     cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, ent_coef=0.01,
+                                     critic=critic)  # fmt: skip
         ppo_llm.accumulate_gradients(policy, critic_model, value_head, rollout, torch.arange(B), args, nullcontext())
         grads[micro_batch_size] = [p.grad.clone() for p in params]
         for p in params:
@@ -198,7 +199,7 @@ def test_value_head_runs_in_fp32_under_autocast(tiny):
     value_head, B, Q, R = torch.nn.Linear(32, 1), 2, 3, 4
     qr = torch.randint(3, 90, (B, Q + R))
     r = dict(query_responses=qr, attention_mask=torch.ones_like(qr), responses=qr[:, Q:], prompt_width=Q)
-    args = types.SimpleNamespace(temperature=1.0, cast_lm_head_to_fp32=True, ent_coef=0.0)
+    args = types.SimpleNamespace(temperature=1.0, cast_lm_head_to_fp32=True, ent_coef=0.0, critic="head")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     with torch.no_grad(), autocast:
         _, _, values = ppo_llm.training_forward(policy, None, value_head, r, torch.arange(B), args)

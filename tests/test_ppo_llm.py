@@ -486,7 +486,7 @@ def test_value_head_starts_at_zero_and_dropout_is_off(tiny, tmp_path, monkeypatc
     policy = ppo_llm.load_model(AutoModelForCausalLM, tiny["policy"], "--model")
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     critic, head = ppo_llm.build_value_model(
-        ppo_llm.Args(critic="head"), torch.device("cpu"), policy, tokenizer, None, None
+        ppo_llm.Args(critic="head"), torch.device("cpu"), policy, tokenizer, None, False
     )
     assert critic is None and not head.weight.any() and not head.bias.any()
     # detail 6: dropout 0 in the config and in every nn.Dropout, also one that ignores the config
@@ -517,7 +517,7 @@ def test_entropy_bonus_raises_the_entropy(tiny):
     zeros, mask = torch.zeros(B, R), torch.ones(B, R)
     r = dict(query_responses=qr, attention_mask=torch.ones_like(qr), responses=qr[:, Q:], mask=mask, prompt_width=Q,
              old_logprobs=zeros, values=zeros, advantages=zeros, returns=zeros)  # fmt: skip
-    args = ppo_llm.Args(micro_batch_size=4, ent_coef=1.0, vf_coef=0.0)
+    args = ppo_llm.Args(micro_batch_size=4, ent_coef=1.0, vf_coef=0.0, critic="head")
     ppo_llm.accumulate_gradients(
         policy, None, value_head, r, torch.arange(B), args, torch.autocast("cpu", enabled=False)
     )

@@ -10,7 +10,7 @@ import torch
 import grpo_llm
 import ppo_llm
 
-OWN = {"Args", "main", "check_args", "save_policy", "training_forward", "accumulate_gradients"}  # each script's own
+OWN = {"Args", "main", "check_args", "training_forward", "accumulate_gradients"}  # each script's own
 
 
 def definitions(module):
@@ -36,7 +36,7 @@ def test_the_shared_set_is_the_plumbing_and_the_common_numerics():
         "load_prompts",
         "save_checkpoint",
         "load_checkpoint",
-        "save_and_exit",
+        "guarded",
         "REWARD_FNS",
         "STOP",
     }
