@@ -152,7 +152,7 @@ class Args:
 
 
 # ALGO LOGIC: the numerics, checked by tests/ against hand-computed values; under torchrun, over every rank's entries
-# (all_reduce: a sum over the ranks).
+# (all_reduce: a sum over the ranks; in one process, x itself).
 
 
 def global_mean(values):
@@ -219,65 +219,66 @@ def high_entropy_mask(entropy, mask, quantile):
     return (entropy >= threshold).float() * mask
 
 
-def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, entropy_mask=1.0):
-    """Per-token policy loss by args.loss_type, plus beta * KL, aggregated by loss type. Returns (loss, stats).
-    rho = exp(logprobs - old_logprobs) (token) or exp(mean over the completion of logprobs - old_logprobs)
-    broadcast to its tokens (sequence, GSPO); per token, with A the advantage and sg() stop-gradient:
+def grpo_loss(
+    logprobs,
+    old_logprobs,
+    ref_logprobs,
+    advantages,
+    mask,
+    batch_completions,
+    batch_tokens,
+    loss_type="grpo",
+    epsilon=0.2,
+    epsilon_high=None,
+    delta=None,
+    beta=0.0,
+    use_bias_correction_kl=True,
+    importance_sampling_level="token",
+    sapo_temperature_pos=1.0,
+    sapo_temperature_neg=1.05,
+    off_policy_mask_threshold=None,
+    max_new_tokens=None,
+    entropy_mask=1.0,
+):
+    """A micro-batch's share of the batch's loss, and its stats; the keywords are the flags. rho = exp(logprobs -
+    old_logprobs) per token, or exp of their mean per completion (sequence, GSPO); per token, A the advantage:
       grpo, dapo, dr_grpo: -min(min(rho, delta) A, clip(rho, 1 - epsilon, 1 + epsilon_high) A)    (details 8, 12)
-      cispo: -sg(min(rho, 1 + epsilon_high)) A logprobs;  sapo: -sigmoid(tau (rho - 1)) 4 / tau A   (detail 12)
+      cispo: -sg(min(rho, 1 + epsilon_high)) A logprobs (sg(): no gradient);  sapo: -sigmoid(tau (rho - 1)) 4 / tau A
     times entropy_mask and the off-policy mask (detail 13), plus beta k3 (times rho, detail 10), k3 = exp(ref - logp)
     - (ref - logp) - 1; the masked token sum / (each completion's length x completions) (grpo, sapo), / real tokens
-    (dapo, cispo) or / (completions x max_new_tokens) (dr_grpo). logprobs (B, T), advantages (B,) or (B, T);
-    ref_logprobs may be None when beta is 0."""
-    epsilon = args.epsilon
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    (dapo, cispo) or / (completions x max_new_tokens) (dr_grpo), of the batch (batch_completions; batch_tokens, a mean
+    over the ranks) (detail 9). logprobs (B, T), advantages (B,) or (B, T)."""
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
     log_ratio = logprobs - old_logprobs  # (B, T)
-    if args.importance_sampling_level == "sequence":
+    if importance_sampling_level == "sequence":
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
     ratio = torch.exp(log_ratio)
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)  # (B, 1)
-    if args.loss_type == "cispo":
+    advantages = advantages.view(len(advantages), -1)  # (B, 1) or (B, T)
+    if loss_type == "cispo":
         per_token_loss = -ratio.clamp(max=1 + epsilon_high).detach() * advantages * logprobs
-    elif args.loss_type == "sapo":
-        tau = torch.where(advantages > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
+    elif loss_type == "sapo":
+        tau = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages  # slope A at rho = 1, as PPO's
     else:
-        clipped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high)
-        capped_ratio = ratio if args.delta is None else ratio.clamp(max=args.delta)
-        per_token_loss = -torch.min(capped_ratio * advantages, clipped_ratio * advantages)
+        capped_ratio = ratio if delta is None else ratio.clamp(max=delta)
+        per_token_loss = -torch.min(capped_ratio * advantages, ratio.clamp(1 - epsilon, 1 + epsilon_high) * advantages)
     per_token_loss = per_token_loss * entropy_mask
-    if args.off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
+    if off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
         off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
-        off_policy = (advantages < 0) & (off_policy_kl > args.off_policy_mask_threshold)
-        per_token_loss = per_token_loss.masked_fill(off_policy, 0.0)
+        per_token_loss = per_token_loss.masked_fill((advantages < 0) & (off_policy_kl > off_policy_mask_threshold), 0.0)
     kl = None
-    if args.beta:  # the reference's log-probs are there only then
+    if beta:  # the reference's log-probs are there only then
         kl = kl_penalty(logprobs, ref_logprobs, "k3")
-        if args.use_bias_correction_kl:  # detail 10: rho k3 has the gradient of KL(pi || ref)
+        if use_bias_correction_kl:  # detail 10: rho k3 has the gradient of KL(pi || ref)
             kl = kl * ratio
-        per_token_loss = per_token_loss + args.beta * kl
-    n = logprobs.shape[0]  # this micro-batch's completions: accumulate_gradients' share scales to the batch's
-    normaliser = mask.sum().clamp(min=1)  # dapo, cispo
-    if args.loss_type in ("grpo", "sapo"):
-        normaliser = mask.sum(1).clamp(min=1) * n  # (B,): each completion's own length
-    elif args.loss_type == "dr_grpo":
-        normaliser = n * args.max_new_tokens
-    loss = ((per_token_loss * mask).sum(1) / normaliser).sum()
-    with torch.no_grad():  # where each loss type acts, as TRL logs it
-        low, high = (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
-        means = {}  # sapo's gate clips nothing
-        if args.loss_type == "cispo":
-            means["cispo_clip_ratio"] = high
-        elif args.loss_type != "sapo":
-            means["clip_ratio/low_mean"] = low
-            means["clip_ratio/high_mean"] = high
-            means["clip_ratio/region_mean"] = low | high
-        means["importance_ratio/mean"] = ratio.expand_as(mask)
-        if kl is not None:
-            means["kl"] = kl
-        stats = {name: masked_mean(x.float(), mask) for name, x in means.items()}
-    return loss, stats
+        per_token_loss = per_token_loss + beta * kl
+    normaliser, share = mask.sum().clamp(min=1), mask.sum() / batch_tokens  # dapo, cispo
+    if loss_type in ("grpo", "sapo", "dr_grpo"):  # each completion's own length; dr_grpo's below
+        normaliser, share = mask.sum(1).clamp(min=1) * len(mask), len(mask) / batch_completions
+    if loss_type == "dr_grpo":
+        normaliser = len(mask) * max_new_tokens
+    loss = ((per_token_loss * mask).sum(1) / normaliser).sum() * share
+    return loss, loss_stats(ratio, advantages, mask, kl, loss_type, epsilon, epsilon_high)
 
 
 # ALGO LOGIC: rollout, the forward pass and its LM head, the gradient of a minibatch, the optimizer step
@@ -320,7 +321,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None):
     With stop (generate()'s stopping_criteria), every response ends at the next token once one of them says so."""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
-    with autocast:
+    with autocast, unsharded(policy):  # FSDP: the policy gathered once for generation, not once per token
         out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
     eos_ids = policy.generation_config.eos_token_id  # end_of_response_ids(), set by load_models
     responses, mask, ended = truncate_after_eos(out[:, inputs.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
@@ -346,7 +347,7 @@ def lm_head_logprobs(
     In chunks of at most LM_HEAD_CHUNK logits, each under torch.utils.checkpoint: no chunk's logits outlive it, and its
     backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
     for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
-    where F.linear would run it (autocast's dtype)."""
+    where F.linear would run it (autocast's dtype). Naively: log_softmax(head(h) / T).gather(labels), -sum(p log p)."""
     B, T = labels.shape
     device_type = hidden.device.type
     dtype = head.weight.dtype
@@ -418,12 +419,15 @@ def training_forward(policy, batch, micro_batch, args, with_entropy=False):
 
 
 def accumulate_gradients(policy, batch, args, autocast):
-    """Forward and backward the whole batch, micro-batch by micro-batch, each weighted by its share of the completions
-    or, for dapo and cispo, of the loss tokens (detail 9; per rank); returns (the loss, each micro-batch's stats)."""
+    """Forward and backward the whole batch, micro-batch by micro-batch, each its share of the batch's loss (detail 9;
+    grpo_loss's keywords are the flags of the same names); returns (the loss, each micro-batch's stats)."""
     loss_mask, batch_size = batch["loss_mask"], len(batch["loss_mask"])
     bonus_mask = loss_mask * batch["entropy_mask"]  # the tokens of the policy gradient and entropy bonus (detail 13)
     stats, loss_sum = [], torch.zeros((), device=loss_mask.device)
     n_tokens, n_bonus = global_mean([loss_mask.sum()]), global_mean([bonus_mask.sum()])
+    names = "loss_type epsilon epsilon_high delta beta use_bias_correction_kl importance_sampling_level max_new_tokens"
+    names += " sapo_temperature_pos sapo_temperature_neg off_policy_mask_threshold"  # grpo_loss's keywords
+    flags = {name: getattr(args, name) for name in names.split()}
     for micro_batch in torch.arange(batch_size, device=loss_mask.device).split(args.micro_batch_size):
         with autocast:
             logprobs, entropy = training_forward(policy, batch, micro_batch, args, with_entropy=True)
@@ -434,13 +438,11 @@ def accumulate_gradients(policy, batch, args, autocast):
         if args.beta:
             ref_logprobs = batch["ref_logprobs"][micro_batch]
         advantages, mask = batch["advantages"][micro_batch], loss_mask[micro_batch]
+        entropy_mask = batch["entropy_mask"][micro_batch]
+        options = dict(entropy_mask=entropy_mask, **flags)
         loss, micro_stats = grpo_loss(
-            logprobs, old_logprobs, ref_logprobs, advantages, mask, args, batch["entropy_mask"][micro_batch]
+            logprobs, old_logprobs, ref_logprobs, advantages, mask, batch_size, n_tokens, **options
         )
-        share = len(micro_batch) / batch_size
-        if args.loss_type in ("dapo", "cispo"):
-            share = mask.sum() / n_tokens
-        loss = loss * share
         if args.ent_coef:
             loss = loss - args.ent_coef * (entropy * bonus_mask[micro_batch]).sum() / n_bonus
         loss.backward()
@@ -466,58 +468,47 @@ def optimizer_step(optimizer, params, max_grad_norm):
 
 
 def main(args: Args | None = None):
-    args = parse_args() if args is None else args
-    # TRY NOT TO MODIFY: set-up and seeding, the models, a resumed run's state, the run directory
+    args = parse_args() if args is None else args  # TRY NOT TO MODIFY: set-up, models, a resumed run, run directory
     (rank, world), device, autocast = setup(args)
     check_args(args, world)
     G = args.num_generations
     batch_size = args.prompts_per_update // world * G  # this process's share of the completions
-    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # the default 64 fits a smaller batch
+    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # at most the batch
     reward_fns = [load_reward_fn(name) for name in args.reward_fn]  # a bad name or file fails here, before loading
     tokenizer, policy, reward_model, rm_tokenizer, rm_reads_ids = load_models(args, device)
     eval_problems = eval_rows(args, tokenizer) if args.eval_every or args.eval_only else None
     if args.eval_only:  # no training, no run directory
-        result = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
-        print(eval_line(result, n=len(eval_problems)))
-        return result
+        return evaluate_only(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
     ref_policy = None  # beta 0, TRL's default: no KL term, no reference (details 5, 10)
-    if args.beta:  # LoRA: the base, with the adapters off
-        ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))
+    if args.beta:
+        ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
     params, optimizer = prepare(args, [policy])
     names = [name.rpartition(":")[2] for name in args.reward_fn]
     if args.reward_model:
         names = [os.path.basename(args.reward_model)]
     reward_weights = torch.tensor(args.reward_weights or [1.0] * len(names), device=device)
     models = nn.ModuleDict({"policy": policy})  # what checkpoint/ and policy/ hold; the reference is --model's
-    resumed = load_checkpoint(args, models, optimizer)  # {} for a new run
     needs_answers = reward_model is None and bool({"arithmetic", "gsm8k"} & set(args.reward_fn))
-    rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
-    run_dir, writer = open_run(args, rank, resumed)
+    resumed, prompts, run_dir, writer = start_run(args, (rank, world), models, optimizer, tokenizer, needs_answers)
     first_update, start_time = resumed.get("update", 0), time.time()
-    prompts = prompt_stream(rows, args.seed, first_update * args.prompts_per_update, rank, world)
     run = {"update": first_update, "state": {"update": first_update}}  # what a stop saves
-    with guarded(
-        args, run, run_dir, writer, lambda: save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
-    ):
+    with guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         if eval_problems and not resumed:  # the initial policy, at update 0
             initial = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
             run["update"] = update
-            torch.manual_seed(hash((args.seed, update, rank)))  # each update's numbers: a resume repeats them
+            torch.manual_seed(hash((args.seed, update, rank)))  # a resume repeats them (ints hash alike everywhere)
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
-
             # ALGO LOGIC: 1. rollout, G completions of each prompt, contiguous (detail 1; rollout() lists the batch)
             t0 = wall_clock(device)
             prompt_rows = [next(prompts) for _ in range(batch_size // G)]
             rows = [row for row in prompt_rows for _ in range(G)]
-            with unsharded(policy):  # FSDP: gathered once for generation, not once per token
-                batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, [signalled])
+            batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, [signalled])
             stop_if_signalled()  # every rank, before the update changes anything
             mask, lengths = batch["mask"], batch["mask"].sum(1)  # (B, R), (B,)
             t1 = wall_clock(device)
-
             # 2. rewards: the weighted reward functions, or the reward model (detail 11); DAPO's overlong penalty
             completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
             if reward_model is None:  # an error of a reward function on one rank stops every rank here
@@ -528,7 +519,6 @@ def main(args: Args | None = None):
                 scores = scores[:, None]
             overlong = overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer, args.overlong_penalty)
             rewards = scores @ reward_weights - overlong
-
             # 3. advantages relative to the group (detail 3); which completions the loss sees
             advantages, zero_std = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)
             dropped = torch.zeros_like(batch["ended"])
@@ -538,14 +528,14 @@ def main(args: Args | None = None):
                 dropped |= ~batch["ended"]
             loss_mask = mask * ~dropped[:, None]
             batch |= {"loss_mask": loss_mask, "advantages": advantages, "entropy_mask": torch.ones_like(mask)}
-
+            batch |= {"rewards": rewards, "zero_std": zero_std}  # for the logs
             # 4. old log-probs (mu > 1), entropies (detail 13) and reference log-probs: the training forward (detail 5)
-            micro_batches = torch.arange(batch_size, device=device).split(args.micro_batch_size)
+            mbs = torch.arange(batch_size, device=device).split(args.micro_batch_size)  # the micro-batches
             has_loss_tokens = all_reduce(loss_mask.sum()) > 0  # on any rank; else no update
             mask_by_entropy = args.top_entropy_quantile < 1
             if has_loss_tokens and (args.num_iterations > 1 or mask_by_entropy):
                 with torch.no_grad(), autocast, unsharded(policy):
-                    out = [training_forward(policy, batch, mb, args, mask_by_entropy) for mb in micro_batches]
+                    out = [training_forward(policy, batch, mb, args, with_entropy=mask_by_entropy) for mb in mbs]
                 batch["old_logprobs"] = torch.cat([logprobs for logprobs, _ in out])  # read with mu > 1
                 if mask_by_entropy:  # the whole batch's, from the rollout policy
                     entropy = torch.cat([entropy for _, entropy in out])
@@ -553,46 +543,23 @@ def main(args: Args | None = None):
             if args.beta:
                 adapters_off = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()  # LoRA
                 with torch.no_grad(), autocast, adapters_off, unsharded(ref_policy):
-                    out = [training_forward(ref_policy, batch, mb, args) for mb in micro_batches]
+                    out = [training_forward(ref_policy, batch, mb, args) for mb in mbs]
                 batch["ref_logprobs"] = torch.cat([logprobs for logprobs, _ in out])
             t2 = wall_clock(device)
-
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 9)
             policy.train()
             stats, losses, grad_norms = [], [], []
-            for _ in range(args.num_iterations if has_loss_tokens else 0):
-                loss, micro_stats = accumulate_gradients(policy, batch, args, autocast)
-                grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
-                stats += micro_stats
-                losses.append(loss)
+            if has_loss_tokens:
+                for _ in range(args.num_iterations):
+                    loss, micro_stats = accumulate_gradients(policy, batch, args, autocast)
+                    grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
+                    stats += micro_stats
+                    losses.append(loss)
             run["state"] = {"update": update}  # update done: a stop from here on resumes after it
             t3 = wall_clock(device)
-
             # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
-            metrics = {
-                "update": update,
-                "episode": update * batch_size * world,
-                "reward": rewards.mean().item(),
-                "reward_std": rewards.view(-1, G).std(1).mean().item(),
-                "frac_reward_zero_std": zero_std.float().mean().item(),
-                "completions/mean_length": lengths.mean().item(),
-                "completions/min_length": lengths.min().item(),
-                "completions/max_length": lengths.max().item(),
-                "completions/clipped_ratio": (~batch["ended"]).float().mean().item(),
-                "learning_rate": optimizer.param_groups[0]["lr"],
-            }
-            for name, reward in zip(names, scores.T):
-                metrics[f"rewards/{name}/mean"] = reward.mean().item()
-                metrics[f"rewards/{name}/std"] = global_std(reward).item()
-            if losses:  # grpo_loss's stats (importance_ratio/mean, clip_ratio/* or cispo_clip_ratio, kl) and entropy
-                metrics["loss"] = global_mean(losses)
-                metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
-                for key in stats[0]:
-                    metrics[key] = global_mean([s[key] for s in stats])
-            n_tokens = mask.sum().item()
-            times, progress = timing([t0, t1, t2, t3], start_time, first_update, update, args, n_tokens, device)
-            ops = {"completions/min_length": "min", "completions/max_length": "max", "perf/peak_memory_mb": "max"}
-            metrics = global_metrics(metrics | times, ops | {"perf/tokens_per_sec": "sum"})
+            times, progress = timing([t0, t1, t2, t3], start_time, first_update, update, args, mask, device)
+            metrics = grpo_metrics(update, args, batch, names, scores, stats, losses, grad_norms, optimizer, times)
             stopping = stop_requested()  # a stop saves anyway: no evaluation
             if eval_problems and not stopping and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics |= evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
@@ -601,7 +568,7 @@ def main(args: Args | None = None):
                 line += f"kl {metrics['kl']:.4f}  "
             if not losses:
                 line += "(no loss tokens)  "
-            values = dict(reward=rewards[::G].tolist(), advantage=advantages[::G].tolist())  # one of each group
+            values = dict(reward=rewards[::G], advantage=advantages[::G])  # one of each group
             log(writer, metrics, line + progress, samples_to_log(args, update, rows[::G], completions[::G], **values))
             if args.save_every and update % args.save_every == 0 and not stopping:
                 save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
@@ -613,7 +580,7 @@ def main(args: Args | None = None):
 # define): rewards, prompts, models, sharding and set-up, logging, evaluation, stops, checkpoints. To add a reward:
 # REWARD_FNS, or --reward-fn file.py:fn.
 
-# This script's own flag checks, then the shared code.
+# This script's own flag checks and metrics, then the shared code.
 
 
 def check_args(args, world):
@@ -645,6 +612,50 @@ def check_args(args, world):
     if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
         weights = f"({n_rewards}), not {len(args.reward_weights or [])}"
         raise SystemExit(f"error: --reward-weights needs one weight per reward {weights}")
+
+
+def loss_stats(ratio, advantages, mask, kl, loss_type, epsilon, epsilon_high):
+    """grpo_loss's stats: where each loss type acts, as TRL logs it (sapo's gate clips nothing), the mean ratio, k3."""
+    with torch.no_grad():
+        low, high = (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
+        means = {}
+        if loss_type == "cispo":
+            means["cispo_clip_ratio"] = high
+        elif loss_type != "sapo":
+            means["clip_ratio/low_mean"] = low
+            means["clip_ratio/high_mean"] = high
+            means["clip_ratio/region_mean"] = low | high
+        means["importance_ratio/mean"] = ratio.expand_as(mask)
+        if kl is not None:
+            means["kl"] = kl
+        return {name: masked_mean(x.float(), mask) for name, x in means.items()}
+
+
+def grpo_metrics(update, args, batch, names, scores, stats, losses, grad_norms, optimizer, times):
+    """An update's metrics, TRL's GRPO names (docs/grpo_llm.md), over every rank: means, but for the extremes."""
+    rewards, lengths = batch["rewards"], batch["mask"].sum(1)
+    metrics = {
+        "update": update,
+        "episode": update * args.prompts_per_update * args.num_generations,
+        "reward": rewards.mean().item(),
+        "reward_std": rewards.view(-1, args.num_generations).std(1).mean().item(),
+        "frac_reward_zero_std": batch["zero_std"].float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": (~batch["ended"]).float().mean().item(),
+        "learning_rate": optimizer.param_groups[0]["lr"],
+    }
+    for name, reward in zip(names, scores.T):
+        metrics[f"rewards/{name}/mean"] = reward.mean().item()
+        metrics[f"rewards/{name}/std"] = global_std(reward).item()
+    if losses:  # grpo_loss's stats (importance_ratio/mean, clip_ratio/* or cispo_clip_ratio, kl) and entropy
+        metrics["loss"] = global_mean(losses)
+        metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
+        for key in stats[0]:
+            metrics[key] = global_mean([s[key] for s in stats])
+    ops = {"completions/min_length": "min", "completions/max_length": "max", "perf/peak_memory_mb": "max"}
+    return global_metrics(metrics | times, ops | {"perf/tokens_per_sec": "sum"})
 
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
@@ -1131,6 +1142,16 @@ def open_run(args, rank, checkpoint):
     return run_dir, SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
 
 
+def start_run(args, ranks, models, optimizer, tokenizer, needs_answers):
+    """A resumed run's state ({} for a new run) with its weights and AdamW's, the stream of prompts from where it
+    stopped, the run directory and rank 0's writer: (resumed, prompts, run_dir, writer)."""
+    resumed = load_checkpoint(args, models, optimizer)
+    rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
+    run_dir, writer = open_run(args, ranks[0], resumed)
+    start = resumed.get("update", 0) * args.prompts_per_update
+    return resumed, prompt_stream(rows, args.seed, start, *ranks), run_dir, writer
+
+
 def log(writer, metrics, line, samples=()):
     """On rank 0: the progress line, metrics.jsonl and TensorBoard at step `update`, samples.jsonl and the screen."""
     if writer is None:
@@ -1157,7 +1178,7 @@ def samples_to_log(args, update, rows, completions, **values):
     samples = []
     for j in range(min(args.num_samples, len(rows))):
         sample = {"update": update, "prompt": rows[j]["prompt"], "completion": completions[j]}
-        samples.append(sample | {name: value[j] for name, value in values.items()})
+        samples.append(sample | {name: float(value[j]) for name, value in values.items()})
     return samples
 
 
@@ -1176,13 +1197,12 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
     """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     scores, lengths = [], []
-    with unsharded(policy):
-        for i in range(rank * batch_size, len(rows), world * batch_size):
-            chunk = rows[i : i + batch_size]
-            batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk], args, autocast)
-            completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-            scores += reward_fn(completions, chunk)
-            lengths += batch["mask"].sum(1).tolist()
+    for i in range(rank * batch_size, len(rows), world * batch_size):
+        chunk = rows[i : i + batch_size]
+        batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk], args, autocast)
+        completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+        scores += reward_fn(completions, chunk)
+        lengths += batch["mask"].sum(1).tolist()
     if dist.is_initialized():  # every rank's
         every_rank = [None] * world
         dist.all_gather_object(every_rank, (scores, lengths))
@@ -1199,6 +1219,13 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
     return metrics
 
 
+def evaluate_only(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
+    """--eval-only: the held-out accuracy of --model, printed with its 95% bound, and returned (no run directory)."""
+    result = evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size)
+    print(eval_line(result, n=len(rows)))
+    return result
+
+
 def eval_line(metrics, n=None):
     """The accuracy ± its standard error; with n, the 95% bound on the gap between two evaluations of one policy."""
     line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
@@ -1206,7 +1233,7 @@ def eval_line(metrics, n=None):
     return line if n is None else f"{line} (n={n}; two evaluations of one policy differ by < {bound:.3f})"
 
 
-def timing(marks, start_time, first_update, update, args, n_tokens, device):
+def timing(marks, start_time, first_update, update, args, mask, device):
     """time/* and perf/* of one update from its marks (start, generated, scored, updated); '(seconds so far, ETA)'."""
     elapsed = time.time() - start_time
     left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (args.total_steps - update) / (update - first_update)))
@@ -1218,7 +1245,7 @@ def timing(marks, start_time, first_update, update, args, n_tokens, device):
         "time/scoring": marks[2] - marks[1],
         "time/update": marks[3] - marks[2],
         "time/elapsed": elapsed,
-        "perf/tokens_per_sec": n_tokens / (marks[3] - marks[0]),
+        "perf/tokens_per_sec": mask.sum().item() / (marks[3] - marks[0]),
         "perf/peak_memory_mb": peak_memory,
     }
     return metrics, f"{marks[3] - marks[0]:.2f}s  ({elapsed:.0f}s, ETA {left})"
@@ -1400,16 +1427,48 @@ def load_checkpoint(args, models, optimizer):
 
 
 @contextlib.contextmanager
-def guarded(args, run, run_dir, writer, save):
-    """The run's plumbing around main()'s loop: Ctrl-C and SIGTERM stop it after the update (on_signal); any exception
-    saves (save(), every rank together), prints an error's traceback, what is on disk and how to go on, and exits; the
-    end closes the logs and the processes. run: the update in progress and the state a save holds."""
+def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
+    """main()'s loop inside the run's plumbing: Ctrl-C and SIGTERM stop it after the update (on_signal); any exception
+    saves run["state"] (every rank together), prints an error's traceback, what is on disk and how to go on, and
+    exits; the end closes the logs and the processes."""
     STOP.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    print(f"{run_dir}/checkpoint: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     try:
         yield
     except BaseException as error:  # Ctrl-C, SIGTERM, a non-finite loss, an error, a failed save: nothing is lost
-        stop_line(error, run, run_dir, save)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
+        what, saved = str(error) or type(error).__name__, None
+        if not together and dist.is_initialized():
+            what += "; one rank alone cannot save the sharded weights"
+        elif not isinstance(error, SaveFailed):  # a failed save is not tried again
+            try:
+                save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
+                saved = f"the state after update {run['state']['update']} is in {run_dir}/checkpoint"
+            except SaveFailed as e:
+                what += f"; {e}"
+        go_on, path = f"python {os.path.basename(__file__)} --resume {run_dir} goes on", f"{run_dir}/checkpoint"
+        if saved is None and os.path.exists(path):  # the last save that was written
+            with open(os.path.join(path, "state.json")) as f:
+                saved = f"{path} holds update {json.load(f)['update']}"
+        elif saved is None:
+            saved, go_on = "no checkpoint was written", "start the run again"
+        cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
+        if cause is not None and not isinstance(
+            cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit
+        ):
+            traceback.print_exception(cause)
+        if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
+            dist.barrier()
+            dist.destroy_process_group()
+        line = f"stopped in update {run['update']} ({what}); {saved}: {go_on}"
+        if rank == 0 or not together:
+            print(line, file=sys.stderr)
+            if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report of a failed rank then ends with it
+                with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                    json.dump({"message": line, "timestamp": int(time.time())}, f)
+        raise SystemExit(128 + STOP[0] if STOP else 1) from None
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
@@ -1423,40 +1482,6 @@ def guarded(args, run, run_dir, writer, save):
     if dist.is_initialized():
         dist.barrier()  # every rank waits for rank 0's save
         dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
-
-
-def stop_line(error, run, run_dir, save):
-    """A stop saves (every rank together), prints an error's traceback, what is on disk and how to go on, and exits."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
-    what, saved = str(error) or type(error).__name__, None
-    if not together and dist.is_initialized():
-        what += "; one rank alone cannot save the sharded weights"
-    elif not isinstance(error, SaveFailed):  # a failed save is not tried again
-        try:
-            save()
-            saved = f"the state after update {run['state']['update']} is in {run_dir}/checkpoint"
-        except SaveFailed as e:
-            what += f"; {e}"
-    go_on, path = f"python {os.path.basename(__file__)} --resume {run_dir} goes on", f"{run_dir}/checkpoint"
-    if saved is None and os.path.exists(path):  # the last save that was written
-        with open(os.path.join(path, "state.json")) as f:
-            saved = f"{path} holds update {json.load(f)['update']}"
-    elif saved is None:
-        saved, go_on = "no checkpoint was written", "start the run again"
-    cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
-    if cause is not None and not isinstance(cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit):
-        traceback.print_exception(cause)
-    if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
-        dist.barrier()
-        dist.destroy_process_group()
-    line = f"stopped in update {run['update']} ({what}); {saved}: {go_on}"
-    if rank == 0 or not together:
-        print(line, file=sys.stderr)
-        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report of a failed rank then ends with the line
-            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
-    raise SystemExit(128 + STOP[0] if STOP else 1) from None
 
 
 if __name__ == "__main__":

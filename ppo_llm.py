@@ -145,7 +145,7 @@ class Args:
 
 
 # ALGO LOGIC: the numerics, checked by tests/ against hand-computed values; under torchrun, over every rank's entries
-# (all_reduce: a sum over the ranks).
+# (all_reduce: a sum over the ranks; in one process, x itself).
 
 
 def global_mean(values):
@@ -275,7 +275,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None):
     With stop (generate()'s stopping_criteria), every response ends at the next token once one of them says so."""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
-    with autocast:
+    with autocast, unsharded(policy):  # FSDP: the policy gathered once for generation, not once per token
         out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
     eos_ids = policy.generation_config.eos_token_id  # end_of_response_ids(), set by load_models
     responses, mask, ended = truncate_after_eos(out[:, inputs.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
@@ -301,7 +301,7 @@ def lm_head_logprobs(
     In chunks of at most LM_HEAD_CHUNK logits, each under torch.utils.checkpoint: no chunk's logits outlive it, and its
     backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
     for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
-    where F.linear would run it (autocast's dtype)."""
+    where F.linear would run it (autocast's dtype). Naively: log_softmax(head(h) / T).gather(labels), -sum(p log p)."""
     B, T = labels.shape
     device_type = hidden.device.type
     dtype = head.weight.dtype
@@ -421,10 +421,10 @@ def optimizer_step(optimizer, params, max_grad_norm):
     return grad_norm
 
 
-# PPO's own: the value model, the no-grad forward of step 2; then main()
+# PPO's own: the value model; then main()
 
 
-def build_value_model(args, device, policy, tokenizer, reward_model, rm_reads_ids):
+def build_value_model(args, device, policy, tokenizer, rm_reads_ids):
     """Detail 8: (critic: None with --critic head, else from the reward model if it reads our ids, value head)."""
     critic = None
     if args.critic == "separate":
@@ -440,78 +440,57 @@ def build_value_model(args, device, policy, tokenizer, reward_model, rm_reads_id
     return critic, place(value_head, device)  # fp32, also under bf16 autocast
 
 
-@torch.no_grad()
-def batch_forward(policy, critic, value_head, batch, args, autocast, with_values=True):
-    """Step 2: the log-probs (B, R) of the whole rollout batch under `policy`, and with_values its values (B, R), by
-    the training forward in its micro-batches (detail 5), the policy gathered once under torchrun."""
-    micro_batches = torch.arange(len(batch["mask"]), device=batch["mask"].device).split(args.micro_batch_size)
-    with autocast, unsharded(policy):
-        out = [training_forward(policy, critic, value_head, batch, mb, args, with_values) for mb in micro_batches]
-    logprobs = torch.cat([logprobs for logprobs, _, _ in out])
-    if not with_values:
-        return logprobs, None
-    return logprobs, torch.cat([values for _, _, values in out])
-
-
 def main(args: Args | None = None):
-    args = parse_args() if args is None else args
-    # TRY NOT TO MODIFY: set-up and seeding, the models, a resumed run's state, the run directory
+    args = parse_args() if args is None else args  # TRY NOT TO MODIFY: set-up, models, a resumed run, run directory
     (rank, world), device, autocast = setup(args)
     check_args(args, world)
     batch_size = args.prompts_per_update // world  # this process's share of the prompts, one response each
-    args.micro_batch_size = min(args.micro_batch_size, batch_size // args.num_mini_batches)  # the default fits 8 GPUs
+    args.micro_batch_size = min(args.micro_batch_size, batch_size // args.num_mini_batches)  # at most a minibatch
     reward_fn = load_reward_fn(args.reward_fn)  # a bad name or file fails here, before anything is loaded
     tokenizer, policy, reward_model, rm_tokenizer, rm_reads_ids = load_models(args, device)
     eval_problems = eval_rows(args, tokenizer) if args.eval_every or args.eval_only else None
     if args.eval_only:  # no training, no run directory
-        result = evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
-        print(eval_line(result, n=len(eval_problems)))
-        return result
-    critic, value_head = build_value_model(args, device, policy, tokenizer, reward_model, rm_reads_ids)
+        return evaluate_only(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
+    critic, value_head = build_value_model(args, device, policy, tokenizer, rm_reads_ids)
     ref_policy = None  # beta 0 without --kl-target: no KL penalty, no reference
-    if args.kl_coef or args.kl_target:  # LoRA: the base, with the adapters off
-        ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))
+    if args.kl_coef or args.kl_target:
+        ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
     params, optimizer = prepare(args, [policy, critic, value_head])
     models = {"policy": policy, "critic": critic, "value_head": value_head}  # what checkpoint/ and policy/ hold
     if args.ref_update_every:  # else the reference is --model's
         models["ref_policy"] = ref_policy
     models = nn.ModuleDict({name: model for name, model in models.items() if model is not None})
-    resumed = load_checkpoint(args, models, optimizer)  # {} for a new run
     needs_answers = reward_model is None and args.reward_fn in ("arithmetic", "gsm8k")
-    rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
-    run_dir, writer = open_run(args, rank, resumed)
-    first_update = resumed.get("update", 0)
-    kl_coef, start_time = resumed.get("kl_coef", args.kl_coef), time.time()
-    prompts = prompt_stream(rows, args.seed, first_update * args.prompts_per_update, rank, world)
+    resumed, prompts, run_dir, writer = start_run(args, (rank, world), models, optimizer, tokenizer, needs_answers)
+    first_update, kl_coef, start_time = resumed.get("update", 0), resumed.get("kl_coef", args.kl_coef), time.time()
     run = {"update": first_update, "state": {"update": first_update, "kl_coef": kl_coef}}  # what a stop saves
-    with guarded(
-        args, run, run_dir, writer, lambda: save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
-    ):
+    with guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         if eval_problems and not resumed:  # the initial policy, at update 0
             initial = evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
             run["update"] = update
-            torch.manual_seed(hash((args.seed, update, rank)))  # each update's numbers: a resume repeats them
+            torch.manual_seed(hash((args.seed, update, rank)))  # a resume repeats them (ints hash alike everywhere)
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
-
             # ALGO LOGIC: 1. rollout, a response for each prompt (rollout() lists the batch's keys and shapes)
             t0 = wall_clock(device)
             rows = [next(prompts) for _ in range(batch_size)]
-            with unsharded(policy):  # FSDP: gathered once for generation, not once per token
-                batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, [signalled])
+            batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, [signalled])
             stop_if_signalled()  # every rank, before the update changes anything
             mask = batch["mask"]  # (B, R)
             t1 = wall_clock(device)
-
             # 2a. old log-probs and values, the reference's log-probs: the training forward in its shapes (detail 5)
-            old_logprobs, values = batch_forward(policy, critic, value_head, batch, args, autocast)
+            mbs = torch.arange(batch_size, device=device).split(args.micro_batch_size)  # the micro-batches
+            with torch.no_grad(), autocast, unsharded(policy):
+                out = [training_forward(policy, critic, value_head, batch, mb, args) for mb in mbs]
+            old_logprobs, values = torch.cat([lp for lp, _, _ in out]), torch.cat([v for _, _, v in out])
             ref_logprobs = old_logprobs
             if ref_policy is not None:
                 adapters_off = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()  # LoRA
-                with adapters_off:
-                    ref_logprobs, _ = batch_forward(ref_policy, None, None, batch, args, autocast, with_values=False)
+                with torch.no_grad(), autocast, adapters_off, unsharded(ref_policy):
+                    out = [training_forward(ref_policy, None, None, batch, mb, args, with_values=False) for mb in mbs]
+                ref_logprobs = torch.cat([lp for lp, _, _ in out])
             # 2b. scores: the reward function's, or the reward model's (and the function's too, when rows have answers)
             completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
             fn_scores = None
@@ -524,7 +503,6 @@ def main(args: Args | None = None):
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~batch["ended"]).float()
             t2 = wall_clock(device)
-
             # 3. per-token rewards: -beta * KL everywhere, plus the score at the last real token (detail 3)
             kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator) * mask
             non_score_reward = -kl_coef * kl
@@ -534,16 +512,13 @@ def main(args: Args | None = None):
             rewards[torch.arange(batch_size, device=device), mask.long().sum(1) - 1] += normalized
             if args.whiten_rewards:
                 rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
-
             # 4. advantages: GAE over the response tokens, whitened over the batch (detail 9)
             advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)
             batch |= {"old_logprobs": old_logprobs, "values": values, "advantages": advantages, "returns": returns}
-
+            batch |= {"scores": scores, "non_score_reward": non_score_reward}  # for the logs
             # 5. PPO update: epochs of shuffled minibatches, micro-batches accumulate gradients (details 10, 11)
-            policy.train()  # HF's activation checkpointing acts in train mode only
-            if critic is not None:
-                critic.train()
+            models.train()  # HF's activation checkpointing acts in train mode only (dropout is 0: eval's numbers)
             stats = []
             for _ in range(args.num_ppo_epochs):
                 epoch_stats = []
@@ -555,7 +530,6 @@ def main(args: Args | None = None):
                 if args.target_kl is not None and approxkl > args.target_kl:
                     break
             t3 = wall_clock(device)
-
             # 6. KL controller and reference refresh
             mean_kl = global_mean([kl.sum(1).mean()])
             if args.kl_target:
@@ -563,37 +537,15 @@ def main(args: Args | None = None):
             if args.ref_update_every and update % args.ref_update_every == 0:
                 ref_policy.load_state_dict(policy.state_dict())
             run["state"] = {"update": update, "kl_coef": kl_coef}  # update done: a stop from here on resumes after it
-
             # TRY NOT TO MODIFY: log (TRL's metric names), evaluate, show samples, save
-            n_tokens = mask.sum().item()
-            metrics = {
-                "update": update,
-                "episode": update * args.prompts_per_update,
-                "objective/kl": mean_kl,
-                "objective/kl_coef": kl_coef,
-                "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),  # TRL's: of the sampled tokens
-                "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
-                "objective/scores": scores.mean().item(),
-                "val/num_eos_tokens": int(batch["ended"].sum().item()),
-                "val/mean_length": n_tokens / batch_size,
-                "lr": optimizer.param_groups[0]["lr"],
-            }
-            for key in stats[0]:  # policy_loss's (policy/*, val/ratio), value_loss's (val/clipfrac_avg), the losses
-                metrics[key] = torch.stack([s[key] for s in stats]).mean().item()
-            metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
-            if fn_scores is not None:  # the reward function's verdict, beside a reward model too
-                metrics["objective/accuracy"] = sum(fn_scores) / batch_size
-            times, progress = timing([t0, t1, t2, t3], start_time, first_update, update, args, n_tokens, device)
-            ops = {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"}
-            metrics = global_metrics(metrics | times, ops)
+            times, progress = timing([t0, t1, t2, t3], start_time, first_update, update, args, mask, device)
+            metrics = ppo_metrics(update, args, batch, stats, fn_scores, mean_kl, kl_coef, optimizer, times)
             stopping = stop_requested()  # a stop saves anyway: no evaluation
             if eval_problems and not stopping and (update % args.eval_every == 0 or update == args.total_steps):
                 metrics |= evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
             line = f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
             line += f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
-            log(
-                writer, metrics, line + progress, samples_to_log(args, update, rows, completions, score=scores.tolist())
-            )
+            log(writer, metrics, line + progress, samples_to_log(args, update, rows, completions, score=scores))
             if args.save_every and update % args.save_every == 0 and not stopping:
                 save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
         save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer, merged=args.save_merged)
@@ -604,7 +556,7 @@ def main(args: Args | None = None):
 # define): rewards, prompts, models, sharding and set-up, logging, evaluation, stops, checkpoints. To add a reward:
 # REWARD_FNS, or --reward-fn file.py:fn.
 
-# This script's own flag checks, then the shared code.
+# This script's own flag checks and metrics, then the shared code.
 
 
 def check_args(args, world):
@@ -625,10 +577,38 @@ def check_args(args, world):
         raise SystemExit(f"error: --num-mini-batches must divide --prompts-per-update {sizes}")
     if args.lora_r and args.ref_update_every:
         raise SystemExit("error: --ref-update-every cannot refresh a LoRA run's reference, its base")
+    if args.ref_update_every and not (args.kl_coef or args.kl_target):
+        raise SystemExit(
+            "error: --ref-update-every refreshes the reference, which --kl-coef 0 without --kl-target lacks"
+        )
     if args.prompts_per_update < 2 and (args.score_norm == "on" or (args.score_norm == "auto" and args.reward_model)):
         raise SystemExit("error: --score-norm on (auto: with --reward-model) needs --prompts-per-update >= 2")
     if args.kl_target and not args.kl_coef:
         raise SystemExit("error: --kl-target scales --kl-coef up or down: start it above 0 (got 0)")
+
+
+def ppo_metrics(update, args, batch, stats, fn_scores, mean_kl, kl_coef, optimizer, times):
+    """An update's metrics, TRL's names (docs/ppo_llm.md), over every rank: means, but for the sums and maxima."""
+    mask, batch_size = batch["mask"], len(batch["mask"])
+    metrics = {
+        "update": update,
+        "episode": update * args.prompts_per_update,
+        "objective/kl": mean_kl,
+        "objective/kl_coef": kl_coef,
+        "objective/entropy": (-batch["old_logprobs"] * mask).sum(1).mean().item(),  # TRL's: of the sampled tokens
+        "objective/non_score_reward": batch["non_score_reward"].sum(1).mean().item(),
+        "objective/scores": batch["scores"].mean().item(),
+        "val/num_eos_tokens": int(batch["ended"].sum().item()),
+        "val/mean_length": mask.sum().item() / batch_size,
+        "lr": optimizer.param_groups[0]["lr"],
+    }
+    for key in stats[0]:  # policy_loss's (policy/*, val/ratio), value_loss's (val/clipfrac_avg), the losses
+        metrics[key] = torch.stack([s[key] for s in stats]).mean().item()
+    metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
+    if fn_scores is not None:  # the reward function's verdict, beside a reward model too
+        metrics["objective/accuracy"] = sum(fn_scores) / batch_size
+    ops = {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"}
+    return global_metrics(metrics | times, ops)
 
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
@@ -1115,6 +1095,16 @@ def open_run(args, rank, checkpoint):
     return run_dir, SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
 
 
+def start_run(args, ranks, models, optimizer, tokenizer, needs_answers):
+    """A resumed run's state ({} for a new run) with its weights and AdamW's, the stream of prompts from where it
+    stopped, the run directory and rank 0's writer: (resumed, prompts, run_dir, writer)."""
+    resumed = load_checkpoint(args, models, optimizer)
+    rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
+    run_dir, writer = open_run(args, ranks[0], resumed)
+    start = resumed.get("update", 0) * args.prompts_per_update
+    return resumed, prompt_stream(rows, args.seed, start, *ranks), run_dir, writer
+
+
 def log(writer, metrics, line, samples=()):
     """On rank 0: the progress line, metrics.jsonl and TensorBoard at step `update`, samples.jsonl and the screen."""
     if writer is None:
@@ -1141,7 +1131,7 @@ def samples_to_log(args, update, rows, completions, **values):
     samples = []
     for j in range(min(args.num_samples, len(rows))):
         sample = {"update": update, "prompt": rows[j]["prompt"], "completion": completions[j]}
-        samples.append(sample | {name: value[j] for name, value in values.items()})
+        samples.append(sample | {name: float(value[j]) for name, value in values.items()})
     return samples
 
 
@@ -1160,13 +1150,12 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
     """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     scores, lengths = [], []
-    with unsharded(policy):
-        for i in range(rank * batch_size, len(rows), world * batch_size):
-            chunk = rows[i : i + batch_size]
-            batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk], args, autocast)
-            completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-            scores += reward_fn(completions, chunk)
-            lengths += batch["mask"].sum(1).tolist()
+    for i in range(rank * batch_size, len(rows), world * batch_size):
+        chunk = rows[i : i + batch_size]
+        batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk], args, autocast)
+        completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+        scores += reward_fn(completions, chunk)
+        lengths += batch["mask"].sum(1).tolist()
     if dist.is_initialized():  # every rank's
         every_rank = [None] * world
         dist.all_gather_object(every_rank, (scores, lengths))
@@ -1183,6 +1172,13 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
     return metrics
 
 
+def evaluate_only(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
+    """--eval-only: the held-out accuracy of --model, printed with its 95% bound, and returned (no run directory)."""
+    result = evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size)
+    print(eval_line(result, n=len(rows)))
+    return result
+
+
 def eval_line(metrics, n=None):
     """The accuracy ± its standard error; with n, the 95% bound on the gap between two evaluations of one policy."""
     line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
@@ -1190,7 +1186,7 @@ def eval_line(metrics, n=None):
     return line if n is None else f"{line} (n={n}; two evaluations of one policy differ by < {bound:.3f})"
 
 
-def timing(marks, start_time, first_update, update, args, n_tokens, device):
+def timing(marks, start_time, first_update, update, args, mask, device):
     """time/* and perf/* of one update from its marks (start, generated, scored, updated); '(seconds so far, ETA)'."""
     elapsed = time.time() - start_time
     left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (args.total_steps - update) / (update - first_update)))
@@ -1202,7 +1198,7 @@ def timing(marks, start_time, first_update, update, args, n_tokens, device):
         "time/scoring": marks[2] - marks[1],
         "time/update": marks[3] - marks[2],
         "time/elapsed": elapsed,
-        "perf/tokens_per_sec": n_tokens / (marks[3] - marks[0]),
+        "perf/tokens_per_sec": mask.sum().item() / (marks[3] - marks[0]),
         "perf/peak_memory_mb": peak_memory,
     }
     return metrics, f"{marks[3] - marks[0]:.2f}s  ({elapsed:.0f}s, ETA {left})"
@@ -1384,16 +1380,48 @@ def load_checkpoint(args, models, optimizer):
 
 
 @contextlib.contextmanager
-def guarded(args, run, run_dir, writer, save):
-    """The run's plumbing around main()'s loop: Ctrl-C and SIGTERM stop it after the update (on_signal); any exception
-    saves (save(), every rank together), prints an error's traceback, what is on disk and how to go on, and exits; the
-    end closes the logs and the processes. run: the update in progress and the state a save holds."""
+def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
+    """main()'s loop inside the run's plumbing: Ctrl-C and SIGTERM stop it after the update (on_signal); any exception
+    saves run["state"] (every rank together), prints an error's traceback, what is on disk and how to go on, and
+    exits; the end closes the logs and the processes."""
     STOP.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    print(f"{run_dir}/checkpoint: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     try:
         yield
     except BaseException as error:  # Ctrl-C, SIGTERM, a non-finite loss, an error, a failed save: nothing is lost
-        stop_line(error, run, run_dir, save)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
+        what, saved = str(error) or type(error).__name__, None
+        if not together and dist.is_initialized():
+            what += "; one rank alone cannot save the sharded weights"
+        elif not isinstance(error, SaveFailed):  # a failed save is not tried again
+            try:
+                save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
+                saved = f"the state after update {run['state']['update']} is in {run_dir}/checkpoint"
+            except SaveFailed as e:
+                what += f"; {e}"
+        go_on, path = f"python {os.path.basename(__file__)} --resume {run_dir} goes on", f"{run_dir}/checkpoint"
+        if saved is None and os.path.exists(path):  # the last save that was written
+            with open(os.path.join(path, "state.json")) as f:
+                saved = f"{path} holds update {json.load(f)['update']}"
+        elif saved is None:
+            saved, go_on = "no checkpoint was written", "start the run again"
+        cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
+        if cause is not None and not isinstance(
+            cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit
+        ):
+            traceback.print_exception(cause)
+        if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
+            dist.barrier()
+            dist.destroy_process_group()
+        line = f"stopped in update {run['update']} ({what}); {saved}: {go_on}"
+        if rank == 0 or not together:
+            print(line, file=sys.stderr)
+            if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report of a failed rank then ends with it
+                with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                    json.dump({"message": line, "timestamp": int(time.time())}, f)
+        raise SystemExit(128 + STOP[0] if STOP else 1) from None
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
@@ -1407,40 +1435,6 @@ def guarded(args, run, run_dir, writer, save):
     if dist.is_initialized():
         dist.barrier()  # every rank waits for rank 0's save
         dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
-
-
-def stop_line(error, run, run_dir, save):
-    """A stop saves (every rank together), prints an error's traceback, what is on disk and how to go on, and exits."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
-    what, saved = str(error) or type(error).__name__, None
-    if not together and dist.is_initialized():
-        what += "; one rank alone cannot save the sharded weights"
-    elif not isinstance(error, SaveFailed):  # a failed save is not tried again
-        try:
-            save()
-            saved = f"the state after update {run['state']['update']} is in {run_dir}/checkpoint"
-        except SaveFailed as e:
-            what += f"; {e}"
-    go_on, path = f"python {os.path.basename(__file__)} --resume {run_dir} goes on", f"{run_dir}/checkpoint"
-    if saved is None and os.path.exists(path):  # the last save that was written
-        with open(os.path.join(path, "state.json")) as f:
-            saved = f"{path} holds update {json.load(f)['update']}"
-    elif saved is None:
-        saved, go_on = "no checkpoint was written", "start the run again"
-    cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
-    if cause is not None and not isinstance(cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit):
-        traceback.print_exception(cause)
-    if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
-        dist.barrier()
-        dist.destroy_process_group()
-    line = f"stopped in update {run['update']} ({what}); {saved}: {go_on}"
-    if rank == 0 or not together:
-        print(line, file=sys.stderr)
-        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report of a failed rank then ends with the line
-            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
-    raise SystemExit(128 + STOP[0] if STOP else 1) from None
 
 
 if __name__ == "__main__":

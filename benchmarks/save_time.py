@@ -1,6 +1,6 @@
 """How long a stop's save takes: the grace period a scheduler must give a preempted run (SIGTERM, then SIGKILL).
 
-On SIGTERM a run finishes nothing: it writes checkpoint.pt (the trained weights, AdamW's two moments, the state) and
+On SIGTERM a run finishes nothing: it writes checkpoint/ (the trained weights, AdamW's two moments, the state) and
 policy/ (save_pretrained), then exits. With LoRA only the adapters are trained, so both stay small whatever the base.
 This builds Llama-2-7B's shape (32 layers, hidden 4,096, MLP 11,008, vocabulary 32,000) with its base weights on
 the meta device (a save never writes them), puts grpo_llm.py's LoRA on it (--lora-r 16, every linear layer) in real
@@ -96,7 +96,7 @@ def table(result):
     rows = [f"| {name} | {r['trained_parameters'] / 1e6:.1f}M | {r['mb']:.1f} MB | {r['seconds']:.2f} s |"
             for name, r in result["runs"].items()]  # fmt: skip
     text = "\n".join([
-        f"`python benchmarks/save_time.py` ({result['machine']}, local disk): grpo_llm.save_checkpoint (checkpoint.pt: "
+        f"`python benchmarks/save_time.py` ({result['machine']}, local disk): grpo_llm.save_checkpoint (checkpoint/: "
         "trained weights, AdamW, state; policy/: save_pretrained), the median of 5 saves:", "",
         "| run | trained parameters | written | save |", "|---|---|---|---|", *rows,
     ])  # fmt: skip

@@ -266,7 +266,7 @@ def family_outputs(args):
     own loading, and each one's output on fixed ids (whole on every rank, as the one-process model's)."""
     cpu = torch.device("cpu")
     tokenizer, policy, reward_model, _, reads_ids = ppo_llm.load_models(args, cpu)
-    critic, value_head = ppo_llm.build_value_model(args, cpu, policy, tokenizer, reward_model, reads_ids)
+    critic, value_head = ppo_llm.build_value_model(args, cpu, policy, tokenizer, reads_ids)
     ref_policy = policy if args.lora_r else ppo_llm.frozen_copy(policy, cpu, bf16=False)  # as main() makes it
     models = {"policy": policy, "ref_policy": ref_policy, "critic": critic}
     models["reward_model"] = reward_model

@@ -19,10 +19,12 @@ def t(rows):
 
 
 def grpo_loss(logprobs, old, ref, advantages, mask, entropy_mask=1.0, **flags):
-    """grpo_llm.grpo_loss with these flags and Args' defaults otherwise, but for --max-new-tokens 4 (dr_grpo's
-    normaliser) and the plain k3 term (--no-use-bias-correction-kl) that the hand computations below assume."""
-    args = grpo_llm.Args(**({"max_new_tokens": 4, "use_bias_correction_kl": False} | flags))
-    return grpo_llm.grpo_loss(logprobs, old, ref, advantages, mask, args, entropy_mask)
+    """grpo_llm.grpo_loss of the whole batch (its share is 1) with these flags and its defaults otherwise, but for
+    --max-new-tokens 4 (dr_grpo's normaliser) and the plain k3 term that the hand computations below assume."""
+    flags = {"max_new_tokens": 4, "use_bias_correction_kl": False} | flags
+    return grpo_llm.grpo_loss(
+        logprobs, old, ref, advantages, mask, len(mask), mask.sum(), entropy_mask=entropy_mask, **flags
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -485,9 +485,7 @@ def test_value_head_starts_at_zero_and_dropout_is_off(tiny, tmp_path, monkeypatc
     # detail 8: the value head is zero-initialised, so the first values are 0
     policy = ppo_llm.load_model(AutoModelForCausalLM, tiny["policy"], "--model")
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
-    critic, head = ppo_llm.build_value_model(
-        ppo_llm.Args(critic="head"), torch.device("cpu"), policy, tokenizer, None, False
-    )
+    critic, head = ppo_llm.build_value_model(ppo_llm.Args(critic="head"), torch.device("cpu"), policy, tokenizer, False)
     assert critic is None and not head.weight.any() and not head.bias.any()
     # detail 6: dropout 0 in the config and in every nn.Dropout, also one that ignores the config
     model = AutoModelForCausalLM.from_pretrained(tiny["policy"])
@@ -630,6 +628,10 @@ def test_reward_rises(tiny, tmp_path):
         (dict(dataset="/no/such.jsonl"), "--dataset /no/such.jsonl could not be loaded (FileNotFoundError"),
         (dict(prompts_per_update=1, score_norm="on", num_mini_batches=1, micro_batch_size=1), "needs --prompts-per"),
         (dict(kl_target=1.0, kl_coef=0.0), "--kl-target scales --kl-coef up or down: start it above 0"),
+        (
+            dict(ref_update_every=1, kl_coef=0.0),
+            "--ref-update-every refreshes the reference, which --kl-coef 0 without",
+        ),
         (dict(eval_split="test", eval_every=1), "--dataset assets/arith/train.jsonl is a file, with no split test"),
     ],
 )
