@@ -552,11 +552,9 @@ def main(args: Args | None = None):
     return run_dir
 
 
-# SHARED WITH the other LLM script, kept identical by tests/test_shared.py (as is each function above that both
-# define): rewards, prompts, models, sharding and set-up, logging, evaluation, stops, checkpoints. To add a reward:
-# REWARD_FNS, or --reward-fn file.py:fn.
-
-# This script's own flag checks and metrics, then the shared code.
+# SHARED WITH the other LLM script, after this script's own flag checks and metrics; kept identical by
+# tests/test_shared.py (as is each function above that both define): rewards (to add one: REWARD_FNS, or --reward-fn
+# file.py:fn), prompts, models, sharding and set-up, logging, evaluation, stops, checkpoints.
 
 
 def check_args(args, world):
@@ -578,9 +576,7 @@ def check_args(args, world):
     if args.lora_r and args.ref_update_every:
         raise SystemExit("error: --ref-update-every cannot refresh a LoRA run's reference, its base")
     if args.ref_update_every and not (args.kl_coef or args.kl_target):
-        raise SystemExit(
-            "error: --ref-update-every refreshes the reference, which --kl-coef 0 without --kl-target lacks"
-        )
+        raise SystemExit("error: --ref-update-every needs a reference to refresh: --kl-coef > 0 or --kl-target")
     if args.prompts_per_update < 2 and (args.score_norm == "on" or (args.score_norm == "auto" and args.reward_model)):
         raise SystemExit("error: --score-norm on (auto: with --reward-model) needs --prompts-per-update >= 2")
     if args.kl_target and not args.kl_coef:
@@ -667,12 +663,10 @@ def finite_scores(values, source, completions):
     """The scores as floats, or one line naming their source and the first completion with no finite number."""
     scores = []
     for value in values:
-        try:
-            scores.append(float(value))
-        except (TypeError, ValueError):  # None, a list
+        try:  # None, a list, text (float() would read "1", but a score is a number): none
+            scores.append(math.nan if isinstance(value, str) else float(value))
+        except (TypeError, ValueError):
             scores.append(math.nan)
-        if isinstance(value, str):  # float() reads "1", but a score is a number, not text
-            scores[-1] = math.nan
     bad = [i for i, score in enumerate(scores) if not math.isfinite(score)]
     if bad:
         first = f"the first: {values[bad[0]]!r} for {completions[bad[0]]!r}"
@@ -760,8 +754,7 @@ def from_pretrained(cls, name, flag, **kwargs):
 
 def load_model(cls, name, flag, dtype=torch.float32):
     """Dropout 0, in the config and every nn.Dropout (detail 6), fp32 unless dtype; an adapter on its base (LoRA). Under
-    torchrun rank 0 alone reads the weights (place() sends each rank its shards); the others build it on the meta
-    device, with no memory."""
+    torchrun rank 0 alone reads the weights (place() sends each rank its shards): the others build it on meta."""
     adapter = os.path.join(name, "adapter_config.json")
     base = json.load(open(adapter))["base_model_name_or_path"] if os.path.isfile(adapter) else name
     config = from_pretrained(AutoConfig, base, flag)
@@ -833,8 +826,8 @@ def reward_model_scores(reward_model, rm_tokenizer, reads_ids, batch, rows, comp
 
 
 def load_models(args, device):
-    """(tokenizer, policy, frozen reward model, its tokenizer, whether it reads the policy's ids as they are) on the
-    device (sharded under torchrun, each model as it loads: rank 0 holds one whole model at a time)."""
+    """(tokenizer, policy, frozen reward model, its tokenizer, whether it reads the policy's ids) on the device; under
+    torchrun sharded as each loads (rank 0 holds one whole model at a time)."""
     policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
@@ -864,15 +857,16 @@ def load_models(args, device):
     policy.generation_config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
     if args.lora_r:
         policy = add_lora(policy, args)
+    error = 0.0  # refuse a model whose logits response_logprobs does not reproduce: rank 0 holds the weights
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with torch.no_grad():
+            ids = torch.arange(1, 9)[None] % len(tokenizer)
+            hidden = hidden_states(policy, ids, torch.ones_like(ids), 1)
+            got, _ = response_logprobs(policy, hidden, ids[:, 1:], 1.0, fp32=False)  # the matmul in the model's dtype
+            want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
+        error = (got[0] - want).abs().max().item()
+    error = all_reduce(torch.tensor(error)).item()  # rank 0's verdict, on every rank
     policy = place(policy, device, uses_bf16(args))
-    with torch.no_grad():  # refuse a model whose logits response_logprobs does not reproduce (FSDP: a unit at a time)
-        ids = torch.arange(1, 9, device=device)[None] % len(tokenizer)
-        hidden = hidden_states(policy, ids, torch.ones_like(ids), 1)  # the root unit stays gathered for the head
-        got, _ = response_logprobs(policy, hidden, ids[:, 1:], 1.0, fp32=False)  # the matmul in the model's dtype
-        want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
-    if isinstance(policy, FSDPModule):
-        policy.reshard()
-    error = (got[0] - want).abs().max().item()
     if error > 1e-3:
         why = f"its forward changes the logits in a way this script does not reproduce (log-probs {error:.3g} apart)"
         raise SystemExit(f"error: --model {args.model}: {why}")
@@ -899,9 +893,7 @@ def model_defaults(args, policy):
 def shard(model, bf16=False):
     """FSDP2 (docs/scaling.md): each transformer block a unit, gathered for its forward and backward; the rest, root.
     bf16: FSDP gathers bf16 copies of the fp32 shards, and reduces the gradients in fp32."""
-    mp_policy = MixedPrecisionPolicy()
-    if bf16:
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(**(dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else {}))
     blocks = getattr(model, "_no_split_modules", None) or ()  # transformers' names of its blocks
     for module in model.modules():
         if type(module).__name__ in blocks:
@@ -1096,8 +1088,7 @@ def open_run(args, rank, checkpoint):
 
 
 def start_run(args, ranks, models, optimizer, tokenizer, needs_answers):
-    """A resumed run's state ({} for a new run) with its weights and AdamW's, the stream of prompts from where it
-    stopped, the run directory and rank 0's writer: (resumed, prompts, run_dir, writer)."""
+    """(a resumed run's state ({} if new), its weights and AdamW's loaded; the prompts from there; run dir; writer)."""
     resumed = load_checkpoint(args, models, optimizer)
     rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
     run_dir, writer = open_run(args, ranks[0], resumed)
@@ -1365,8 +1356,7 @@ def load_checkpoint(args, models, optimizer):
             raise KeyError(f"its weights are of {', '.join(sorted({k.split('.')[1] for k in names}))}, other names")
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except (Exception, dcp.CheckpointException) as e:
-        with open(os.path.join(args.resume, "args.json")) as f:
-            run_model = json.load(f)["model"]
+        run_model = json.load(open(os.path.join(args.resume, "args.json")))["model"]
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:100]}"
         if run_model != args.model:
             why += f"; the run trained --model {run_model}, not --model {args.model}"

@@ -630,7 +630,7 @@ def test_reward_rises(tiny, tmp_path):
         (dict(kl_target=1.0, kl_coef=0.0), "--kl-target scales --kl-coef up or down: start it above 0"),
         (
             dict(ref_update_every=1, kl_coef=0.0),
-            "--ref-update-every refreshes the reference, which --kl-coef 0 without",
+            "--ref-update-every needs a reference to refresh: --kl-coef > 0 or --kl-target",
         ),
         (dict(eval_split="test", eval_every=1), "--dataset assets/arith/train.jsonl is a file, with no split test"),
     ],
