@@ -272,10 +272,10 @@ def grpo_loss(
         if use_bias_correction_kl:  # detail 10: rho k3 has the gradient of KL(pi || ref)
             kl = kl * ratio
         per_token_loss = per_token_loss + beta * kl
-    normaliser, share = mask.sum().clamp(min=1), mask.sum() / batch_tokens  # dapo, cispo
-    if loss_type in ("grpo", "sapo", "dr_grpo"):  # each completion's own length; dr_grpo's below
+    normaliser, share = mask.sum().clamp(min=1), mask.sum() / batch_tokens  # dapo, cispo: one mean over the tokens
+    if loss_type in ("grpo", "sapo", "dr_grpo"):  # a share of the completions; grpo, sapo: each one's token mean
         normaliser, share = mask.sum(1).clamp(min=1) * len(mask), len(mask) / batch_completions
-    if loss_type == "dr_grpo":
+    if loss_type == "dr_grpo":  # a constant: completions x max_new_tokens
         normaliser = len(mask) * max_new_tokens
     loss = ((per_token_loss * mask).sum(1) / normaliser).sum() * share
     return loss, loss_stats(ratio, advantages, mask, kl, loss_type, epsilon, epsilon_high)
