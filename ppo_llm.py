@@ -433,7 +433,7 @@ def build_value_model(args, device, policy, tokenizer, rm_reads_ids):
         add_pad_token(tokenizer, [critic])
         if args.lora_r:
             critic = add_lora(critic, args)  # adapters of its own; the value head trains in full
-        critic = place(critic, device, uses_bf16(args))
+        critic = place(critic, device, uses_bf16(args) and not args.lora_r)  # as the policy
     value_head = nn.Linear((critic or policy).config.hidden_size, 1)
     nn.init.zeros_(value_head.weight)
     nn.init.zeros_(value_head.bias)
@@ -866,7 +866,7 @@ def load_models(args, device):
             want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
         error = (got[0] - want).abs().max().item()
     error = all_reduce(torch.tensor(error)).item()  # rank 0's verdict, on every rank
-    policy = place(policy, device, uses_bf16(args))
+    policy = place(policy, device, uses_bf16(args) and not args.lora_r)  # LoRA: FSDP's bf16 gathers fail its backward
     if error > 1e-3:
         why = f"its forward changes the logits in a way this script does not reproduce (log-probs {error:.3g} apart)"
         raise SystemExit(f"error: --model {args.model}: {why}")

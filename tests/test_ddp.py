@@ -224,13 +224,14 @@ def torchrun(*args):
 
 def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
     # one launch per script: one run directory, one saved policy that one process loads, one metrics line per update
-    # (rank 0's only); GRPO with LoRA (its base frozen and sharded, and the reference) saves the adapter and the merged
-    # model, and one process resumes it. Then PPO's 2 updates resumed to 3 log what 3 in one go log (timings and memory
-    # aside): each update seeds every rank from (seed, update, rank), so a resumed rank samples what it would have
+    # (rank 0's only); GRPO with LoRA under bf16 autocast (its base frozen and sharded, the reference) saves the
+    # adapter and the merged model, and one process resumes it. Then PPO's 2 updates resumed to 3 log what 3 in one go
+    # log (timings and memory aside): each update seeds every rank from (seed, update, rank), so a resumed rank samples
+    # what it would have
     common = ["--eval-every", "0", "--sample-every", "1", "--micro-batch-size", "4"]
     ppo = ["ppo_llm.py", "--prompts-per-update", "8", "--num-mini-batches", "1", *common]
     grpo = ["grpo_llm.py", "--prompts-per-update", "4", "--num-generations", "2", *common]
-    grpo += ["--lora-r", "4", "--beta", "0.1", "--learning-rate", "1e-2", "--save-merged"]
+    grpo += ["--lora-r", "4", "--beta", "0.1", "--learning-rate", "1e-2", "--save-merged", "--mixed-precision", "bf16"]
     for name, command in [("ppo", ppo), ("grpo", grpo)]:
         torchrun(*command, "--total-steps", "2", "--output-dir", tmp_path / name)
         (run_dir,) = (tmp_path / name).iterdir()
