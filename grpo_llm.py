@@ -523,7 +523,7 @@ def main(args: Args | None = None):
             advantages, zero_std = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)
             dropped = torch.zeros_like(batch["ended"])
             if args.dynamic_sampling:  # DAPO's, without resampling: the groups whose rewards are all equal
-                dropped |= zero_std.repeat_interleave(G)
+                dropped |= zero_std.repeat_interleave(G)  # advantage 0 already: out of the KL, entropy and normaliser
             if args.mask_truncated_completions:  # DAPO's overlong filtering: the completions that never ended
                 dropped |= ~batch["ended"]
             loss_mask = mask * ~dropped[:, None]
