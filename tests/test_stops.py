@@ -330,7 +330,7 @@ def test_paths_that_cannot_be_read_or_written_are_one_line(tiny, tmp_path):
 
 def test_a_resume_removes_a_stale_temporary_and_a_signal_in_the_first_evaluation_saves(tiny, tmp_path, monkeypatch):
     # a hard kill in the middle of a save leaves half a checkpoint in the slot not in use, and one at its end the
-    # link that was to replace `checkpoint`: the resume removes both (the link would fail the next save); SIGTERM
+    # link that was to replace `checkpoint`: the resumed run's next save removes both; SIGTERM
     # while the initial policy is evaluated stops the run with its line and a checkpoint of update 0
     run_dir = run(ppo_llm, tiny, tmp_path / "a", total_steps=1)
     half = os.path.join(run_dir, "checkpoint.b")
