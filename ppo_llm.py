@@ -37,6 +37,7 @@ nothing is lost when a run stops (checkpoint/, --resume).
 
 import contextlib
 import copy
+import datetime
 import itertools
 import json
 import logging
@@ -79,7 +80,7 @@ class Args:
     exp_name: str = "ppo_llm"  # the run directory and the wandb run start with it
     seed: int = 1  # seed of python, numpy, torch and the prompt order
     cuda: bool = True  # use CUDA when it is available
-    mixed_precision: Literal["auto", "bf16", "no"] = "auto"  # bf16 autocast over fp32 weights; auto: on CUDA only
+    mixed_precision: Literal["auto", "bf16", "no"] = "auto"  # bf16 autocast, fp32 weights; auto: on native-bf16 GPUs
     track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works)
     wandb_project_name: str = "rlhf-reference"  # wandb project
     wandb_entity: str | None = None  # wandb entity (team)
@@ -310,16 +311,15 @@ def lm_head_logprobs(
     elif torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
 
-    def logits(h):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place where it can be
-        bias = None if head.bias is None else head.bias.to(dtype)
-        z = F.linear(h.to(dtype), head.weight.to(dtype), bias).float()
+    def logits(h, weight, bias):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place
+        z = F.linear(h.to(dtype), weight, bias).float()
         if softcap:  # tanh's backward reads its output: that product not in place
             return z.mul_(scale / softcap).tanh_() * (softcap / temperature)
         return z.mul_(scale / temperature)
 
-    def chunk(h, y):  # (N, H), (N,) -> log p of y (N,), entropy (N,) or None
+    def chunk(h, y, weight, bias):  # (N, H), (N,) -> log p of y (N,), entropy (N,) or None
         with torch.autocast(device_type, enabled=False):
-            logp = logits(h).log_softmax(-1)  # the logits are freed here: two chunk-sized tensors at most
+            logp = logits(h, weight, bias).log_softmax(-1)  # the logits are freed here: two chunk-sized tensors at most
             logprobs = logp.gather(-1, y[:, None])[:, 0]
             if not with_entropy:
                 return logprobs, None
@@ -328,9 +328,13 @@ def lm_head_logprobs(
             with torch.no_grad():  # for the logs: no recomputed tensors kept for a backward that never reads them
                 return logprobs, -logp.exp().mul_(logp).sum(-1)
 
+    # the head cast once, not once a chunk (a bf16 head: FSDP's bf16 gather), and its gradient summed in that dtype
+    weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
     n = max(1, LM_HEAD_CHUNK // head.weight.shape[0])  # tokens per chunk
     hidden, labels = hidden.reshape(B * T, -1), labels.reshape(B * T)
-    chunks = [checkpoint(chunk, hidden[i : i + n], labels[i : i + n], use_reentrant=False) for i in range(0, B * T, n)]
+    chunks = []
+    for i in range(0, B * T, n):
+        chunks.append(checkpoint(chunk, hidden[i : i + n], labels[i : i + n], weight, bias, use_reentrant=False))
     logprobs = torch.cat([logprobs for logprobs, _ in chunks]).view(B, T)
     if not with_entropy:
         return logprobs, None
@@ -354,13 +358,10 @@ def position_ids(attention_mask):
 
 def hidden_states(model, query_responses, attention_mask, prompt_width):
     """The last hidden states (B, R, H) at the positions that predict the response: the state at t predicts token t + 1,
-    so query_responses[:, Q:] comes from positions Q - 1 ... -2 (the off-by-one shift). Through the model's own forward,
-    where FSDP gathers its weights, with the LM head on the last position only (the chunked head does the rest)."""
+    so query_responses[:, Q:] comes from positions Q - 1 ... -2 (the off-by-one shift). Naively
+    model(..., output_hidden_states=True).hidden_states[-1][:, Q - 1 : -1], which keeps every layer's states."""
     inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
-    if model.get_output_embeddings() is None:  # a trunk (AutoModel): PPO's critic
-        return model(**inputs, use_cache=False).last_hidden_state[:, prompt_width - 1 : -1]
-    out = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-    return out.hidden_states[-1][:, prompt_width - 1 : -1]
+    return last_hidden_state(model, inputs)[:, prompt_width - 1 : -1]
 
 
 def training_forward(policy, critic, value_head, batch, micro_batch, args, with_values=True, with_entropy=False):
@@ -429,11 +430,12 @@ def build_value_model(args, device, policy, tokenizer, rm_reads_ids):
     critic = None
     if args.critic == "separate":
         source = args.reward_model if rm_reads_ids else args.model
-        critic = load_model(AutoModel, source, "--critic source", "auto" if args.lora_r else torch.float32)
+        bf16 = uses_bf16(args)
+        critic = load_model(AutoModel, source, "--critic source", "auto" if args.lora_r else torch.float32, bf16)
         add_pad_token(tokenizer, [critic])
         if args.lora_r:
             critic = add_lora(critic, args)  # adapters of its own; the value head trains in full
-        critic = place(critic, device, uses_bf16(args) and not args.lora_r)  # as the policy
+        critic = place(critic, device, bf16 and not args.lora_r)  # as the policy
     value_head = nn.Linear((critic or policy).config.hidden_size, 1)
     nn.init.zeros_(value_head.weight)
     nn.init.zeros_(value_head.bias)
@@ -480,17 +482,19 @@ def main(args: Args | None = None):
             stop_if_signalled()  # every rank, before the update changes anything
             mask = batch["mask"]  # (B, R)
             t1 = wall_clock(device)
-            # 2a. old log-probs and values, the reference's log-probs: the training forward in its shapes (detail 5)
-            mbs = torch.arange(batch_size, device=device).split(args.micro_batch_size)  # the micro-batches
+            # 2a. old log-probs and values, the reference's log-probs: the training forward in the first epoch's
+            # micro-batches, their rows and shapes (detail 5: on a GPU a row's numbers depend on its micro-batch)
+            epochs = [torch.randperm(batch_size, device=device) for _ in range(args.num_ppo_epochs)]
+            mbs, order = epochs[0].split(args.micro_batch_size), epochs[0].argsort()  # order: back to the batch's
             with torch.no_grad(), autocast, unsharded(policy):
                 out = [training_forward(policy, critic, value_head, batch, mb, args) for mb in mbs]
-            old_logprobs, values = torch.cat([lp for lp, _, _ in out]), torch.cat([v for _, _, v in out])
+            old_logprobs, values = torch.cat([lp for lp, _, _ in out])[order], torch.cat([v for _, _, v in out])[order]
             ref_logprobs = old_logprobs
             if ref_policy is not None:
                 adapters_off = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()  # LoRA
                 with torch.no_grad(), autocast, adapters_off, unsharded(ref_policy):
                     out = [training_forward(ref_policy, None, None, batch, mb, args, with_values=False) for mb in mbs]
-                ref_logprobs = torch.cat([lp for lp, _, _ in out])
+                ref_logprobs = torch.cat([lp for lp, _, _ in out])[order]
             # 2b. scores: the reward function's, or the reward model's (and the function's too, when rows have answers)
             completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
             fn_scores = None
@@ -520,9 +524,9 @@ def main(args: Args | None = None):
             # 5. PPO update: epochs of shuffled minibatches, micro-batches accumulate gradients (details 10, 11)
             models.train()  # HF's activation checkpointing acts in train mode only (dropout is 0: eval's numbers)
             stats = []
-            for _ in range(args.num_ppo_epochs):
+            for epoch in epochs:
                 epoch_stats = []
-                for minibatch in torch.randperm(batch_size, device=device).split(batch_size // args.num_mini_batches):
+                for minibatch in epoch.split(batch_size // args.num_mini_batches):
                     epoch_stats += accumulate_gradients(policy, critic, value_head, batch, minibatch, args, autocast)
                     optimizer_step(optimizer, params, args.max_grad_norm)
                 stats += epoch_stats
@@ -752,12 +756,17 @@ def from_pretrained(cls, name, flag, **kwargs):
         raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}); {hint}") from None
 
 
-def load_model(cls, name, flag, dtype=torch.float32):
-    """Dropout 0, in the config and every nn.Dropout (detail 6), fp32 unless dtype; an adapter on its base (LoRA). Under
-    torchrun rank 0 alone reads the weights (place() sends each rank its shards): the others build it on meta."""
+def load_model(cls, name, flag, dtype=torch.float32, bf16=False):
+    """Dropout 0, in the config and every nn.Dropout (detail 6); an adapter on its base (LoRA). In fp32, or in dtype
+    "auto", the checkpoint's, but fp16 read as bf16 (bf16: the run's autocast) or fp32: fp16 would train without loss
+    scaling. Under torchrun rank 0 alone reads the weights (place() sends each rank its shards), the others build it on
+    the meta device."""
     adapter = os.path.join(name, "adapter_config.json")
     base = json.load(open(adapter))["base_model_name_or_path"] if os.path.isfile(adapter) else name
     config = from_pretrained(AutoConfig, base, flag)
+    if dtype == "auto" and config.dtype == torch.float16:
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        print(f"note: {flag} {name} is float16, which would train without loss scaling: read as {str(dtype)[6:]}")
     config.update({k: 0.0 for k, v in config.to_dict().items() if isinstance(v, float) and "drop" in k})
     meta = dist.is_initialized() and dist.get_rank() > 0
     model = from_pretrained(cls, name, flag, config=config, dtype=dtype, device_map="meta" if meta else None)
@@ -828,7 +837,10 @@ def reward_model_scores(reward_model, rm_tokenizer, reads_ids, batch, rows, comp
 def load_models(args, device):
     """(tokenizer, policy, frozen reward model, its tokenizer, whether it reads the policy's ids) on the device; under
     torchrun sharded as each loads (rank 0 holds one whole model at a time)."""
-    policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32)
+    bf16 = uses_bf16(args)
+    policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32, bf16)
+    weights = f"{str(policy.dtype)[6:]} base weights, fp32 adapters" if args.lora_r else "fp32 weights"
+    print(f"device: {device.type}, {weights}" + (", bf16 autocast" if bf16 else ""))
     tokenizer = from_pretrained(AutoTokenizer, args.model, "--model", padding_side="left", truncation_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: --model {args.model}: the tokenizer has no EOS token, so no response could end")
@@ -837,7 +849,7 @@ def load_models(args, device):
     reward_model = rm_tokenizer = None
     rm_reads_ids = False
     if args.reward_model is not None:
-        reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto")
+        reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto", bf16)
         n = reward_model.config.num_labels
         if args.reward_label not in range(n) and not (args.reward_label is None and n == 1):
             why = f"--reward-label (0 to {n - 1}) chooses the logit that is the score (got {args.reward_label})"
@@ -848,7 +860,7 @@ def load_models(args, device):
             add_pad_token(tokenizer, [reward_model], eos_ids)
         else:
             add_pad_token(rm_tokenizer, [reward_model])
-        reward_model = place(reward_model.eval().requires_grad_(False), device, uses_bf16(args))
+        reward_model = place(reward_model.eval().requires_grad_(False), device, bf16)
     add_pad_token(tokenizer, [policy], eos_ids)
     # detail 4: a generation_config of our own, every field set, none left to the checkpoint's
     policy.generation_config = transformers.GenerationConfig(
@@ -866,7 +878,7 @@ def load_models(args, device):
             want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
         error = (got[0] - want).abs().max().item()
     error = all_reduce(torch.tensor(error)).item()  # rank 0's verdict, on every rank
-    policy = place(policy, device, uses_bf16(args) and not args.lora_r)  # LoRA: FSDP's bf16 gathers fail its backward
+    policy = place(policy, device, bf16 and not args.lora_r)  # LoRA: FSDP's bf16 gathers fail its backward
     if error > 1e-3:
         why = f"its forward changes the logits in a way this script does not reproduce (log-probs {error:.3g} apart)"
         raise SystemExit(f"error: --model {args.model}: {why}")
@@ -888,6 +900,21 @@ def model_defaults(args, policy):
     if args.learning_rate is None:
         args.learning_rate = 1e-4 if n_params < 50e6 else 1e-5
         print(f"learning rate {args.learning_rate:g}: the default for {n_params / 1e6:.1f}M parameters")
+
+
+def last_hidden_state(model, inputs):
+    """What the LM head reads (B, T, H), from the model's own forward (where FSDP gathers the weights) with the head on
+    the last position alone: a hook on the trunk keeps its output. output_hidden_states=True would keep every layer's
+    states until the forward returns, which a no-grad pass would otherwise free layer by layer."""
+    if model.get_output_embeddings() is None:  # a trunk (AutoModel): PPO's critic
+        return model(**inputs, use_cache=False).last_hidden_state
+    kept = []
+    hook = model.get_decoder().register_forward_hook(lambda module, args, out: kept.append(out.last_hidden_state))
+    try:
+        model(**inputs, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return kept[0]
 
 
 def shard(model, bf16=False):
@@ -957,7 +984,8 @@ def prepare(args, trained):
     trained = [model for model in trained if model is not None]
     for model in trained:
         if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only (5.17: gradient_)
-            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+            enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+            enable({"use_reentrant": False})  # reentrant checkpointing can leave LoRA's adapters without a gradient
     n_params = sum(p.numel() for p in trained[0].parameters())
     if trained[0].device.type == "cpu" and n_params < 50e6:
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
@@ -998,7 +1026,6 @@ def check_run(args, world):
     for bad, message in [
         (no_split, f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
         (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
-        (args.eval_only and world > 1, "--eval-only runs in one process: python, not torchrun"),
         (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
     ]:
         if bad:
@@ -1015,18 +1042,19 @@ def all_reduce(x, op="sum"):
 
 
 def uses_bf16(args):
-    """--mixed-precision: bf16 autocast over fp32 weights (auto: on CUDA)."""
-    auto = args.mixed_precision == "auto" and args.cuda and torch.cuda.is_available()
-    return args.mixed_precision == "bf16" or auto
+    """--mixed-precision: bf16 autocast over fp32 weights (auto: on a GPU that runs bf16 natively, not a T4 or V100)."""
+    native = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    return args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and native)
 
 
 def setup(args):
     """torchrun's process group (rank 0 alone prints), seeds, device, autocast: ((rank, world), device, autocast)."""
     cuda = args.cuda and torch.cuda.is_available()
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # an hour's timeout: rank 0 may load or merge a 70B model alone
+        gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else None
         if cuda:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if cuda else "gloo")
+            torch.cuda.set_device(gpu)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1), device_id=gpu)
         if dist.get_rank():
             sys.stdout = open(os.devnull, "w")
     transformers.utils.logging.disable_progress_bar()
@@ -1034,10 +1062,9 @@ def setup(args):
     padding = "We strongly recommend passing in an `attention_mask` since your input_ids may be padded"
     logging.getLogger("transformers.modeling_utils").addFilter(lambda record: padding not in record.getMessage())
     transformers.set_seed(args.seed)  # python's random, numpy, torch
-    device, bf16 = torch.device("cuda" if cuda else "cpu"), uses_bf16(args)
-    print(f"device: {device}, fp32 weights" + (", bf16 autocast" if bf16 else ""))
+    device = torch.device("cuda" if cuda else "cpu")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    return (rank, world), device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    return (rank, world), device, torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(args))
 
 
 def parse_args(argv=None):
@@ -1127,23 +1154,31 @@ def samples_to_log(args, update, rows, completions, **values):
 
 
 def global_metrics(metrics, ops):
-    """Each metric over every rank: the mean of the ranks' values (each has as many sequences), or ops[key]'s."""
-    for key, value in metrics.items():
-        if dist.is_initialized():
-            total = all_reduce(torch.tensor(float(value), dtype=torch.float64), ops.get(key, "sum")).item()
-            if key not in ops:
-                total = total / dist.get_world_size()
-            metrics[key] = type(value)(total)
-    return metrics
+    """Each metric over every rank, all in one gather: the mean of the ranks' values (each has as many sequences), or
+    ops[key]'s ("sum", "min", "max")."""
+    if not dist.is_initialized():
+        return metrics
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    values = torch.tensor([float(value) for value in metrics.values()], dtype=torch.float64, device=device)
+    every = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, values)
+    every = torch.stack(every).cpu()  # (ranks, metrics)
+    reduced = {"sum": every.sum(0), "min": every.min(0).values, "max": every.max(0).values, None: every.mean(0)}
+    return {key: type(value)(reduced[ops.get(key)][i].item()) for i, (key, value) in enumerate(metrics.items())}
 
 
 def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
-    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong."""
+    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong.
+    Under torchrun each rank takes every world-th batch, and every rank runs as many rollouts (each gathers the policy):
+    a rank short of a batch samples the first one again, uncounted."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+    batches += [None] * (-len(batches) % world)
     scores, lengths = [], []
-    for i in range(rank * batch_size, len(rows), world * batch_size):
-        chunk = rows[i : i + batch_size]
-        batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk], args, autocast)
+    for chunk in batches[rank::world]:
+        batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk or batches[0]], args, autocast)
+        if chunk is None:
+            continue
         completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
         scores += reward_fn(completions, chunk)
         lengths += batch["mask"].sum(1).tolist()
@@ -1167,6 +1202,8 @@ def evaluate_only(policy, tokenizer, rows, reward_fn, args, autocast, batch_size
     """--eval-only: the held-out accuracy of --model, printed with its 95% bound, and returned (no run directory)."""
     result = evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size)
     print(eval_line(result, n=len(rows)))
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return result
 
 
@@ -1323,7 +1360,7 @@ def save_policy(path, models, tokenizer, merged=False):
         try:
             if rank == 0 and failed is None and name == "value_head":
                 os.makedirs(where, exist_ok=True)
-                torch.save(weights, os.path.join(where, "value_head.pt"))
+                torch.save({k: v.cpu() for k, v in weights.items()}, os.path.join(where, "value_head.pt"))
             elif rank == 0 and failed is None:
                 model.save_pretrained(where, state_dict=weights)
                 tokenizer.save_pretrained(where)

@@ -9,11 +9,13 @@ both LLM scripts, GRPO beside TRL at real shapes, the LM head's memory, and the 
     python benchmarks/gpu.py --table                    # measure nothing: gpu_cuda.md from gpu_cuda.json
 
 The parts, each the repository's own commands run from its root as subprocesses, under a time budget (BUDGETS). A
-part past its budget is stopped (SIGTERM to its process group, which the LLM scripts save and exit on, SIGKILL GRACE
-seconds later), noted as cut off, and the next part runs.
+part past its budget is stopped (SIGINT to its process group, on which pytest writes its report and the LLM scripts
+save and exit, then SIGTERM and SIGKILL, GRACE seconds apart), noted as cut off, and the next part runs. One GPU: what
+torchrun with NCCL and FSDP2 does on several is not measured (one GPU is world size 1; tests/test_ddp.py runs gloo).
 1. setup: pip installs tyro and datasets at requirements.txt's versions from --wheels where they are missing (pip
    takes from the folder what the machine lacks of their requirements), TRL 1.16 into benchmarks/runs/trl116 where
-   scale.py looks for it; then checks that tyro and datasets import.
+   scale.py looks for it; then prints the versions it finds and checks that tyro and datasets import. Without them no
+   other part can run: a set-up that fails or is cut off ends the run with one line.
 2. tests: tests/test_families.py, test_lm_head.py and test_lora.py: the scripts' runs in them use the GPU by default,
    and TEST_DEVICE=cuda puts test_lm_head.py's own tensors on it.
 3. speed: llm_speed.py --gpt2-shape: PPO and GRPO, seconds per update split into generation, scoring and
@@ -56,12 +58,12 @@ PY = sys.executable
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 TRL_DIR = os.path.join(ROOT, "benchmarks", "runs", "trl116")
 TRL = "trl==1.16.0"
-# seconds on one H100, estimated: 325 in all, and 5 more for each part cut off, within 6 minutes
-BUDGETS = {"setup": 25, "tests": 60, "speed": 45, "trl": 95, "head": 25, "learning": 75}
+# seconds on one H100, estimated: 355 in all, and 10 more for each part cut off, within 7 minutes
+BUDGETS = {"setup": 25, "tests": 90, "speed": 45, "trl": 95, "head": 25, "learning": 75}
 SMOKE_BUDGET = 60  # seconds for each part at toy size
-GRACE = 5  # seconds from SIGTERM to SIGKILL
+GRACE = 5  # seconds from SIGINT to SIGTERM, and from SIGTERM to SIGKILL
 TESTS = ["tests/test_families.py", "tests/test_lm_head.py", "tests/test_lora.py"]
-VERSIONS = ["torch", "transformers", "peft", "accelerate", "datasets", "tyro", "numpy"]
+VERSIONS = ["torch", "transformers", "peft", "accelerate", "datasets", "tyro", "numpy", "pyarrow", "fsspec"]
 
 
 def pinned(names):
@@ -83,6 +85,8 @@ def setup_commands(wheels):
         if wheels:
             pip = [PY, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links", wheels, "--target", TRL_DIR]
             commands.append([*pip, TRL])
+    found = "import importlib.metadata as m; print(*[f'{n} {m.version(n)}' for n in m.sys.argv[1:]], sep=', ')"
+    commands.append([PY, "-c", found, *VERSIONS[:3], *VERSIONS[-2:]])  # torch, transformers, peft, pyarrow, fsspec
     commands.append([PY, "-c", "import datasets, tyro"])
     return commands, missing
 
@@ -116,19 +120,20 @@ def part_commands(part, smoke, work):
 
 
 def stop(process):
-    """SIGTERM to the process group of a part's command, SIGKILL to what is left of it GRACE seconds later."""
-    os.killpg(process.pid, signal.SIGTERM)
-    for _ in range(GRACE * 10):
-        process.poll()  # reaps the leader, so that only live processes keep the group
+    """SIGINT to the process group of a part's command (pytest writes its report), then SIGTERM and SIGKILL to what is
+    left of it, GRACE seconds apart."""
+    for signum in [signal.SIGINT, signal.SIGTERM, signal.SIGKILL]:
         try:
-            os.killpg(process.pid, 0)
+            os.killpg(process.pid, signum)
         except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+            break
+        for _ in range(GRACE * 10):
+            process.poll()  # reaps the leader, so that only live processes keep the group
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
     process.wait()
 
 
@@ -218,7 +223,8 @@ def table(summary):
     lines = [
         f"`{summary['command']}` on {summary['machine']['device']}, {summary['machine']['cpus']} CPU cores, Python "
         f"{summary['machine']['python']}, {versions}; {summary['date']}: {summary['seconds']:.0f} s of {budget:g} "
-        "budgeted. WORK: a temporary folder; results/ in it is OUT's results.tar.gz.",
+        "budgeted. WORK: a temporary folder; results/ in it is OUT's results.tar.gz. One GPU: torchrun with NCCL and "
+        "FSDP2 over several is not measured here.",
         "",
         "| part | commands | state | seconds | budget | result files |",
         "|---|---|---|---|---|---|",
@@ -296,6 +302,9 @@ def measure(out, parts, budgets, wheels, smoke):
             summary["versions"] = versions()
             print(f"   {state} in {part['seconds']:.0f} s", flush=True)
             write_out(out, work, summary)
+            if name == "setup" and state != "ok":  # every other part imports tyro and datasets
+                last = (tail or ["no output"])[-1]
+                raise SystemExit(f"error: the set-up {state} ({last}), so no part can run: {out}/summary.md has why")
     print(table(summary))
 
 
@@ -357,6 +366,9 @@ def main():
                         "rebuild the docs' tables from them (measures nothing)")  # fmt: skip
     parser.add_argument("--table", action="store_true", help="measure nothing: gpu_cuda.md from gpu_cuda.json")
     args = parser.parse_args()
+    # the parts' processes start with Python's SIGINT handler (stop() sends SIGINT first), also where this process
+    # started with SIGINT ignored, as a shell's background job does: an ignored signal stays ignored across exec
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.table:
         for summary in saved_results(os.path.join(RESULTS, "gpu_*.json")):
             write_table(f"gpu_{summary['device']}.md", table(summary), RESULTS)

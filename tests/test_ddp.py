@@ -130,9 +130,13 @@ def worker(rank, world, init_file):
     torch.testing.assert_close(ppo_llm.normalize_scores(rewards[mine], True, None), scores[mine])
     torch.testing.assert_close(grpo_llm.group_advantages(rewards[mine], 2, "batch")[0], group_advantages[mine])
     torch.testing.assert_close(grpo_llm.high_entropy_mask(r["advantages"], r["loss_mask"], 0.2), entropy_mask[mine])
-    metrics = {"update": 3, "mean": float(rank), "n": rank + 1, "lo": rank + 5.0}
-    metrics = ppo_llm.global_metrics(metrics, {"n": "sum", "lo": "min"})
-    assert metrics == {"update": 3, "mean": 0.5, "n": 3, "lo": 5.0}, metrics
+    metrics = {"update": 3, "mean": float(rank), "n": rank + 1, "lo": rank + 5.0, "hi": rank + 0.5}
+    collectives, all_gather = [], dist.all_gather
+    dist.all_gather = lambda *args, **kwargs: collectives.append(1) or all_gather(*args, **kwargs)
+    metrics = ppo_llm.global_metrics(metrics, {"n": "sum", "lo": "min", "hi": "max"})
+    dist.all_gather = all_gather
+    assert metrics == {"update": 3, "mean": 0.5, "n": 3, "lo": 5.0, "hi": 1.5}, metrics
+    assert len(collectives) == 1 and type(metrics["n"]) is int  # one gather for every metric, their types kept
     # generation sharded: the policy gathered once (one all-gather per FSDP unit, none per token), the tokens of the
     # unsharded model, and ranks that stop at different lengths do not wait for each other
     prompts = full["query_responses"][mine, :Q]
@@ -208,18 +212,13 @@ def test_destroy_process_group_ends_gloos_threads():
         assert ("pt_gloo_runloop" in p.stdout.splitlines()[-1]) == threads_left, (module, p.stdout)
 
 
-def torchrun(*args):
-    """torchrun with 2 processes, which must exit 0."""
-    command = [
-        os.path.join(os.path.dirname(sys.executable), "torchrun"),
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        *args,
-    ]
-    p = subprocess.run(command, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=300, capture_output=True,
-                       text=True)  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
+def torchrun(*args, processes=2, ok=True):
+    """torchrun with 2 processes, which must exit 0 (ok), or not; the finished process."""
+    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node"]
+    p = subprocess.run([*command, str(processes), *args], cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"},
+                       timeout=300, capture_output=True, text=True)  # fmt: skip
+    assert (p.returncode == 0) == ok, p.stderr[-3000:]
+    return p
 
 
 def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
@@ -227,8 +226,9 @@ def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
     # (rank 0's only); GRPO with LoRA under bf16 autocast (its base frozen and sharded, the reference) saves the
     # adapter and the merged model, and one process resumes it. Then PPO's 2 updates resumed to 3 log what 3 in one go
     # log (timings and memory aside): each update seeds every rank from (seed, update, rank), so a resumed rank samples
-    # what it would have
-    common = ["--eval-every", "0", "--sample-every", "1", "--micro-batch-size", "4"]
+    # what it would have. Evaluations of 20 prompts in batches of 4: 3 batches on rank 0, 2 on rank 1, which samples
+    # once more, uncounted, so that both gather the policy as often
+    common = ["--eval-every", "2", "--eval-size", "20", "--sample-every", "1", "--micro-batch-size", "4"]
     ppo = ["ppo_llm.py", "--prompts-per-update", "8", "--num-mini-batches", "1", *common]
     grpo = ["grpo_llm.py", "--prompts-per-update", "4", "--num-generations", "2", *common]
     grpo += ["--lora-r", "4", "--beta", "0.1", "--learning-rate", "1e-2", "--save-merged", "--mixed-precision", "bf16"]
@@ -236,8 +236,10 @@ def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
         torchrun(*command, "--total-steps", "2", "--output-dir", tmp_path / name)
         (run_dir,) = (tmp_path / name).iterdir()
         lines = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-        assert [m["update"] for m in lines] == [1, 2]
+        assert [m["update"] for m in lines] == [0, 1, 2]
         assert lines[-1]["episode"] == 16  # 8 sequences an update, counted over both ranks
+        for m in lines[0], lines[2]:  # 20 prompts, each counted once: a whole number of them right
+            assert abs(m["eval/accuracy"] * 20 - round(m["eval/accuracy"] * 20)) < 1e-9, m
         saved = saved_weights(run_dir, "policy")
         policy = AutoModelForCausalLM.from_pretrained(run_dir / "policy")  # a LoRA run's: transformers loads the base
         for key, value in saved.items():  # the gathered weights, as the checkpoint holds them
@@ -245,14 +247,33 @@ def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(run_dir / "policy" / "merged")
     assert merged.num_parameters() == policy.num_parameters() - sum(v.numel() for v in saved.values())
     assert grpo_llm.main(grpo_llm.parse_args(["--resume", str(run_dir), "--total-steps", "3"])) == str(run_dir)
-    assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2, 3]  # two processes, then one
+    assert [m["update"] for m in untimed_metrics(run_dir)] == [0, 1, 2, 3]  # two processes, then one
+    out = torchrun("ppo_llm.py", "--eval-only", "--eval-size", "20", "--prompts-per-update", "8").stdout
+    assert "held-out accuracy" in out and "(n=20;" in out  # --eval-only too
 
     ((split,),) = [list((tmp_path / "ppo").iterdir())]
     torchrun("ppo_llm.py", "--resume", split, "--total-steps", "3")
     torchrun(*ppo, "--total-steps", "3", "--output-dir", tmp_path / "whole")
     ((whole,),) = [list((tmp_path / "whole").iterdir())]
-    assert [m["update"] for m in untimed_metrics(split)] == [1, 2, 3]
+    assert [m["update"] for m in untimed_metrics(split)] == [0, 1, 2, 3]
     assert untimed_metrics(split) == untimed_metrics(whole)
+
+
+def test_process_group_waits_an_hour_for_rank_0(monkeypatch):
+    # NCCL's default timeout is 10 minutes (gloo's 30), and rank 0 alone checks a model's logits or merges LoRA's
+    # adapters while the others wait in a collective: at 7B or 70B that can take longer
+    seen = {}
+
+    def init_process_group(backend, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(RuntimeError, match="recorded"):
+        ppo_llm.setup(ppo_llm.Args(cuda=False))
+    assert seen["backend"] == "gloo" and seen["timeout"].total_seconds() == 3600 and seen["device_id"] is None
 
 
 @pytest.mark.parametrize("script", [ppo_llm, grpo_llm])

@@ -215,10 +215,23 @@ def test_gradient_checkpointing_reaches_the_separate_critic(tiny, tmp_path, monk
 
     def spy(model, *args):
         if torch.is_grad_enabled():
-            seen.append((type(model).__name__, model.training, model.is_activation_checkpointing))
+            seen.append((type(model).__name__, model.training, model.is_gradient_checkpointing))
         return real(model, *args)
 
     monkeypatch.setattr(ppo_llm, "hidden_states", spy)
     run(ppo_llm.main, tmp_path, args=ppo_llm.Args(), model=tiny["policy"], total_steps=1, prompts_per_update=4,
         micro_batch_size=2, max_new_tokens=3, critic="separate", gradient_checkpointing=True)  # fmt: skip
     assert ("GPT2Model", True, True) in seen and ("GPT2LMHeadModel", True, True) in seen
+
+
+def test_auto_precision_is_bf16_only_on_a_gpu_that_runs_it_natively(monkeypatch):
+    # a T4 or V100 emulates bf16 (slowly, without flash attention): --mixed-precision auto stays fp32 there; asked for
+    # by name, bf16 runs anyway
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for native, expected in [(True, True), (False, False)]:
+        monkeypatch.setattr(
+            torch.cuda, "is_bf16_supported", lambda including_emulation=True: native or including_emulation
+        )
+        assert ppo_llm.uses_bf16(ppo_llm.Args()) is expected
+        assert ppo_llm.uses_bf16(ppo_llm.Args(mixed_precision="bf16")) is True
+        assert ppo_llm.uses_bf16(ppo_llm.Args(cuda=False)) is False

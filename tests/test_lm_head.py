@@ -114,6 +114,12 @@ def test_bf16_weight(monkeypatch):
     check(hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=True, tol=1e-4)
     bf16_hidden = hidden.detach().bfloat16().requires_grad_()  # a bf16 matmul: errors up to 0.034 seen (tol 0.05)
     check(bf16_hidden, head, labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, fp32=False, tol=0.05)
+    # a trained bf16 head (FSDP gathers bf16 copies under --mixed-precision bf16): cast to fp32 once, its gradient
+    # summed over the 15 one-token chunks in fp32 and rounded once, to the float64 gradient rounded to bf16 (summed in
+    # bf16, chunk by chunk, it was up to 0.016 off, 4 bf16 steps)
+    monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", V)
+    hidden, head, labels, coefs = inputs(weight_grad=True)
+    check(hidden, head.to(torch.bfloat16), labels, coefs, temperature=0.7, scale=1.3, softcap=3.0, tol=1e-4)
 
 
 def test_autocast(monkeypatch):

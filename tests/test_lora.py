@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import saved_weights, untimed_metrics
 from test_families import families  # noqa: F401 (a fixture)
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo_llm
 import ppo_llm
@@ -37,8 +37,10 @@ def run(script, tiny, tmp_path, monkeypatch, **kwargs):
 
 
 def logits(model, ids):
+    """The model's logits of ids, on the CPU; the ids go to the model's device (the GPU, where there is one)."""
+    ids = ids.to(model.device)
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.cpu()
 
 
 @pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
@@ -52,11 +54,11 @@ def test_only_adapters_train_and_what_is_saved_loads_back(script, tiny, tmp_path
     assert all(p.dtype == torch.float32 for p in policy.parameters() if p.requires_grad)
     ids = torch.arange(3, 12)[None]
     base = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-    reloaded = peft.PeftModel.from_pretrained(base, os.path.join(run_dir, "policy"))
-    torch.testing.assert_close(logits(reloaded, ids), logits(policy, ids), rtol=0, atol=0)
+    reloaded = peft.PeftModel.from_pretrained(base, os.path.join(run_dir, "policy")).to(policy.device)
+    torch.testing.assert_close(logits(reloaded, ids), logits(policy, ids), rtol=0, atol=0)  # the same device's kernels
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "policy", "merged"))
     assert not any("lora" in k for k in merged.state_dict())
-    torch.testing.assert_close(logits(merged, ids), logits(policy, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(merged, ids), logits(policy, ids), rtol=1e-5, atol=1e-5)  # CPU against GPU
     # --model policy/ (the adapter, as --eval-only takes it): the base from adapter_config.json, the adapter on it
     adapter = script.load_model(AutoModelForCausalLM, os.path.join(run_dir, "policy"), "--model")
     torch.testing.assert_close(logits(adapter, ids), logits(policy, ids), rtol=1e-5, atol=1e-5)
@@ -109,6 +111,28 @@ def test_bf16_base_with_autocast_and_checkpointing(families, tmp_path, monkeypat
                                 mixed_precision="bf16", gradient_checkpointing=True, ent_coef=0.1)  # fmt: skip
     # the random model scores 0 everywhere, so only the entropy bonus has a gradient: it reaches the adapters
     assert any(not torch.equal(v, initial[k]) for k, v in policy.state_dict().items() if "lora_B" in k)
+
+
+def test_an_fp16_checkpoint_never_trains_in_fp16(tiny, tmp_path, monkeypatch, capsys):
+    # fp16 would train without loss scaling: a float16 base is read as fp32, or as bf16 under bf16 autocast, and no
+    # tensor that autograd saves for the backward is float16
+    path = str(tmp_path / "fp16")
+    AutoModelForCausalLM.from_pretrained(tiny["policy"]).half().save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny["policy"]).save_pretrained(path)
+    for precision, base in [("no", torch.float32), ("bf16", torch.bfloat16)]:
+        saved = set()
+
+        def pack(tensor):
+            saved.add(tensor.dtype)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            _, _, policy, _ = run(ppo_llm, {"policy": path}, tmp_path, monkeypatch, mixed_precision=precision)
+        assert {p.dtype for p in policy.parameters() if not p.requires_grad} == {base}
+        assert torch.float16 not in saved and torch.float32 in saved
+        assert f"--model {path} is float16, which would train without loss scaling: read as {str(base)[6:]}" in (
+            capsys.readouterr().out
+        )
 
 
 @pytest.mark.parametrize(

@@ -267,6 +267,28 @@ def test_first_ratio_is_exactly_one(tiny, tmp_path):
             assert m["val/ratio"] == 1.0 and m["policy/approxkl_avg"] == 0.0 and m["policy/clipfrac_avg"] == 0.0
 
 
+def test_old_logprobs_are_scored_in_the_first_epochs_micro_batches(tiny, tmp_path, monkeypatch):
+    # Detail 5 on a GPU: a row's log-probs depend on the rows beside it (CUDA picks its attention kernel by the
+    # micro-batch's padding), so the no-grad passes (policy and critic, then the reference) score the very
+    # micro-batches the first epoch trains, in its shuffled order. On a CPU one kernel serves every shape: only the
+    # structure can be checked here.
+    calls, real = [], ppo_llm.training_forward
+
+    def spy(policy, critic, value_head, batch, micro_batch, *args, **kwargs):
+        calls.append((torch.is_grad_enabled(), micro_batch.tolist()))
+        return real(policy, critic, value_head, batch, micro_batch, *args, **kwargs)
+
+    monkeypatch.setattr(ppo_llm, "training_forward", spy)
+    run(tiny, tmp_path, total_steps=1, prompts_per_update=16, micro_batch_size=4, kl_coef=0.05, critic="separate")
+    scored = [rows for grad, rows in calls if not grad]
+    trained = [rows for grad, rows in calls if grad]
+    first_epoch = trained[:4]  # 16 responses in micro-batches of 4
+    assert scored == first_epoch + first_epoch
+    assert sorted(sum(first_epoch, [])) == list(range(16))
+    assert first_epoch != [list(range(i, i + 4)) for i in range(0, 16, 4)]  # shuffled
+    assert len(trained) == 8 and trained[4:] != first_epoch  # the second epoch reshuffles
+
+
 def test_run_logs_saves_and_loads_back(tiny, tmp_path, capsys):
     run_dir, metrics = run(tiny, tmp_path, eval_every=1, save_every=1, critic="separate")
     assert (
