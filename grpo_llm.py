@@ -3,11 +3,10 @@
 Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath) is PPO without the critic: every prompt gets a
 group of G sampled completions, a completion's advantage is its reward relative to the group's, and the KL to the frozen
 reference is a loss term, not a reward penalty. Read down to the end of main(), the loop, its steps numbered in the
-algorithm's order; below the SHARED label is the plumbing that a first reading skips (flag checks, loading, sharding,
-logging, evaluation, stops, checkpoints).
+algorithm's order; below the SHARED label is the plumbing a first reading skips (flags, loading, the chunked LM head,
+sharding, logging, evaluation, checkpoints).
 
-    python grpo_llm.py                                  # the embedded arithmetic SFT policy: offline, CPU, minutes
-    python grpo_llm.py --model gpt2 --total-steps 200   # a hub model (a GPU is advisable)
+    python grpo_llm.py --model gpt2 --total-steps 200   # unset, --model is the embedded arithmetic SFT policy (CPU)
 
 Implementation details, cited "detail N":
 1. Each prompt gets G = --num-generations completions, contiguous: a group is a row of rewards.view(-1, G).
@@ -96,7 +95,7 @@ class Args:
     model: str = "assets/arith-sft"  # policy and reference: a directory (as the embedded SFT model) or a hub id
     reward_model: str | None = None  # a sequence-classification reward model; it replaces --reward-fn as the reward
     reward_label: int | None = None  # the reward model's logit that is the score, if it has several
-    reward_fn: tuple[str, ...] = ("arithmetic",)  # summed: arithmetic, gsm8k, format, path/to/file.py:fn, module:fn
+    reward_fn: tuple[str, ...] | None = None  # summed: arithmetic, gsm8k, format, file.py:fn, module:fn (unset: doc)
     reward_weights: tuple[float, ...] | None = None  # weight of each reward function (unset: 1 each)
     dataset: str = "assets/arith/train.jsonl"  # prompts: a .jsonl .json .csv .parquet file, or a hub dataset
     dataset_config: str | None = None  # hub dataset configuration (gsm8k: main)
@@ -152,15 +151,7 @@ class Args:
     num_samples: int = 3  # samples shown each time
 
 
-# ALGO LOGIC: the numerics, checked by tests/ against hand-computed values; under torchrun, over every rank's entries
-# (all_reduce: a sum over the ranks; in one process, x itself).
-
-
-def global_mean(values):
-    """Mean of the scalar tensors in every rank's list, pooled (not a mean of means), NaNs (0 / 0 token means) out."""
-    x = torch.stack(values).double()
-    total, count = all_reduce(torch.stack([x.nansum(), (~x.isnan()).sum().double()])).tolist()
-    return total / count
+# ALGO LOGIC: the numerics, checked by tests/ against hand-computed values (all_reduce: over the ranks under torchrun)
 
 
 def global_std(values):
@@ -211,37 +202,14 @@ def overlong_penalty(lengths, max_new_tokens, buffer, penalty):
 
 def high_entropy_mask(entropy, mask, quantile):
     """1 on the real tokens whose entropy is in the top `quantile` of every rank's real tokens (detail 13), else 0."""
-    values = entropy[mask.bool()].float()
-    if dist.is_initialized():  # the ranks hold different numbers of tokens
-        every_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(every_rank, values.cpu())
-        values = torch.cat(every_rank).to(entropy.device)
-    threshold = np.quantile(values.cpu().numpy(), 1 - quantile)  # torch.quantile refuses more than 2^24 values
+    threshold = global_quantile(entropy[mask.bool()].float(), 1 - quantile)
     return (entropy >= threshold).float() * mask
 
 
 def grpo_loss(
-    logprobs,
-    old_logprobs,
-    ref_logprobs,
-    advantages,
-    mask,
-    batch_completions,
-    batch_tokens,
-    loss_type="grpo",
-    epsilon=0.2,
-    epsilon_high=None,
-    delta=None,
-    beta=0.0,
-    use_bias_correction_kl=True,
-    importance_sampling_level="token",
-    sapo_temperature_pos=1.0,
-    sapo_temperature_neg=1.05,
-    off_policy_mask_threshold=None,
-    max_new_tokens=None,
-    entropy_mask=1.0,
+    logprobs, old_logprobs, ref_logprobs, advantages, mask, batch_completions, batch_tokens, args, entropy_mask=1.0
 ):
-    """A micro-batch's share of the batch's loss, and its stats; the keywords are the flags. rho = exp(logprobs -
+    """A micro-batch's share of the batch's loss, and its stats, by the flags in args. rho = exp(logprobs -
     old_logprobs) per token, or exp of their mean per completion (sequence, GSPO); per token, A the advantage:
       grpo, dapo, dr_grpo: -min(min(rho, delta) A, clip(rho, 1 - epsilon, 1 + epsilon_high) A)    (details 8, 12)
       cispo: -sg(min(rho, 1 + epsilon_high)) A logprobs (sg(): no gradient);  sapo: -sigmoid(tau (rho - 1)) 4 / tau A
@@ -249,40 +217,41 @@ def grpo_loss(
     - (ref - logp) - 1; the masked token sum / (each completion's length x completions) (grpo, sapo), / real tokens
     (dapo, cispo) or / (completions x max_new_tokens) (dr_grpo), of the batch (batch_completions; batch_tokens, a mean
     over the ranks) (detail 9). logprobs (B, T), advantages (B,) or (B, T)."""
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    epsilon, epsilon_high = args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high
     log_ratio = logprobs - old_logprobs  # (B, T)
-    if importance_sampling_level == "sequence":
+    if args.importance_sampling_level == "sequence":
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
     ratio = torch.exp(log_ratio)
     advantages = advantages.view(len(advantages), -1)  # (B, 1) or (B, T)
-    if loss_type == "cispo":
+    if args.loss_type == "cispo":
         per_token_loss = -ratio.clamp(max=1 + epsilon_high).detach() * advantages * logprobs
-    elif loss_type == "sapo":
-        tau = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+    elif args.loss_type == "sapo":
+        tau = torch.where(advantages > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages  # slope A at rho = 1, as PPO's
     else:
-        capped_ratio = ratio if delta is None else ratio.clamp(max=delta)
+        capped_ratio = ratio if args.delta is None else ratio.clamp(max=args.delta)
         per_token_loss = -torch.min(capped_ratio * advantages, ratio.clamp(1 - epsilon, 1 + epsilon_high) * advantages)
     per_token_loss = per_token_loss * entropy_mask
-    if off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
+    if args.off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
         off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
-        per_token_loss = per_token_loss.masked_fill((advantages < 0) & (off_policy_kl > off_policy_mask_threshold), 0.0)
+        off_policy = (advantages < 0) & (off_policy_kl > args.off_policy_mask_threshold)
+        per_token_loss = per_token_loss.masked_fill(off_policy, 0.0)
     kl = None
-    if beta:  # the reference's log-probs are there only then
+    if args.beta:  # the reference's log-probs are there only then
         kl = kl_penalty(logprobs, ref_logprobs, "k3")
-        if use_bias_correction_kl:  # detail 10: rho k3 has the gradient of KL(pi || ref)
+        if args.use_bias_correction_kl:  # detail 10: rho k3 has the gradient of KL(pi || ref)
             kl = kl * ratio
-        per_token_loss = per_token_loss + beta * kl
+        per_token_loss = per_token_loss + args.beta * kl
     normaliser, share = mask.sum().clamp(min=1), mask.sum() / batch_tokens  # dapo, cispo: one mean over the tokens
-    if loss_type in ("grpo", "sapo", "dr_grpo"):  # a share of the completions; grpo, sapo: each one's token mean
+    if args.loss_type in ("grpo", "sapo", "dr_grpo"):  # a share of the completions; grpo, sapo: each one's token mean
         normaliser, share = mask.sum(1).clamp(min=1) * len(mask), len(mask) / batch_completions
-    if loss_type == "dr_grpo":  # a constant: completions x max_new_tokens
-        normaliser = len(mask) * max_new_tokens
+    if args.loss_type == "dr_grpo":  # a constant: completions x max_new_tokens
+        normaliser = len(mask) * args.max_new_tokens
     loss = ((per_token_loss * mask).sum(1) / normaliser).sum() * share
-    return loss, loss_stats(ratio, advantages, mask, kl, loss_type, epsilon, epsilon_high)
+    return loss, loss_stats(ratio, advantages, mask, kl, args.loss_type, epsilon, epsilon_high)
 
 
-# ALGO LOGIC: rollout, the forward pass and its LM head, the gradient of a minibatch, the optimizer step
+# ALGO LOGIC: rollout, the forward pass, the gradient of a minibatch, the optimizer step
 
 
 def truncate_after_eos(responses, eos_ids, pad_token_id):
@@ -293,38 +262,20 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
     return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
 
 
-def end_of_response_ids(tokenizer, generation_config):
-    """Detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
-    the chat template writes (its turn markers: a base model's config names its EOS alone, not its end of turn)."""
-    configured = generation_config.eos_token_id or []  # None, an id or a list of them
-    if isinstance(configured, int):
-        configured = [configured]
-    turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
-    turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
-    return sorted({tokenizer.eos_token_id, *configured} | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
-
-
-def tokenize_texts(tokenizer, texts, max_length):
-    """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
-    has_bos = bool(tokenizer.bos_token) and all(text.startswith(tokenizer.bos_token) for text in texts)
-    options = dict(padding=True, truncation=max_length is not None, max_length=max_length, return_tensors="pt")
-    return tokenizer(texts, add_special_tokens=not has_bos, **options)
-
-
 @torch.no_grad()
 def rollout(policy, tokenizer, prompts, args, autocast, stop=None):
-    """Step 1: the prompts left-padded (detail 6) and cut on the left to --max-prompt-length, a response sampled for
-    each with the policy's generation_config (detail 4), cut after its first EOS (detail 2). The rollout batch:
+    """Step 1: the prompts left-padded (detail 6), cut on the left to --max-prompt-length; a response sampled for each
+    from softmax(logits / temperature) (detail 4: the policy's generation_config, set by load_models), cut after its
+    first EOS (detail 2); with stop (generate()'s stopping_criteria), all at the next token once it says so. The batch:
         query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens
         responses, mask                  (B, R)      the response tokens (pad after EOS), 1.0 on the real ones
         ended                            (B,)        whether the response has an EOS
-        prompt_width                     Q
-    With stop (generate()'s stopping_criteria), every response ends at the next token once one of them says so."""
+        prompt_width                     Q"""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
     with autocast, unsharded(policy):  # FSDP: the policy gathered once for generation, not once per token
         out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
-    eos_ids = policy.generation_config.eos_token_id  # end_of_response_ids(), set by load_models
+    eos_ids = policy.generation_config.eos_token_id
     responses, mask, ended = truncate_after_eos(out[:, inputs.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
     return {
         "query_responses": torch.cat([inputs.input_ids, responses], 1),
@@ -334,67 +285,6 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None):
         "ended": ended,
         "prompt_width": inputs.input_ids.shape[1],
     }
-
-
-LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
-
-
-def lm_head_logprobs(
-    hidden, head, labels, temperature, scale=1.0, softcap=None, with_entropy=False, entropy_grad=False, fp32=True
-):
-    """Log-probs of labels (B, T) and optionally the entropies (B, T) of the next-token distributions, from the last
-    hidden states (B, T, H) and the output embedding `head` (details 4, 7):
-        z = softcap * tanh(scale * head(h) / softcap) / temperature,  log p = log_softmax(z),  H = -sum_v p_v log p_v.
-    In chunks of at most LM_HEAD_CHUNK logits, each under torch.utils.checkpoint: no chunk's logits outlive it, and its
-    backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
-    for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
-    where F.linear would run it (autocast's dtype). Naively: log_softmax(head(h) / T).gather(labels), -sum(p log p)."""
-    B, T = labels.shape
-    device_type = hidden.device.type
-    dtype = head.weight.dtype
-    if fp32:
-        dtype = torch.float32
-    elif torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-
-    def logits(h, weight, bias):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place
-        z = F.linear(h.to(dtype), weight, bias).float()
-        if softcap:  # tanh's backward reads its output: that product not in place
-            return z.mul_(scale / softcap).tanh_() * (softcap / temperature)
-        return z.mul_(scale / temperature)
-
-    def chunk(h, y, weight, bias):  # (N, H), (N,) -> log p of y (N,), entropy (N,) or None
-        with torch.autocast(device_type, enabled=False):
-            logp = logits(h, weight, bias).log_softmax(-1)  # the logits are freed here: two chunk-sized tensors at most
-            logprobs = logp.gather(-1, y[:, None])[:, 0]
-            if not with_entropy:
-                return logprobs, None
-            if entropy_grad and torch.is_grad_enabled():
-                return logprobs, -(logp.exp() * logp).sum(-1)
-            with torch.no_grad():  # for the logs: no recomputed tensors kept for a backward that never reads them
-                return logprobs, -logp.exp().mul_(logp).sum(-1)
-
-    # the head cast once, not once a chunk (a bf16 head: FSDP's bf16 gather), and its gradient summed in that dtype
-    weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
-    n = max(1, LM_HEAD_CHUNK // head.weight.shape[0])  # tokens per chunk
-    hidden, labels = hidden.reshape(B * T, -1), labels.reshape(B * T)
-    chunks = []
-    for i in range(0, B * T, n):
-        chunks.append(checkpoint(chunk, hidden[i : i + n], labels[i : i + n], weight, bias, use_reentrant=False))
-    logprobs = torch.cat([logprobs for logprobs, _ in chunks]).view(B, T)
-    if not with_entropy:
-        return logprobs, None
-    return logprobs, torch.cat([entropy for _, entropy in chunks]).view(B, T)
-
-
-def response_logprobs(model, hidden, labels, temperature, fp32=True, with_entropy=False, entropy_grad=False):
-    """lm_head_logprobs with the model's output embedding and logit post-processing: logits * scale (Cohere's
-    logit_scale, Granite's 1 / logits_scaling), then Gemma's final_logit_softcapping."""
-    config = model.config
-    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    options = dict(fp32=fp32, with_entropy=with_entropy, entropy_grad=entropy_grad)
-    return lm_head_logprobs(hidden, model.get_output_embeddings(), labels, temperature, scale, softcap, **options)
 
 
 def position_ids(attention_mask):
@@ -410,39 +300,40 @@ def hidden_states(model, query_responses, attention_mask, prompt_width):
     return last_hidden_state(model, inputs)[:, prompt_width - 1 : -1]
 
 
-def training_forward(policy, batch, micro_batch, args, with_entropy=False):
-    """The rows micro_batch of the rollout batch: the completions' log-probs and entropies (B, R) under `policy`."""
+def policy_forward(model, batch, micro_batch, args):
+    """The rows micro_batch of the rollout batch through `model`: the last hidden states (B, R, H), each response
+    token's log-prob and the entropy of its next-token distribution (B, R) (details 4, 7). Naively
+        logits = model.lm_head(hidden) / temperature                      (B, R, V)
+        logprobs, entropy = log_softmax(logits).gather(-1, responses), -(softmax(logits) * log_softmax(logits)).sum(-1)
+    which lm_head_logprobs computes in fp32 chunks of the tokens (no (B, R, V) tensor is kept), with the model's logit
+    scaling and soft-capping; the entropy has a gradient only for an entropy bonus (--ent-coef)."""
     query_responses, attention_mask = batch["query_responses"][micro_batch], batch["attention_mask"][micro_batch]
-    hidden = hidden_states(policy, query_responses, attention_mask, batch["prompt_width"])
-    entropy_grad = args.ent_coef != 0  # else the entropy is for the logs and masks alone, computed without autograd
-    options = dict(fp32=args.cast_lm_head_to_fp32, with_entropy=with_entropy, entropy_grad=entropy_grad)
-    return response_logprobs(policy, hidden, batch["responses"][micro_batch], args.temperature, **options)
+    hidden = hidden_states(model, query_responses, attention_mask, batch["prompt_width"])
+    options = dict(entropy_grad=args.ent_coef != 0, fp32=args.cast_lm_head_to_fp32)
+    return hidden, *lm_head_logprobs(hidden, model, batch["responses"][micro_batch], args.temperature, **options)
 
 
-def accumulate_gradients(policy, batch, args, autocast):
-    """Forward and backward the whole batch, micro-batch by micro-batch, each its share of the batch's loss (detail 9;
-    grpo_loss's keywords are the flags of the same names); returns (the loss, each micro-batch's stats)."""
+def accumulate_gradients(policy, batch, micro_batches, args, autocast):
+    """Forward and backward of the whole batch, micro-batch by micro-batch, each its share of the batch's loss (detail
+    9); returns (the loss, each micro-batch's stats)."""
     loss_mask, batch_size = batch["loss_mask"], len(batch["loss_mask"])
     bonus_mask = loss_mask * batch["entropy_mask"]  # the tokens of the policy gradient and entropy bonus (detail 13)
     stats, loss_sum = [], torch.zeros((), device=loss_mask.device)
     n_tokens, n_bonus = global_mean([loss_mask.sum()]), global_mean([bonus_mask.sum()])
-    names = "loss_type epsilon epsilon_high delta beta use_bias_correction_kl importance_sampling_level max_new_tokens"
-    names += " sapo_temperature_pos sapo_temperature_neg off_policy_mask_threshold"  # grpo_loss's keywords
-    flags = {name: getattr(args, name) for name in names.split()}
-    for micro_batch in torch.arange(batch_size, device=loss_mask.device).split(args.micro_batch_size):
+    for micro_batch in micro_batches:
         with autocast:
-            logprobs, entropy = training_forward(policy, batch, micro_batch, args, with_entropy=True)
+            _, logprobs, entropy = policy_forward(policy, batch, micro_batch, args)
         old_logprobs = logprobs.detach()  # --num-iterations 1: the current ones (detail 5)
         if args.num_iterations > 1:
             old_logprobs = batch["old_logprobs"][micro_batch]
         ref_logprobs = None  # beta 0: no KL term
         if args.beta:
             ref_logprobs = batch["ref_logprobs"][micro_batch]
-        advantages, mask = batch["advantages"][micro_batch], loss_mask[micro_batch]
-        entropy_mask = batch["entropy_mask"][micro_batch]
-        options = dict(entropy_mask=entropy_mask, **flags)
+        advantages, mask, entropy_mask = (
+            batch[key][micro_batch] for key in ["advantages", "loss_mask", "entropy_mask"]
+        )
         loss, micro_stats = grpo_loss(
-            logprobs, old_logprobs, ref_logprobs, advantages, mask, batch_size, n_tokens, **options
+            logprobs, old_logprobs, ref_logprobs, advantages, mask, batch_size, n_tokens, args, entropy_mask
         )
         if args.ent_coef:
             loss = loss - args.ent_coef * (entropy * bonus_mask[micro_batch]).sum() / n_bonus
@@ -465,34 +356,32 @@ def optimizer_step(optimizer, params, max_grad_norm):
     return grad_norm
 
 
-# GRPO's own: main()
-
-
 def main(args: Args | None = None):
     args = parse_args() if args is None else args  # TRY NOT TO MODIFY: set-up, models, a resumed run, run directory
+    given = asdict(args)  # args.json: the flags as given, which --resume reads (what is derived is derived again)
     (rank, world), device, autocast = setup(args)
     check_args(args, world)
     G = args.num_generations
     batch_size = args.prompts_per_update // world * G  # this process's share of the completions
-    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # at most the batch
-    reward_fns = [load_reward_fn(name) for name in args.reward_fn]  # a bad name or file fails here, before loading
-    tokenizer, policy, reward_model, rm_tokenizer, rm_reads_ids = load_models(args, device)
-    eval_problems = eval_rows(args, tokenizer) if args.eval_every or args.eval_only else None
+    micro_batch_size = min(args.micro_batch_size, batch_size)  # at most the batch
+    reward_fns = [load_reward_fn(name) for name in reward_fn_names(args)]  # a bad one fails here, before loading
+    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device)  # rm_tokenizer None: it reads our ids
+    eval_problems = eval_rows(args, tokenizer, reward_fns)
     if args.eval_only:  # no training, no run directory
-        return evaluate_only(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
+        return evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
     ref_policy = None  # beta 0, TRL's default: no KL term, no reference (details 5, 10)
     if args.beta:
         ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
     params, optimizer = prepare(args, [policy])
-    names = [name.rpartition(":")[2] for name in args.reward_fn]
+    names = [name.rpartition(":")[2] for name in reward_fn_names(args)]
     if args.reward_model:
         names = [os.path.basename(args.reward_model)]
     reward_weights = torch.tensor(args.reward_weights or [1.0] * len(names), device=device)
     models = nn.ModuleDict({"policy": policy})  # what checkpoint/ and policy/ hold; the reference is --model's
-    needs_answers = reward_model is None and bool({"arithmetic", "gsm8k"} & set(args.reward_fn))
-    resumed, prompts, run_dir, writer = start_run(args, (rank, world), models, optimizer, tokenizer, needs_answers)
-    first_update, start_time = resumed.get("update", 0), time.time()
+    resumed, prompts, run_dir, writer = start_run(args, given, (rank, world), models, optimizer, tokenizer)
+    first_update = resumed.get("update", 0)
     run = {"update": first_update, "state": {"update": first_update}}  # what a stop saves
+    clock = Stopwatch(device, first_update, args.total_steps)
     with guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         if eval_problems and not resumed:  # the initial policy, at update 0
             initial = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
@@ -502,23 +391,21 @@ def main(args: Args | None = None):
             torch.manual_seed(hash((args.seed, update, rank)))  # a resume repeats them (ints hash alike everywhere)
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
+            clock.lap()  # the update starts
             # ALGO LOGIC: 1. rollout, G completions of each prompt, contiguous (detail 1; rollout() lists the batch)
-            t0 = wall_clock(device)
             prompt_rows = [next(prompts) for _ in range(batch_size // G)]
             rows = [row for row in prompt_rows for _ in range(G)]
             batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, [signalled])
             stop_if_signalled()  # every rank, before the update changes anything
-            mask, lengths = batch["mask"], batch["mask"].sum(1)  # (B, R), (B,)
-            t1 = wall_clock(device)
+            mask = batch["mask"]  # (B, R)
+            clock.lap("generation")
             # 2. rewards: the weighted reward functions, or the reward model (detail 11); DAPO's overlong penalty
             completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-            if reward_model is None:  # an error of a reward function on one rank stops every rank here
-                scores = on_every_rank(lambda: [reward_fn(completions, rows) for reward_fn in reward_fns])
-                scores = torch.tensor(scores, dtype=torch.float, device=device).T  # (B, reward functions)
+            if reward_model is None:
+                scores = reward_fn_scores(reward_fns, completions, rows, device)  # (B, reward functions)
             else:
-                scores = reward_model_scores(reward_model, rm_tokenizer, rm_reads_ids, batch, rows, completions, args)
-                scores = scores[:, None]
-            overlong = overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer, args.overlong_penalty)
+                scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)[:, None]
+            overlong = overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer, args.overlong_penalty)
             rewards = scores @ reward_weights - overlong
             # 3. advantages relative to the group (detail 3); which completions the loss sees
             advantages, zero_std = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)
@@ -529,57 +416,49 @@ def main(args: Args | None = None):
                 dropped |= ~batch["ended"]
             loss_mask = mask * ~dropped[:, None]
             batch |= {"loss_mask": loss_mask, "advantages": advantages, "entropy_mask": torch.ones_like(mask)}
-            batch |= {"rewards": rewards, "zero_std": zero_std}  # for the logs
             # 4. old log-probs (mu > 1), entropies (detail 13) and reference log-probs: the training forward (detail 5)
-            mbs = torch.arange(batch_size, device=device).split(args.micro_batch_size)  # the micro-batches
+            micro_batches = torch.arange(batch_size, device=device).split(micro_batch_size)
             has_loss_tokens = all_reduce(loss_mask.sum()) > 0  # on any rank; else no update
-            mask_by_entropy = args.top_entropy_quantile < 1
-            if has_loss_tokens and (args.num_iterations > 1 or mask_by_entropy):
-                with torch.no_grad(), autocast, unsharded(policy):
-                    out = [training_forward(policy, batch, mb, args, with_entropy=mask_by_entropy) for mb in mbs]
-                batch["old_logprobs"] = torch.cat([logprobs for logprobs, _ in out])  # read with mu > 1
-                if mask_by_entropy:  # the whole batch's, from the rollout policy
-                    entropy = torch.cat([entropy for _, entropy in out])
+            if has_loss_tokens and (args.num_iterations > 1 or args.top_entropy_quantile < 1):
+                with scoring(policy), autocast:
+                    out = [policy_forward(policy, batch, mb, args)[1:] for mb in micro_batches]
+                batch["old_logprobs"], entropy = (torch.cat(x) for x in zip(*out))  # old ones read at mu > 1
+                if args.top_entropy_quantile < 1:  # the whole batch's, from the rollout policy
                     batch["entropy_mask"] = high_entropy_mask(entropy, loss_mask, args.top_entropy_quantile)
             if args.beta:
-                adapters_off = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()  # LoRA
-                with torch.no_grad(), autocast, adapters_off, unsharded(ref_policy):
-                    out = [training_forward(ref_policy, batch, mb, args) for mb in mbs]
-                batch["ref_logprobs"] = torch.cat([logprobs for logprobs, _ in out])
-            t2 = wall_clock(device)
+                with scoring(ref_policy, adapters_off=args.lora_r > 0), autocast:
+                    out = [policy_forward(ref_policy, batch, mb, args)[1] for mb in micro_batches]
+                batch["ref_logprobs"] = torch.cat(out)
+            clock.lap("scoring")
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 9)
             policy.train()
             stats, losses, grad_norms = [], [], []
             if has_loss_tokens:
                 for _ in range(args.num_iterations):
-                    loss, micro_stats = accumulate_gradients(policy, batch, args, autocast)
+                    loss, micro_stats = accumulate_gradients(policy, batch, micro_batches, args, autocast)
                     grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
                     stats += micro_stats
                     losses.append(loss)
             run["state"] = {"update": update}  # update done: a stop from here on resumes after it
-            t3 = wall_clock(device)
-            # TRY NOT TO MODIFY: log (TRL's GRPO metric names), evaluate, show samples, save
-            times, progress = timing([t0, t1, t2, t3], start_time, first_update, update, args, mask, device)
-            metrics = grpo_metrics(update, args, batch, names, scores, stats, losses, grad_norms, optimizer, times)
-            stopping = stop_requested()  # a stop saves anyway: no evaluation
-            if eval_problems and not stopping and (update % args.eval_every == 0 or update == args.total_steps):
+            clock.lap("update")
+            # TRY NOT TO MODIFY: 6. log (TRL's GRPO metric names), evaluate, show samples, save
+            batch |= {"rewards": rewards, "zero_std": zero_std}
+            metrics, line = grpo_metrics(
+                update, args, batch, names, scores, stats, losses, grad_norms, optimizer, clock
+            )
+            if eval_problems and due(update, args.eval_every, args.total_steps):
                 metrics |= evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
-            line = f"update {update}/{args.total_steps}: reward {metrics['reward']:.3f}  "
-            if "kl" in metrics:
-                line += f"kl {metrics['kl']:.4f}  "
-            if not losses:
-                line += "(no loss tokens)  "
             values = dict(reward=rewards[::G], advantage=advantages[::G])  # one of each group
-            log(writer, metrics, line + progress, samples_to_log(args, update, rows[::G], completions[::G], **values))
-            if args.save_every and update % args.save_every == 0 and not stopping:
+            log(writer, metrics, line, samples_to_log(args, update, rows[::G], completions[::G], **values))
+            if update < args.total_steps and due(update, args.save_every):  # the last is saved below
                 save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
         save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer, merged=args.save_merged)
     return run_dir
 
 
-# SHARED WITH the other LLM script, after this script's own flag checks and metrics; kept identical by
+# SHARED WITH the other LLM script, after this script's own flag checks, metrics and loading; kept identical by
 # tests/test_shared.py (as is each function above that both define): rewards (to add one: REWARD_FNS, or --reward-fn
-# file.py:fn), prompts, models, sharding and set-up, logging, evaluation, stops, checkpoints.
+# file.py:fn), prompts, models and their LM head, sharding and set-up, logging, evaluation, stops, checkpoints.
 
 
 def check_args(args, world):
@@ -598,7 +477,7 @@ def check_args(args, world):
     batch_size = args.prompts_per_update // world * args.num_generations  # this process's completions
     micro_batch_size = min(args.micro_batch_size, batch_size)  # main() caps it so
     high = 1 + (args.epsilon if args.epsilon_high is None else args.epsilon_high)
-    n_rewards = 1 if args.reward_model else len(args.reward_fn)
+    n_rewards = 1 if args.reward_model else len(reward_fn_names(args))
     if batch_size % micro_batch_size:
         completions = f"the completions per update ({batch_size} a process)"
         raise SystemExit(f"error: --micro-batch-size ({micro_batch_size}) must divide {completions}")
@@ -606,7 +485,7 @@ def check_args(args, world):
         raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high})")
     if args.delta is not None and args.delta <= high:
         raise SystemExit(f"error: --delta must be > 1 + --epsilon-high (got {args.delta})")
-    if not args.reward_fn:
+    if args.reward_fn == ():
         raise SystemExit("error: --reward-fn needs at least one reward function")
     if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
         weights = f"({n_rewards}), not {len(args.reward_weights or [])}"
@@ -630,8 +509,19 @@ def loss_stats(ratio, advantages, mask, kl, loss_type, epsilon, epsilon_high):
         return {name: masked_mean(x.float(), mask) for name, x in means.items()}
 
 
-def grpo_metrics(update, args, batch, names, scores, stats, losses, grad_norms, optimizer, times):
-    """An update's metrics, TRL's GRPO names (docs/grpo_llm.md), over every rank: means, but for the extremes."""
+def global_quantile(values, q):
+    """The q-quantile of every rank's values (the ranks hold different numbers of them), by numpy: torch.quantile
+    refuses more than 2^24 values."""
+    if dist.is_initialized():
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, values.cpu())
+        values = torch.cat(every_rank)
+    return np.quantile(values.cpu().numpy(), q)
+
+
+def grpo_metrics(update, args, batch, names, scores, stats, losses, grad_norms, optimizer, clock):
+    """An update's metrics, TRL's GRPO names (docs/grpo_llm.md), over every rank (means, but for the extremes), and its
+    progress line."""
     rewards, lengths = batch["rewards"], batch["mask"].sum(1)
     metrics = {
         "update": update,
@@ -653,8 +543,15 @@ def grpo_metrics(update, args, batch, names, scores, stats, losses, grad_norms, 
         metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
         for key in stats[0]:
             metrics[key] = global_mean([s[key] for s in stats])
+    times, progress = clock.metrics(update, lengths.sum().item())
     ops = {"completions/min_length": "min", "completions/max_length": "max", "perf/peak_memory_mb": "max"}
-    return global_metrics(metrics | times, ops | {"perf/tokens_per_sec": "sum"})
+    metrics = global_metrics(metrics | times, ops | {"perf/tokens_per_sec": "sum"})
+    line = f"update {update}/{args.total_steps}: reward {metrics['reward']:.3f}  "
+    if "kl" in metrics:
+        line += f"kl {metrics['kl']:.4f}  "
+    if not losses:
+        line += "(no loss tokens)  "
+    return metrics, line + progress
 
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
@@ -725,6 +622,21 @@ def finite_scores(values, source, completions):
     return scores
 
 
+def reward_fn_names(args):
+    """--reward-fn's names; unset, arithmetic (the embedded tasks' check), but none beside a reward model: there a
+    reward function only measures (an accuracy is logged), and one the run was not given would misjudge other data."""
+    if args.reward_fn is None:
+        return () if args.reward_model else ("arithmetic",)
+    return (args.reward_fn,) if isinstance(args.reward_fn, str) else args.reward_fn
+
+
+def reward_fn_scores(reward_fns, completions, rows, device):
+    """Each reward function's scores of the completions (B, reward functions); an error of one, on any rank, stops
+    every rank here."""
+    scores = on_every_rank(lambda: [reward_fn(completions, rows) for reward_fn in reward_fns])
+    return torch.tensor(scores, dtype=torch.float, device=device).reshape(len(reward_fns), len(completions)).T
+
+
 def load_prompts(args, tokenizer, needs_answers):
     """--dataset's rows: {prompt (the text the policy sees), answer (text or None), messages, columns (reward fns')}."""
     datasets.disable_progress_bars()
@@ -778,8 +690,11 @@ def prompt_stream(rows, seed, start, rank, world):
     return itertools.islice(stream, start + rank, None, world)
 
 
-def eval_rows(args, tokenizer):
-    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None."""
+def eval_rows(args, tokenizer, reward_fns):
+    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None (also
+    when no reward function scores them)."""
+    if not reward_fns or not (args.eval_every or args.eval_only):
+        return None
     split, beside = args.eval_split, args.dataset.removesuffix("train.jsonl") + "test.jsonl"
     if split is None and args.dataset.endswith("train.jsonl") and os.path.isfile(beside):
         split = beside
@@ -799,6 +714,8 @@ def from_pretrained(cls, name, flag, **kwargs):
     except (OSError, ValueError) as e:
         where = "holds no model it can load" if os.path.isdir(name) else "is no directory, nor reachable on the hub"
         hint = "a hub id needs the network (with HF_HUB_OFFLINE=1, the cache alone); offline: assets/arith-sft"
+        if name.startswith("assets/"):  # a copy of the script, without the repository's assets/
+            hint = "the embedded models ship in the repository's assets/: give --model (hub id or directory), --dataset"
         raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}); {hint}") from None
 
 
@@ -853,6 +770,24 @@ def add_pad_token(tokenizer, models, eos_ids=()):
         model.config.pad_token_id = tokenizer.pad_token_id
 
 
+def end_of_response_ids(tokenizer, generation_config):
+    """Detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
+    the chat template writes (its turn markers: a base model's config names its EOS alone, not its end of turn)."""
+    configured = generation_config.eos_token_id or []  # None, an id or a list of them
+    if isinstance(configured, int):
+        configured = [configured]
+    turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
+    turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
+    return sorted({tokenizer.eos_token_id, *configured} | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
+
+
+def tokenize_texts(tokenizer, texts, max_length):
+    """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
+    has_bos = bool(tokenizer.bos_token) and all(text.startswith(tokenizer.bos_token) for text in texts)
+    options = dict(padding=True, truncation=max_length is not None, max_length=max_length, return_tensors="pt")
+    return tokenizer(texts, add_special_tokens=not has_bos, **options)
+
+
 def rm_text(rm_tokenizer, row, completion):
     """What a reward model with a tokenizer of its own reads: the conversation through its own chat template, if any."""
     if rm_tokenizer.chat_template is None:
@@ -862,9 +797,12 @@ def rm_text(rm_tokenizer, row, completion):
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, reads_ids, batch, rows, completions, args):
-    """Score of each sequence (B,) at its last real token: of the policy's ids (reads_ids), or of rm_text, cut left."""
-    if reads_ids:
+def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
+    """Score of each sequence (B,) at its last real token (None without a reward model): of the policy's ids when it
+    reads them (rm_tokenizer None), else of rm_text in its own tokens, cut on the left."""
+    if reward_model is None:
+        return None
+    if rm_tokenizer is None:
         mask = batch["attention_mask"]
         inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
     else:
@@ -881,8 +819,8 @@ def reward_model_scores(reward_model, rm_tokenizer, reads_ids, batch, rows, comp
 
 
 def load_models(args, device):
-    """(tokenizer, policy, frozen reward model, its tokenizer, whether it reads the policy's ids) on the device; under
-    torchrun sharded as each loads (rank 0 holds one whole model at a time)."""
+    """(tokenizer, policy, frozen reward model or None, its tokenizer or None when it reads the policy's ids) on the
+    device; under torchrun sharded as each loads (rank 0 holds one whole model at a time)."""
     bf16 = uses_bf16(args)
     policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32, bf16)
     weights = f"{str(policy.dtype)[6:]} base weights, fp32 adapters" if args.lora_r else "fp32 weights"
@@ -893,7 +831,6 @@ def load_models(args, device):
     model_defaults(args, policy)
     eos_ids = end_of_response_ids(tokenizer, policy.generation_config)
     reward_model = rm_tokenizer = None
-    rm_reads_ids = False
     if args.reward_model is not None:
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto", bf16)
         n = reward_model.config.num_labels
@@ -901,8 +838,8 @@ def load_models(args, device):
             why = f"--reward-label (0 to {n - 1}) chooses the logit that is the score (got {args.reward_label})"
             raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={n}: {why}")
         rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model", truncation_side="left")
-        rm_reads_ids = rm_tokenizer.get_vocab() == tokenizer.get_vocab()  # no decoding and encoding
-        if rm_reads_ids:
+        if rm_tokenizer.get_vocab() == tokenizer.get_vocab():  # it reads the policy's ids: no decoding and encoding
+            rm_tokenizer = None
             add_pad_token(tokenizer, [reward_model], eos_ids)
         else:
             add_pad_token(rm_tokenizer, [reward_model])
@@ -915,12 +852,12 @@ def load_models(args, device):
     policy.generation_config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
     if args.lora_r:
         policy = add_lora(policy, args)
-    error = 0.0  # refuse a model whose logits response_logprobs does not reproduce: rank 0 holds the weights
+    error = 0.0  # refuse a model whose logits the LM head does not reproduce: rank 0 holds the weights
     if not dist.is_initialized() or dist.get_rank() == 0:
         with torch.no_grad():
             ids = torch.arange(1, 9)[None] % len(tokenizer)
             hidden = hidden_states(policy, ids, torch.ones_like(ids), 1)
-            got, _ = response_logprobs(policy, hidden, ids[:, 1:], 1.0, fp32=False)  # the matmul in the model's dtype
+            got, _ = lm_head_logprobs(hidden, policy, ids[:, 1:], 1.0, fp32=False)  # the matmul in the model's dtype
             want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
         error = (got[0] - want).abs().max().item()
     error = all_reduce(torch.tensor(error)).item()  # rank 0's verdict, on every rank
@@ -928,7 +865,7 @@ def load_models(args, device):
     if error > 1e-3:
         why = f"its forward changes the logits in a way this script does not reproduce (log-probs {error:.3g} apart)"
         raise SystemExit(f"error: --model {args.model}: {why}")
-    return tokenizer, policy, reward_model, rm_tokenizer, rm_reads_ids
+    return tokenizer, policy, reward_model, rm_tokenizer
 
 
 def model_defaults(args, policy):
@@ -961,6 +898,54 @@ def last_hidden_state(model, inputs):
     finally:
         hook.remove()
     return kept[0]
+
+
+LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
+
+
+def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp32=True):
+    """Log-probs of labels (B, T) and the entropies (B, T) of the next-token distributions, from the last hidden
+    states (B, T, H) and the model's output embedding `head`, its logits scaled (Cohere's logit_scale, Granite's
+    1 / logits_scaling) and soft-capped (Gemma's final_logit_softcapping) as its own forward does (details 4, 7):
+        z = softcap * tanh(scale * head(h) / softcap) / temperature,  log p = log_softmax(z),  H = -sum_v p_v log p_v.
+    In chunks of at most LM_HEAD_CHUNK logits, each under torch.utils.checkpoint: no chunk's logits outlive it, and its
+    backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
+    for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
+    where F.linear would run it (autocast's dtype), the head cast to it once, not once a chunk (a bf16 head: FSDP's bf16
+    gather), and its gradient summed over the chunks in it."""
+    B, T = labels.shape
+    config, head = model.config, model.get_output_embeddings()
+    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    device_type = hidden.device.type
+    dtype = head.weight.dtype
+    if fp32:
+        dtype = torch.float32
+    elif torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+
+    def logits(h, weight, bias):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place
+        z = F.linear(h.to(dtype), weight, bias).float()
+        if softcap:  # tanh's backward reads its output: that product not in place
+            return z.mul_(scale / softcap).tanh_() * (softcap / temperature)
+        return z.mul_(scale / temperature)
+
+    def chunk(h, y, weight, bias):  # (N, H), (N,) -> log p of y (N,), entropy (N,)
+        with torch.autocast(device_type, enabled=False):
+            logp = logits(h, weight, bias).log_softmax(-1)  # the logits are freed here: two chunk-sized tensors at most
+            logprobs = logp.gather(-1, y[:, None])[:, 0]
+            if entropy_grad and torch.is_grad_enabled():
+                return logprobs, -(logp.exp() * logp).sum(-1)
+            with torch.no_grad():  # for the logs: no recomputed tensors kept for a backward that never reads them
+                return logprobs, -logp.exp().mul_(logp).sum(-1)
+
+    weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
+    n = max(1, LM_HEAD_CHUNK // head.weight.shape[0])  # tokens per chunk
+    hidden, labels = hidden.reshape(B * T, -1), labels.reshape(B * T)
+    chunks = []
+    for i in range(0, B * T, n):
+        chunks.append(checkpoint(chunk, hidden[i : i + n], labels[i : i + n], weight, bias, use_reentrant=False))
+    return torch.cat([lp for lp, _ in chunks]).view(B, T), torch.cat([entropy for _, entropy in chunks]).view(B, T)
 
 
 def shard(model, bf16=False):
@@ -996,17 +981,20 @@ def place(model, device, bf16=False):
 
 
 def frozen_copy(model, device, bf16):
-    """A copy of the fp32 policy that does not train (the reference); under torchrun an empty model sharded as the
-    policy is, filled from its shards: no rank holds either whole."""
+    """A copy of the fp32 policy that never trains (the reference): no gradient, eval mode whatever train() its holder
+    gets; under torchrun an empty model sharded as the policy is, filled from its shards: no rank holds either whole."""
     if not dist.is_initialized():
-        return copy.deepcopy(model).eval()
-    with torch.device("meta"):
-        copied = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
-    shard(copied, bf16)
-    copied.to_empty(device=device)
-    copied.load_state_dict(model.state_dict())
-    for buffer, source in zip(copied.buffers(), model.buffers()):
-        buffer.copy_(source)
+        copied = copy.deepcopy(model)
+    else:
+        with torch.device("meta"):
+            copied = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+        shard(copied, bf16)
+        copied.to_empty(device=device)
+        copied.load_state_dict(model.state_dict())
+        for buffer, source in zip(copied.buffers(), model.buffers()):
+            buffer.copy_(source)
+    copied.eval().requires_grad_(False)
+    copied.train = lambda mode=True: copied  # models.train() leaves it in eval mode
     return copied
 
 
@@ -1023,6 +1011,15 @@ def unsharded(model):
         for module in sharded:
             module.reshard()
             module.set_reshard_after_forward(module is not model, recurse=False)  # FSDP's default: not the root
+
+
+@contextlib.contextmanager
+def scoring(model, adapters_off=False):
+    """A no-grad pass of the model, gathered whole once under torchrun (not once a micro-batch); adapters_off: with
+    LoRA, the reference is the policy with its adapters off."""
+    adapters = model.disable_adapter() if adapters_off else contextlib.nullcontext()
+    with torch.no_grad(), adapters, unsharded(model):
+        yield
 
 
 def prepare(args, trained):
@@ -1073,6 +1070,10 @@ def check_run(args, world):
         (no_split, f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
         (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
         (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
+        (
+            args.eval_only and not reward_fn_names(args),
+            "--eval-only beside --reward-model scores by a --reward-fn: name it",
+        ),
     ]:
         if bad:
             raise SystemExit(f"error: {message}")
@@ -1085,6 +1086,13 @@ def all_reduce(x, op="sum"):
     y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
     dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
     return y.to(x.device)
+
+
+def global_mean(values):
+    """Mean of the scalar tensors in every rank's list, pooled (not a mean of means), NaNs (0 / 0 token means) out."""
+    x = torch.stack(values).double()
+    total, count = all_reduce(torch.stack([x.nansum(), (~x.isnan()).sum().double()])).tolist()
+    return total / count
 
 
 def uses_bf16(args):
@@ -1114,25 +1122,32 @@ def setup(args):
 
 
 def parse_args(argv=None):
-    """The flags; with --resume RUN_DIR the run's args.json gives the defaults: only the flags given change."""
+    """The flags; with --resume RUN_DIR the run's args.json gives the defaults: only the flags given change. A path
+    under assets/ that the working directory lacks is the one beside the script."""
     args = tyro.cli(Args, args=argv)
-    if args.resume is None:
-        return args
-    try:
-        with open(os.path.join(args.resume, "args.json")) as f:
-            saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()}
-    except (OSError, ValueError, AttributeError) as e:  # no such file, a damaged one, or no {flag: value} object
-        raise SystemExit(f"error: --resume {args.resume}: args.json unreadable ({type(e).__name__}: {e})") from None
-    script = saved.get("script", os.path.basename(__file__))
-    if script != os.path.basename(__file__):
-        go_on = f"python {script} --resume {args.resume} goes on with it"
-        raise SystemExit(f"error: --resume {args.resume} is a run of {script}: {go_on}")
-    saved = {f.name: saved[f.name] for f in fields(Args) if f.name in saved} | {"resume": args.resume}
-    return tyro.cli(Args, args=argv, default=Args(**saved))
+    if args.resume is not None:
+        try:
+            with open(os.path.join(args.resume, "args.json")) as f:
+                saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()}
+        except (OSError, ValueError, AttributeError) as e:  # no such file, a damaged one, or no {flag: value} object
+            raise SystemExit(f"error: --resume {args.resume}: args.json unreadable ({type(e).__name__}: {e})") from None
+        script = saved.get("script", os.path.basename(__file__))
+        if script != os.path.basename(__file__):
+            go_on = f"python {script} --resume {args.resume} goes on with it"
+            raise SystemExit(f"error: --resume {args.resume} is a run of {script}: {go_on}")
+        saved = {f.name: saved[f.name] for f in fields(Args) if f.name in saved} | {"resume": args.resume}
+        args = tyro.cli(Args, args=argv, default=Args(**saved))
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in ["model", "reward_model", "dataset", "eval_split"]:  # the embedded ones, run from elsewhere
+        path = getattr(args, name) or ""
+        if path.startswith("assets/") and not os.path.exists(path) and os.path.exists(os.path.join(here, path)):
+            setattr(args, name, os.path.join(here, path))
+    return args
 
 
-def open_run(args, rank, checkpoint):
-    """The run directory, the same on every rank; rank 0's args.json and TensorBoard writer (wandb syncs it)."""
+def open_run(args, given, rank, checkpoint):
+    """The run directory, the same on every rank; rank 0's args.json (the flags as given) and TensorBoard writer (wandb
+    syncs it)."""
     names = [args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")]
     if dist.is_initialized():
         dist.broadcast_object_list(names)
@@ -1156,15 +1171,16 @@ def open_run(args, rank, checkpoint):
             settings |= dict(id=json.load(open(os.path.join(run_dir, "args.json"))).get("wandb_id"), resume="allow")
         saved["wandb_id"] = wandb.init(**settings).id
     with open(os.path.join(run_dir, "args.json"), "w") as f:
-        json.dump(asdict(args) | saved, f, indent=1)
+        json.dump(given | saved, f, indent=1)
     return run_dir, SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
 
 
-def start_run(args, ranks, models, optimizer, tokenizer, needs_answers):
+def start_run(args, given, ranks, models, optimizer, tokenizer):
     """(a resumed run's state ({} if new), its weights and AdamW's loaded; the prompts from there; run dir; writer)."""
     resumed = load_checkpoint(args, models, optimizer)
+    needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))
     rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
-    run_dir, writer = open_run(args, ranks[0], resumed)
+    run_dir, writer = open_run(args, given, ranks[0], resumed)
     start = resumed.get("update", 0) * args.prompts_per_update
     return resumed, prompt_stream(rows, args.seed, start, *ranks), run_dir, writer
 
@@ -1214,7 +1230,8 @@ def global_metrics(metrics, ops):
 
 
 def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
-    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong.
+    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong;
+    with --eval-only printed with its 95% bound, the run's one result.
     Under torchrun each rank takes every world-th batch, and every rank runs as many rollouts (each gathers the policy):
     a rank short of a batch samples the first one again, uncounted."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -1241,16 +1258,9 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
     for name, chosen in [("right", scores > 0), ("wrong", scores <= 0)]:
         if chosen.any():
             metrics[f"eval/mean_length_{name}"] = lengths[chosen].mean().item()
+    if args.eval_only:
+        print(eval_line(metrics, n=len(rows)))
     return metrics
-
-
-def evaluate_only(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
-    """--eval-only: the held-out accuracy of --model, printed with its 95% bound, and returned (no run directory)."""
-    result = evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size)
-    print(eval_line(result, n=len(rows)))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return result
 
 
 def eval_line(metrics, n=None):
@@ -1260,29 +1270,39 @@ def eval_line(metrics, n=None):
     return line if n is None else f"{line} (n={n}; two evaluations of one policy differ by < {bound:.3f})"
 
 
-def timing(marks, start_time, first_update, update, args, mask, device):
-    """time/* and perf/* of one update from its marks (start, generated, scored, updated); '(seconds so far, ETA)'."""
-    elapsed = time.time() - start_time
-    left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (args.total_steps - update) / (update - first_update)))
-    peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    if device.type == "cuda":
-        peak_memory = torch.cuda.max_memory_allocated() / 2**20
-    metrics = {
-        "time/generation": marks[1] - marks[0],
-        "time/scoring": marks[2] - marks[1],
-        "time/update": marks[3] - marks[2],
-        "time/elapsed": elapsed,
-        "perf/tokens_per_sec": mask.sum().item() / (marks[3] - marks[0]),
-        "perf/peak_memory_mb": peak_memory,
-    }
-    return metrics, f"{marks[3] - marks[0]:.2f}s  ({elapsed:.0f}s, ETA {left})"
+class Stopwatch:
+    """An update's time/* by phase, each taken once the GPU's queued work is done, and the run's progress; on a GPU
+    perf/peak_memory_mb is the update's own, on a CPU the process's peak resident set."""
+
+    def __init__(self, device, first_update, total_steps):
+        self.device, self.first, self.total, self.start = device, first_update, total_steps, time.time()
+
+    def lap(self, phase=None):
+        """time/<phase>, the seconds since the last lap; with no phase an update starts."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            if phase is None:
+                torch.cuda.reset_peak_memory_stats()
+        now, self.times = time.perf_counter(), {} if phase is None else self.times
+        if phase is not None:
+            self.times[f"time/{phase}"] = now - self.last
+        self.last = now
+
+    def metrics(self, update, tokens):
+        """time/* and perf/* of the update just timed, and its line's end: '(seconds so far, ETA)'."""
+        seconds, elapsed = sum(self.times.values()), time.time() - self.start
+        left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (self.total - update) / (update - self.first)))
+        peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+        if self.device.type == "cuda":
+            peak_memory = torch.cuda.max_memory_allocated() / 2**20
+        metrics = {"time/elapsed": elapsed, "perf/tokens_per_sec": tokens / seconds, "perf/peak_memory_mb": peak_memory}
+        return self.times | metrics, f"{seconds:.2f}s  ({elapsed:.0f}s, ETA {left})"
 
 
-def wall_clock(device):
-    """time.perf_counter() once the GPU's queued work is done, so that each step is timed by its own."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
+def due(update, every, total_steps=None):
+    """Whether an evaluation or a save is due after this update: every N updates (0: never) and after the last
+    (total_steps), but not once a stop is requested (which saves anyway); the same answer on every rank."""
+    return bool(every) and (update % every == 0 or update == total_steps) and not stop_requested()
 
 
 # TRY NOT TO MODIFY: stops and checkpoints
@@ -1352,7 +1372,8 @@ def reason(error):
 def trained_state(models, optimizer):
     """What checkpoint/ holds: this rank's shards of the trained weights (not a LoRA base's) and of AdamW's state."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: no_dist, on purpose
-    frozen = {name for name, p in models.named_parameters(remove_duplicate=False) if not p.requires_grad}  # tied too
+    named = models.named_parameters(remove_duplicate=False)  # tied ones too
+    frozen = {name for name, p in named if not (p.requires_grad or name.startswith("ref_policy."))}  # a LoRA base
     weights = {k: v for k, v in dsd.get_model_state_dict(models).items() if k not in frozen}
     return {"models": weights, "optimizer": dsd.get_optimizer_state_dict(models, optimizer)}
 
@@ -1510,5 +1531,22 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
 
 
+@contextlib.contextmanager
+def refusals_once():
+    """Under torchrun a refusal (a SystemExit's one line) is printed by rank 0 alone and ends torchrun's report."""
+    try:
+        yield
+    except SystemExit as e:
+        if isinstance(e.code, str) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            sys.stderr = sys.stderr if int(os.environ["RANK"]) == 0 else open(os.devnull, "w")
+            if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report of a failed rank ends with it
+                with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                    json.dump({"message": e.code, "timestamp": int(time.time())}, f)
+            if dist.is_initialized():  # else gloo's threads can abort the process as it exits
+                dist.destroy_process_group()
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    with refusals_once():  # under torchrun, a refusal is one line, once
+        main()

@@ -4,10 +4,9 @@ Stage 3 of RLHF (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences"; 
 policy generates responses to prompts, a reward model or a reward function scores them, and PPO (Schulman et al. 2017)
 raises the score while a per-token KL penalty keeps the policy close to the frozen reference, the SFT model it started
 from. Read down to the end of main(), the loop, its steps numbered in the algorithm's order; below the SHARED label is
-the plumbing that a first reading skips (flag checks, loading, sharding, logging, evaluation, stops, checkpoints).
+the plumbing a first reading skips (flags, loading, the chunked LM head, sharding, logging, evaluation, checkpoints).
 
-    python ppo_llm.py                                  # the embedded arithmetic SFT policy: offline, CPU, minutes
-    python ppo_llm.py --model gpt2 --total-steps 200   # a hub model (a GPU is advisable)
+    python ppo_llm.py --model gpt2 --total-steps 200   # unset, --model is the embedded arithmetic SFT policy (CPU)
 
 Implementation details (after "The N+ Implementation Details of RLHF with PPO", Huang et al. 2024), cited "detail N":
 1. Tokens are actions and a response is an episode; the state is the prompt and the tokens so far.
@@ -15,9 +14,9 @@ Implementation details (after "The N+ Implementation Details of RLHF with PPO", 
    tokens after it are pad, masked out of every loss and statistic.
 3. The score is added to the reward of the last real token; every token gets -beta * KL to the reference (dense).
 4. Sampling is softmax(logits / temperature) alone (the checkpoint's generation_config, whose top_k or
-   repetition_penalty transformers would apply, is replaced), and log-probs divide by the same temperature.
-5. Old log-probs and values are recomputed after generation by the training forward in its micro-batch shapes, and the
-   reference is the SFT policy in fp32 scored the same way: the first ratio is exactly 1 and the first KL exactly 0.
+   repetition_penalty generate() would apply, is replaced), and log-probs divide by the same temperature.
+5. Old log-probs and values are recomputed after generation by the training forward in the first epoch's micro-batches,
+   the reference (the SFT policy in fp32) scored the same way: the first ratio is exactly 1, the first KL exactly 0.
 6. Dropout is 0, in the config and in every nn.Dropout; prompts are left-padded, position ids come from the mask.
 7. The LM head runs on response positions only, in chunks recomputed in backward (torch.utils.checkpoint): memory does
    not grow with length x vocabulary. One fp32 log-softmax gives the log-probs and the entropy.
@@ -29,10 +28,11 @@ Implementation details (after "The N+ Implementation Details of RLHF with PPO", 
 11. Epochs of shuffled minibatches accumulated over micro-batches, each weighted by its share of the minibatch's real
     tokens; a global grad-norm clip; AdamW; optional lr decay; an epoch whose approx-KL passes --target-kl ends it.
 12. beta fixed, or adapted towards a target KL (Ziegler et al.'s proportional controller).
-13. An optional missing-EOS penalty and score clip; a reward model's scores (of arbitrary scale) are whitened per batch.
+13. A reward model's scores (of arbitrary scale) are whitened per batch; then an optional missing-EOS penalty (after,
+    or whitening would rescale it, and remove it when no response ends) and an optional clip.
 
-Running it for real (docs/ppo_llm.md): any causal LM, chat templates, bf16 autocast on CUDA, LoRA, torchrun (FSDP2);
-nothing is lost when a run stops (checkpoint/, --resume).
+Running it for real (docs/ppo_llm.md): any causal LM, chat templates, bf16 autocast on a GPU, LoRA, torchrun (FSDP2),
+resuming (checkpoint/, --resume); CleanRL's and TRL's names for ours: docs/ppo_llm.md.
 """
 
 import contextlib
@@ -91,7 +91,7 @@ class Args:
     model: str = "assets/arith-sft"  # policy and reference: a directory (as the embedded SFT model) or a hub id
     reward_model: str | None = None  # a sequence-classification reward model; without one, --reward-fn scores
     reward_label: int | None = None  # the reward model's logit that is the score, if it has several
-    reward_fn: str = "arithmetic"  # arithmetic (exact), gsm8k ('#### N'), format, path/to/file.py:fn, or module:fn
+    reward_fn: str | None = None  # arithmetic, gsm8k, format, file.py:fn, module:fn (unset: arithmetic, no RM)
     dataset: str = "assets/arith/train.jsonl"  # prompts: a .jsonl .json .csv .parquet file, or a hub dataset
     dataset_config: str | None = None  # hub dataset configuration (gsm8k: main)
     dataset_split: str = "train"  # hub dataset split
@@ -145,15 +145,7 @@ class Args:
     num_samples: int = 3  # samples shown each time
 
 
-# ALGO LOGIC: the numerics, checked by tests/ against hand-computed values; under torchrun, over every rank's entries
-# (all_reduce: a sum over the ranks; in one process, x itself).
-
-
-def global_mean(values):
-    """Mean of the scalar tensors in every rank's list, pooled (not a mean of means), NaNs (0 / 0 token means) out."""
-    x = torch.stack(values).double()
-    total, count = all_reduce(torch.stack([x.nansum(), (~x.isnan()).sum().double()])).tolist()
-    return total / count
+# ALGO LOGIC: the numerics, checked by tests/ against hand-computed values (all_reduce: over the ranks under torchrun)
 
 
 def masked_mean(values, mask, axis=None):
@@ -180,10 +172,9 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
-    """GAE over the response tokens, (B, T) -> (advantages, returns) (detail 9):
-    delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1},  returns = A + V.
-    Rewards and values count as 0 where mask is 0 and past the last position (the episode ends at the last real
-    token); advantages and returns are 0 where mask is 0."""
+    """GAE over the response tokens, (B, T) -> (advantages, returns) (detail 9): delta_t = r_t + gamma * V_{t+1} - V_t,
+    A_t = delta_t + gamma * lam * A_{t+1}, returns = A + V. Rewards and values count as 0 where mask is 0 and past the
+    last position (the episode ends at the last real token); advantages and returns are 0 where mask is 0."""
     rewards, values = rewards * mask, values * mask
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
     deltas = rewards + gamma * next_values - values
@@ -195,8 +186,9 @@ def compute_gae(rewards, values, mask, gamma, lam):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_range):
-    """PPO's clipped surrogate: masked mean of max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps)),
-    rho = exp(logprobs - old_logprobs). Returns (loss, stats): clipfrac, approxkl = mean (log rho)^2 / 2, mean rho."""
+    """PPO's clipped surrogate: masked mean of max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps)), rho = exp(logprobs -
+    old_logprobs). Returns (loss, stats): clipfrac, the mean ratio, approxkl = mean (log rho)^2 / 2 (k2; CleanRL's
+    approx_kl is k3's mean)."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     losses, clipped_losses = -advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range)
@@ -220,10 +212,13 @@ def value_loss(values, old_values, returns, mask, clip_range):
     return loss, stats
 
 
-def normalize_scores(scores, whiten, clip):
-    """Detail 13: the scores (B,) whitened over the batch when `whiten`, then clipped to [-clip, clip] unless None."""
+def normalize_scores(scores, ended, whiten, missing_eos_penalty, clip):
+    """Detail 13: the scores (B,) whitened over the batch when `whiten`, then missing_eos_penalty (None: none) taken
+    from those of the responses that never ended (ended (B,) False), then clipped to [-clip, clip] (None: not)."""
     if whiten:
         scores = masked_whiten(scores, torch.ones_like(scores))
+    if missing_eos_penalty is not None:
+        scores = scores - missing_eos_penalty * (~ended).float()
     if clip is not None:
         scores = scores.clamp(-clip, clip)
     return scores
@@ -236,7 +231,7 @@ def adaptive_kl_coef(kl_coef, kl, target, horizon, n_steps):
     return kl_coef * (1 + proportional_error * n_steps / horizon)
 
 
-# ALGO LOGIC: rollout, the forward pass and its LM head, the gradient of a minibatch, the optimizer step
+# ALGO LOGIC: rollout, the forward pass, the gradient of a minibatch, the optimizer step
 
 
 def truncate_after_eos(responses, eos_ids, pad_token_id):
@@ -247,38 +242,20 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
     return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
 
 
-def end_of_response_ids(tokenizer, generation_config):
-    """Detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
-    the chat template writes (its turn markers: a base model's config names its EOS alone, not its end of turn)."""
-    configured = generation_config.eos_token_id or []  # None, an id or a list of them
-    if isinstance(configured, int):
-        configured = [configured]
-    turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
-    turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
-    return sorted({tokenizer.eos_token_id, *configured} | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
-
-
-def tokenize_texts(tokenizer, texts, max_length):
-    """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
-    has_bos = bool(tokenizer.bos_token) and all(text.startswith(tokenizer.bos_token) for text in texts)
-    options = dict(padding=True, truncation=max_length is not None, max_length=max_length, return_tensors="pt")
-    return tokenizer(texts, add_special_tokens=not has_bos, **options)
-
-
 @torch.no_grad()
 def rollout(policy, tokenizer, prompts, args, autocast, stop=None):
-    """Step 1: the prompts left-padded (detail 6) and cut on the left to --max-prompt-length, a response sampled for
-    each with the policy's generation_config (detail 4), cut after its first EOS (detail 2). The rollout batch:
+    """Step 1: the prompts left-padded (detail 6), cut on the left to --max-prompt-length; a response sampled for each
+    from softmax(logits / temperature) (detail 4: the policy's generation_config, set by load_models), cut after its
+    first EOS (detail 2); with stop (generate()'s stopping_criteria), all at the next token once it says so. The batch:
         query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens
         responses, mask                  (B, R)      the response tokens (pad after EOS), 1.0 on the real ones
         ended                            (B,)        whether the response has an EOS
-        prompt_width                     Q
-    With stop (generate()'s stopping_criteria), every response ends at the next token once one of them says so."""
+        prompt_width                     Q"""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
     with autocast, unsharded(policy):  # FSDP: the policy gathered once for generation, not once per token
         out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
-    eos_ids = policy.generation_config.eos_token_id  # end_of_response_ids(), set by load_models
+    eos_ids = policy.generation_config.eos_token_id
     responses, mask, ended = truncate_after_eos(out[:, inputs.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
     return {
         "query_responses": torch.cat([inputs.input_ids, responses], 1),
@@ -288,67 +265,6 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None):
         "ended": ended,
         "prompt_width": inputs.input_ids.shape[1],
     }
-
-
-LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
-
-
-def lm_head_logprobs(
-    hidden, head, labels, temperature, scale=1.0, softcap=None, with_entropy=False, entropy_grad=False, fp32=True
-):
-    """Log-probs of labels (B, T) and optionally the entropies (B, T) of the next-token distributions, from the last
-    hidden states (B, T, H) and the output embedding `head` (details 4, 7):
-        z = softcap * tanh(scale * head(h) / softcap) / temperature,  log p = log_softmax(z),  H = -sum_v p_v log p_v.
-    In chunks of at most LM_HEAD_CHUNK logits, each under torch.utils.checkpoint: no chunk's logits outlive it, and its
-    backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
-    for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
-    where F.linear would run it (autocast's dtype). Naively: log_softmax(head(h) / T).gather(labels), -sum(p log p)."""
-    B, T = labels.shape
-    device_type = hidden.device.type
-    dtype = head.weight.dtype
-    if fp32:
-        dtype = torch.float32
-    elif torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-
-    def logits(h, weight, bias):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place
-        z = F.linear(h.to(dtype), weight, bias).float()
-        if softcap:  # tanh's backward reads its output: that product not in place
-            return z.mul_(scale / softcap).tanh_() * (softcap / temperature)
-        return z.mul_(scale / temperature)
-
-    def chunk(h, y, weight, bias):  # (N, H), (N,) -> log p of y (N,), entropy (N,) or None
-        with torch.autocast(device_type, enabled=False):
-            logp = logits(h, weight, bias).log_softmax(-1)  # the logits are freed here: two chunk-sized tensors at most
-            logprobs = logp.gather(-1, y[:, None])[:, 0]
-            if not with_entropy:
-                return logprobs, None
-            if entropy_grad and torch.is_grad_enabled():
-                return logprobs, -(logp.exp() * logp).sum(-1)
-            with torch.no_grad():  # for the logs: no recomputed tensors kept for a backward that never reads them
-                return logprobs, -logp.exp().mul_(logp).sum(-1)
-
-    # the head cast once, not once a chunk (a bf16 head: FSDP's bf16 gather), and its gradient summed in that dtype
-    weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
-    n = max(1, LM_HEAD_CHUNK // head.weight.shape[0])  # tokens per chunk
-    hidden, labels = hidden.reshape(B * T, -1), labels.reshape(B * T)
-    chunks = []
-    for i in range(0, B * T, n):
-        chunks.append(checkpoint(chunk, hidden[i : i + n], labels[i : i + n], weight, bias, use_reentrant=False))
-    logprobs = torch.cat([logprobs for logprobs, _ in chunks]).view(B, T)
-    if not with_entropy:
-        return logprobs, None
-    return logprobs, torch.cat([entropy for _, entropy in chunks]).view(B, T)
-
-
-def response_logprobs(model, hidden, labels, temperature, fp32=True, with_entropy=False, entropy_grad=False):
-    """lm_head_logprobs with the model's output embedding and logit post-processing: logits * scale (Cohere's
-    logit_scale, Granite's 1 / logits_scaling), then Gemma's final_logit_softcapping."""
-    config = model.config
-    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    options = dict(fp32=fp32, with_entropy=with_entropy, entropy_grad=entropy_grad)
-    return lm_head_logprobs(hidden, model.get_output_embeddings(), labels, temperature, scale, softcap, **options)
 
 
 def position_ids(attention_mask):
@@ -364,42 +280,46 @@ def hidden_states(model, query_responses, attention_mask, prompt_width):
     return last_hidden_state(model, inputs)[:, prompt_width - 1 : -1]
 
 
-def training_forward(policy, critic, value_head, batch, micro_batch, args, with_values=True, with_entropy=False):
-    """The rows micro_batch of the rollout batch: the responses' log-probs and entropies (B, R) under `policy`, and
-    with_values their values (B, R) in fp32, the value head on the critic's trunk or on the policy's (detail 8)."""
+def policy_forward(model, batch, micro_batch, args):
+    """The rows micro_batch of the rollout batch through `model`: the last hidden states (B, R, H), each response
+    token's log-prob and the entropy of its next-token distribution (B, R) (details 4, 7). Naively
+        logits = model.lm_head(hidden) / temperature                      (B, R, V)
+        logprobs, entropy = log_softmax(logits).gather(-1, responses), -(softmax(logits) * log_softmax(logits)).sum(-1)
+    which lm_head_logprobs computes in fp32 chunks of the tokens (no (B, R, V) tensor is kept), with the model's logit
+    scaling and soft-capping; the entropy has a gradient only for an entropy bonus (--ent-coef)."""
     query_responses, attention_mask = batch["query_responses"][micro_batch], batch["attention_mask"][micro_batch]
-    hidden = hidden_states(policy, query_responses, attention_mask, batch["prompt_width"])
-    entropy_grad = args.ent_coef != 0  # else the entropy is for the logs alone, computed without autograd
-    options = dict(fp32=args.cast_lm_head_to_fp32, with_entropy=with_entropy, entropy_grad=entropy_grad)
-    logprobs, entropy = response_logprobs(policy, hidden, batch["responses"][micro_batch], args.temperature, **options)
-    if not with_values:
-        return logprobs, entropy, None
-    value_hidden = hidden  # --critic head: the policy's trunk
-    if args.critic == "separate":
-        value_hidden = hidden_states(critic, query_responses, attention_mask, batch["prompt_width"])
+    hidden = hidden_states(model, query_responses, attention_mask, batch["prompt_width"])
+    options = dict(entropy_grad=args.ent_coef != 0, fp32=args.cast_lm_head_to_fp32)
+    return hidden, *lm_head_logprobs(hidden, model, batch["responses"][micro_batch], args.temperature, **options)
+
+
+def training_forward(policy, critic, value_head, batch, micro_batch, args):
+    """The rows micro_batch: policy_forward's log-probs and entropies (B, R), and the values (B, R) in fp32 of the
+    value head on the critic's trunk, or on the policy's (--critic head: critic None) (detail 8)."""
+    hidden, logprobs, entropy = policy_forward(policy, batch, micro_batch, args)
+    if critic is not None:
+        query_responses, attention_mask = batch["query_responses"][micro_batch], batch["attention_mask"][micro_batch]
+        hidden = hidden_states(critic, query_responses, attention_mask, batch["prompt_width"])
     with torch.autocast(hidden.device.type, enabled=False):
-        return logprobs, entropy, value_head(value_hidden.float()).squeeze(-1)
+        return logprobs, entropy, value_head(hidden.float()).squeeze(-1)
 
 
-def accumulate_gradients(policy, critic, value_head, batch, minibatch, args, autocast):
-    """Forward and backward the rows minibatch, micro-batch by micro-batch (detail 11); returns each micro-batch's
-    stats. n_tokens: the minibatch's real tokens, averaged over the ranks, as FSDP averages their gradients."""
-    stats, n_tokens = [], global_mean([batch["mask"][minibatch].sum()])
-    for micro_batch in minibatch.split(args.micro_batch_size):
-        mask, old_logprobs = batch["mask"][micro_batch], batch["old_logprobs"][micro_batch]
+def accumulate_gradients(policy, critic, value_head, batch, micro_batches, args, autocast):
+    """Forward and backward of a minibatch, micro-batch by micro-batch, each loss weighted by its share of the
+    minibatch's real tokens (detail 11; counted over the ranks, as FSDP averages the gradients); their stats."""
+    stats, n_tokens = [], global_mean([batch["mask"][torch.cat(micro_batches)].sum()])
+    for micro_batch in micro_batches:
+        mask, advantages = batch["mask"][micro_batch], batch["advantages"][micro_batch]
         with autocast:
-            logprobs, entropy, values = training_forward(
-                policy, critic, value_head, batch, micro_batch, args, with_entropy=True
-            )
-        pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, batch["advantages"][micro_batch], mask, args.cliprange)
-        vf_loss, vf_stats = value_loss(
-            values, batch["values"][micro_batch], batch["returns"][micro_batch], mask, args.cliprange_value
-        )
+            logprobs, entropy, values = training_forward(policy, critic, value_head, batch, micro_batch, args)
+        pg_loss, pg_stats = policy_loss(logprobs, batch["old_logprobs"][micro_batch], advantages, mask, args.cliprange)
+        old_values, returns = batch["values"][micro_batch], batch["returns"][micro_batch]
+        vf_loss, vf_stats = value_loss(values, old_values, returns, mask, args.cliprange_value)
         mean_entropy = masked_mean(entropy, mask)
         loss = pg_loss + args.vf_coef * vf_loss
         if args.ent_coef:  # only then does backward go through the entropy
             loss = loss - args.ent_coef * mean_entropy
-        (loss * mask.sum() / n_tokens).backward()  # weighted by its share of the minibatch's real tokens (detail 11)
+        (loss * mask.sum() / n_tokens).backward()
         losses = {
             "loss/policy_avg": pg_loss,
             "loss/value_avg": vf_loss,
@@ -422,38 +342,32 @@ def optimizer_step(optimizer, params, max_grad_norm):
     return grad_norm
 
 
-# PPO's own: the value model; then main()
-
-
-def build_value_model(args, device, policy, tokenizer, rm_reads_ids):
-    """Detail 8: (critic: None with --critic head, else from the reward model if it reads our ids, value head)."""
+def build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer):
+    """Detail 8: (the critic: None with --critic head, else a trunk from the reward model if it reads the policy's
+    tokens, else from the policy; the value head, a linear layer initialised to 0 in fp32, also under autocast)."""
     critic = None
     if args.critic == "separate":
-        source = args.reward_model if rm_reads_ids else args.model
-        bf16 = uses_bf16(args)
-        critic = load_model(AutoModel, source, "--critic source", "auto" if args.lora_r else torch.float32, bf16)
-        add_pad_token(tokenizer, [critic])
-        if args.lora_r:
-            critic = add_lora(critic, args)  # adapters of its own; the value head trains in full
-        critic = place(critic, device, bf16 and not args.lora_r)  # as the policy
+        source = args.reward_model if reward_model is not None and rm_tokenizer is None else args.model
+        critic = load_critic(args, source, tokenizer, device)
     value_head = nn.Linear((critic or policy).config.hidden_size, 1)
     nn.init.zeros_(value_head.weight)
     nn.init.zeros_(value_head.bias)
-    return critic, place(value_head, device)  # fp32, also under bf16 autocast
+    return critic, place(value_head, device)
 
 
 def main(args: Args | None = None):
     args = parse_args() if args is None else args  # TRY NOT TO MODIFY: set-up, models, a resumed run, run directory
+    given = asdict(args)  # args.json: the flags as given, which --resume reads (what is derived is derived again)
     (rank, world), device, autocast = setup(args)
     check_args(args, world)
     batch_size = args.prompts_per_update // world  # this process's share of the prompts, one response each
-    args.micro_batch_size = min(args.micro_batch_size, batch_size // args.num_mini_batches)  # at most a minibatch
-    reward_fn = load_reward_fn(args.reward_fn)  # a bad name or file fails here, before anything is loaded
-    tokenizer, policy, reward_model, rm_tokenizer, rm_reads_ids = load_models(args, device)
-    eval_problems = eval_rows(args, tokenizer) if args.eval_every or args.eval_only else None
+    micro_batch_size = min(args.micro_batch_size, batch_size // args.num_mini_batches)  # at most a minibatch
+    reward_fns = [load_reward_fn(name) for name in reward_fn_names(args)]  # a bad one fails here, before loading
+    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device)  # rm_tokenizer None: it reads our ids
+    eval_problems = eval_rows(args, tokenizer, reward_fns)
     if args.eval_only:  # no training, no run directory
-        return evaluate_only(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
-    critic, value_head = build_value_model(args, device, policy, tokenizer, rm_reads_ids)
+        return evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
+    critic, value_head = build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer)
     ref_policy = None  # beta 0 without --kl-target: no KL penalty, no reference
     if args.kl_coef or args.kl_target:
         ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
@@ -462,78 +376,69 @@ def main(args: Args | None = None):
     if args.ref_update_every:  # else the reference is --model's
         models["ref_policy"] = ref_policy
     models = nn.ModuleDict({name: model for name, model in models.items() if model is not None})
-    needs_answers = reward_model is None and args.reward_fn in ("arithmetic", "gsm8k")
-    resumed, prompts, run_dir, writer = start_run(args, (rank, world), models, optimizer, tokenizer, needs_answers)
-    first_update, kl_coef, start_time = resumed.get("update", 0), resumed.get("kl_coef", args.kl_coef), time.time()
+    resumed, prompts, run_dir, writer = start_run(args, given, (rank, world), models, optimizer, tokenizer)
+    first_update, kl_coef = resumed.get("update", 0), resumed.get("kl_coef", args.kl_coef)
     run = {"update": first_update, "state": {"update": first_update, "kl_coef": kl_coef}}  # what a stop saves
+    clock = Stopwatch(device, first_update, args.total_steps)
+    whiten = args.score_norm == "on" or (args.score_norm == "auto" and reward_model is not None)  # the scores (13)
     with guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         if eval_problems and not resumed:  # the initial policy, at update 0
-            initial = evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
+            initial = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
             run["update"] = update
             torch.manual_seed(hash((args.seed, update, rank)))  # a resume repeats them (ints hash alike everywhere)
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
+            clock.lap()  # the update starts
             # ALGO LOGIC: 1. rollout, a response for each prompt (rollout() lists the batch's keys and shapes)
-            t0 = wall_clock(device)
             rows = [next(prompts) for _ in range(batch_size)]
             batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, [signalled])
             stop_if_signalled()  # every rank, before the update changes anything
             mask = batch["mask"]  # (B, R)
-            t1 = wall_clock(device)
-            # 2a. old log-probs and values, the reference's log-probs: the training forward in the first epoch's
-            # micro-batches, their rows and shapes (detail 5: on a GPU a row's numbers depend on its micro-batch)
+            clock.lap("generation")
+            # 2. old log-probs, values, the reference's log-probs: the training forward in its micro-batches (detail 5)
             epochs = [torch.randperm(batch_size, device=device) for _ in range(args.num_ppo_epochs)]
-            mbs, order = epochs[0].split(args.micro_batch_size), epochs[0].argsort()  # order: back to the batch's
-            with torch.no_grad(), autocast, unsharded(policy):
-                out = [training_forward(policy, critic, value_head, batch, mb, args) for mb in mbs]
-            old_logprobs, values = torch.cat([lp for lp, _, _ in out])[order], torch.cat([v for _, _, v in out])[order]
+            micro_batches, order = epochs[0].split(micro_batch_size), epochs[0].argsort()
+            with scoring(policy), autocast:
+                out = [training_forward(policy, critic, value_head, batch, mb, args) for mb in micro_batches]
+            old_logprobs, _, values = (torch.cat(x)[order] for x in zip(*out))
             ref_logprobs = old_logprobs
             if ref_policy is not None:
-                adapters_off = ref_policy.disable_adapter() if args.lora_r else contextlib.nullcontext()  # LoRA
-                with torch.no_grad(), autocast, adapters_off, unsharded(ref_policy):
-                    out = [training_forward(ref_policy, None, None, batch, mb, args, with_values=False) for mb in mbs]
-                ref_logprobs = torch.cat([lp for lp, _, _ in out])[order]
-            # 2b. scores: the reward function's, or the reward model's (and the function's too, when rows have answers)
+                with scoring(ref_policy, adapters_off=args.lora_r > 0), autocast:
+                    out = [policy_forward(ref_policy, batch, mb, args)[1] for mb in micro_batches]
+                ref_logprobs = torch.cat(out)[order]
+            # 3. scores; per-token rewards: -beta * KL on every token, the normalised score on the last (details 3, 13)
             completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-            fn_scores = None
-            if reward_model is None or rows[0]["answer"] is not None:  # every row has an answer, or none does
-                fn_scores = on_every_rank(lambda: reward_fn(completions, rows))  # an error on one rank stops all
+            fn_scores = reward_fn_scores(reward_fns, completions, rows, device)  # (B, reward functions)
+            scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)
             if reward_model is None:
-                scores = torch.tensor(fn_scores, dtype=torch.float, device=device)
-            else:
-                scores = reward_model_scores(reward_model, rm_tokenizer, rm_reads_ids, batch, rows, completions, args)
-            if args.missing_eos_penalty is not None:
-                scores = scores - args.missing_eos_penalty * (~batch["ended"]).float()
-            t2 = wall_clock(device)
-            # 3. per-token rewards: -beta * KL everywhere, plus the score at the last real token (detail 3)
+                scores = fn_scores[:, 0]
             kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator) * mask
             non_score_reward = -kl_coef * kl
             rewards = non_score_reward.clone()
-            whiten = args.score_norm == "on" or (args.score_norm == "auto" and reward_model is not None)
-            normalized = normalize_scores(scores, whiten, args.score_clip)  # detail 13
+            normalized = normalize_scores(scores, batch["ended"], whiten, args.missing_eos_penalty, args.score_clip)
             rewards[torch.arange(batch_size, device=device), mask.long().sum(1) - 1] += normalized
             if args.whiten_rewards:
                 rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
-            # 4. advantages: GAE over the response tokens, whitened over the batch (detail 9)
+            clock.lap("scoring")
+            # 4. advantages: GAE over the response tokens, whitened once over the batch, not per minibatch (detail 9)
             advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)
             batch |= {"old_logprobs": old_logprobs, "values": values, "advantages": advantages, "returns": returns}
-            batch |= {"scores": scores, "non_score_reward": non_score_reward}  # for the logs
             # 5. PPO update: epochs of shuffled minibatches, micro-batches accumulate gradients (details 10, 11)
             models.train()  # HF's activation checkpointing acts in train mode only (dropout is 0: eval's numbers)
             stats = []
             for epoch in epochs:
-                epoch_stats = []
+                first = len(stats)  # the epoch's micro-batches' stats: stats[first:]
                 for minibatch in epoch.split(batch_size // args.num_mini_batches):
-                    epoch_stats += accumulate_gradients(policy, critic, value_head, batch, minibatch, args, autocast)
+                    micro_batches = minibatch.split(micro_batch_size)
+                    stats += accumulate_gradients(policy, critic, value_head, batch, micro_batches, args, autocast)
                     optimizer_step(optimizer, params, args.max_grad_norm)
-                stats += epoch_stats
-                approxkl = global_mean([s["policy/approxkl_avg"] for s in epoch_stats])  # every rank stops together
+                approxkl = global_mean([s["policy/approxkl_avg"] for s in stats[first:]])  # every rank stops together
                 if args.target_kl is not None and approxkl > args.target_kl:
                     break
-            t3 = wall_clock(device)
+            clock.lap("update")
             # 6. KL controller and reference refresh
             mean_kl = global_mean([kl.sum(1).mean()])
             if args.kl_target:
@@ -541,24 +446,21 @@ def main(args: Args | None = None):
             if args.ref_update_every and update % args.ref_update_every == 0:
                 ref_policy.load_state_dict(policy.state_dict())
             run["state"] = {"update": update, "kl_coef": kl_coef}  # update done: a stop from here on resumes after it
-            # TRY NOT TO MODIFY: log (TRL's metric names), evaluate, show samples, save
-            times, progress = timing([t0, t1, t2, t3], start_time, first_update, update, args, mask, device)
-            metrics = ppo_metrics(update, args, batch, stats, fn_scores, mean_kl, kl_coef, optimizer, times)
-            stopping = stop_requested()  # a stop saves anyway: no evaluation
-            if eval_problems and not stopping and (update % args.eval_every == 0 or update == args.total_steps):
-                metrics |= evaluate(policy, tokenizer, eval_problems, reward_fn, args, autocast, batch_size)
-            line = f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
-            line += f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
-            log(writer, metrics, line + progress, samples_to_log(args, update, rows, completions, score=scores))
-            if args.save_every and update % args.save_every == 0 and not stopping:
+            # TRY NOT TO MODIFY: 7. log (TRL's metric names), evaluate, show samples, save
+            batch |= {"scores": scores, "non_score_reward": non_score_reward, "fn_scores": fn_scores}
+            metrics, line = ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock)
+            if eval_problems and due(update, args.eval_every, args.total_steps):
+                metrics |= evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
+            log(writer, metrics, line, samples_to_log(args, update, rows, completions, score=scores))
+            if update < args.total_steps and due(update, args.save_every):  # the last is saved below
                 save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
         save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer, merged=args.save_merged)
     return run_dir
 
 
-# SHARED WITH the other LLM script, after this script's own flag checks and metrics; kept identical by
+# SHARED WITH the other LLM script, after this script's own flag checks, metrics and loading; kept identical by
 # tests/test_shared.py (as is each function above that both define): rewards (to add one: REWARD_FNS, or --reward-fn
-# file.py:fn), prompts, models, sharding and set-up, logging, evaluation, stops, checkpoints.
+# file.py:fn), prompts, models and their LM head, sharding and set-up, logging, evaluation, stops, checkpoints.
 
 
 def check_args(args, world):
@@ -587,9 +489,12 @@ def check_args(args, world):
         raise SystemExit("error: --kl-target scales --kl-coef up or down: start it above 0 (got 0)")
 
 
-def ppo_metrics(update, args, batch, stats, fn_scores, mean_kl, kl_coef, optimizer, times):
-    """An update's metrics, TRL's names (docs/ppo_llm.md), over every rank: means, but for the sums and maxima."""
-    mask, batch_size = batch["mask"], len(batch["mask"])
+def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
+    """An update's metrics, TRL's names (docs/ppo_llm.md), over every rank (means, but for the sums and maxima), and
+    its progress line."""
+    mask, batch_size, scores = batch["mask"], len(batch["mask"]), batch["scores"]
+    if args.missing_eos_penalty is not None:  # TRL's objective/scores: the penalty taken, in the scores' units
+        scores = scores - args.missing_eos_penalty * (~batch["ended"]).float()
     metrics = {
         "update": update,
         "episode": update * args.prompts_per_update,
@@ -597,7 +502,7 @@ def ppo_metrics(update, args, batch, stats, fn_scores, mean_kl, kl_coef, optimiz
         "objective/kl_coef": kl_coef,
         "objective/entropy": (-batch["old_logprobs"] * mask).sum(1).mean().item(),  # TRL's: of the sampled tokens
         "objective/non_score_reward": batch["non_score_reward"].sum(1).mean().item(),
-        "objective/scores": batch["scores"].mean().item(),
+        "objective/scores": scores.mean().item(),
         "val/num_eos_tokens": int(batch["ended"].sum().item()),
         "val/mean_length": mask.sum().item() / batch_size,
         "lr": optimizer.param_groups[0]["lr"],
@@ -605,10 +510,25 @@ def ppo_metrics(update, args, batch, stats, fn_scores, mean_kl, kl_coef, optimiz
     for key in stats[0]:  # policy_loss's (policy/*, val/ratio), value_loss's (val/clipfrac_avg), the losses
         metrics[key] = torch.stack([s[key] for s in stats]).mean().item()
     metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
-    if fn_scores is not None:  # the reward function's verdict, beside a reward model too
-        metrics["objective/accuracy"] = sum(fn_scores) / batch_size
+    if batch["fn_scores"].shape[1]:  # the reward function's verdict, beside a reward model when one is given
+        metrics["objective/accuracy"] = batch["fn_scores"][:, 0].double().sum().item() / batch_size
+    times, progress = clock.metrics(update, mask.sum().item())
     ops = {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"}
-    return global_metrics(metrics | times, ops)
+    metrics = global_metrics(metrics | times, ops)
+    line = f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
+    line += f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
+    return metrics, line + progress
+
+
+def load_critic(args, source, tokenizer, device):
+    """PPO's separate critic (detail 8): the trunk of `source` (AutoModel, no LM head) in fp32 (LoRA: adapters of its
+    own on the checkpoint's dtype; the value head trains in full), the policy's pad token, placed as the policy."""
+    bf16 = uses_bf16(args)
+    critic = load_model(AutoModel, source, "--critic source", "auto" if args.lora_r else torch.float32, bf16)
+    add_pad_token(tokenizer, [critic])
+    if args.lora_r:
+        critic = add_lora(critic, args)
+    return place(critic, device, bf16 and not args.lora_r)
 
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
@@ -679,6 +599,21 @@ def finite_scores(values, source, completions):
     return scores
 
 
+def reward_fn_names(args):
+    """--reward-fn's names; unset, arithmetic (the embedded tasks' check), but none beside a reward model: there a
+    reward function only measures (an accuracy is logged), and one the run was not given would misjudge other data."""
+    if args.reward_fn is None:
+        return () if args.reward_model else ("arithmetic",)
+    return (args.reward_fn,) if isinstance(args.reward_fn, str) else args.reward_fn
+
+
+def reward_fn_scores(reward_fns, completions, rows, device):
+    """Each reward function's scores of the completions (B, reward functions); an error of one, on any rank, stops
+    every rank here."""
+    scores = on_every_rank(lambda: [reward_fn(completions, rows) for reward_fn in reward_fns])
+    return torch.tensor(scores, dtype=torch.float, device=device).reshape(len(reward_fns), len(completions)).T
+
+
 def load_prompts(args, tokenizer, needs_answers):
     """--dataset's rows: {prompt (the text the policy sees), answer (text or None), messages, columns (reward fns')}."""
     datasets.disable_progress_bars()
@@ -732,8 +667,11 @@ def prompt_stream(rows, seed, start, rank, world):
     return itertools.islice(stream, start + rank, None, world)
 
 
-def eval_rows(args, tokenizer):
-    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None."""
+def eval_rows(args, tokenizer, reward_fns):
+    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None (also
+    when no reward function scores them)."""
+    if not reward_fns or not (args.eval_every or args.eval_only):
+        return None
     split, beside = args.eval_split, args.dataset.removesuffix("train.jsonl") + "test.jsonl"
     if split is None and args.dataset.endswith("train.jsonl") and os.path.isfile(beside):
         split = beside
@@ -753,6 +691,8 @@ def from_pretrained(cls, name, flag, **kwargs):
     except (OSError, ValueError) as e:
         where = "holds no model it can load" if os.path.isdir(name) else "is no directory, nor reachable on the hub"
         hint = "a hub id needs the network (with HF_HUB_OFFLINE=1, the cache alone); offline: assets/arith-sft"
+        if name.startswith("assets/"):  # a copy of the script, without the repository's assets/
+            hint = "the embedded models ship in the repository's assets/: give --model (hub id or directory), --dataset"
         raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}); {hint}") from None
 
 
@@ -807,6 +747,24 @@ def add_pad_token(tokenizer, models, eos_ids=()):
         model.config.pad_token_id = tokenizer.pad_token_id
 
 
+def end_of_response_ids(tokenizer, generation_config):
+    """Detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
+    the chat template writes (its turn markers: a base model's config names its EOS alone, not its end of turn)."""
+    configured = generation_config.eos_token_id or []  # None, an id or a list of them
+    if isinstance(configured, int):
+        configured = [configured]
+    turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
+    turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
+    return sorted({tokenizer.eos_token_id, *configured} | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
+
+
+def tokenize_texts(tokenizer, texts, max_length):
+    """Padded ids, cut on the left to max_length (a prompt keeps its assistant header); no second BOS."""
+    has_bos = bool(tokenizer.bos_token) and all(text.startswith(tokenizer.bos_token) for text in texts)
+    options = dict(padding=True, truncation=max_length is not None, max_length=max_length, return_tensors="pt")
+    return tokenizer(texts, add_special_tokens=not has_bos, **options)
+
+
 def rm_text(rm_tokenizer, row, completion):
     """What a reward model with a tokenizer of its own reads: the conversation through its own chat template, if any."""
     if rm_tokenizer.chat_template is None:
@@ -816,9 +774,12 @@ def rm_text(rm_tokenizer, row, completion):
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, reads_ids, batch, rows, completions, args):
-    """Score of each sequence (B,) at its last real token: of the policy's ids (reads_ids), or of rm_text, cut left."""
-    if reads_ids:
+def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
+    """Score of each sequence (B,) at its last real token (None without a reward model): of the policy's ids when it
+    reads them (rm_tokenizer None), else of rm_text in its own tokens, cut on the left."""
+    if reward_model is None:
+        return None
+    if rm_tokenizer is None:
         mask = batch["attention_mask"]
         inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
     else:
@@ -835,8 +796,8 @@ def reward_model_scores(reward_model, rm_tokenizer, reads_ids, batch, rows, comp
 
 
 def load_models(args, device):
-    """(tokenizer, policy, frozen reward model, its tokenizer, whether it reads the policy's ids) on the device; under
-    torchrun sharded as each loads (rank 0 holds one whole model at a time)."""
+    """(tokenizer, policy, frozen reward model or None, its tokenizer or None when it reads the policy's ids) on the
+    device; under torchrun sharded as each loads (rank 0 holds one whole model at a time)."""
     bf16 = uses_bf16(args)
     policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32, bf16)
     weights = f"{str(policy.dtype)[6:]} base weights, fp32 adapters" if args.lora_r else "fp32 weights"
@@ -847,7 +808,6 @@ def load_models(args, device):
     model_defaults(args, policy)
     eos_ids = end_of_response_ids(tokenizer, policy.generation_config)
     reward_model = rm_tokenizer = None
-    rm_reads_ids = False
     if args.reward_model is not None:
         reward_model = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", "auto", bf16)
         n = reward_model.config.num_labels
@@ -855,8 +815,8 @@ def load_models(args, device):
             why = f"--reward-label (0 to {n - 1}) chooses the logit that is the score (got {args.reward_label})"
             raise SystemExit(f"error: --reward-model {args.reward_model} has num_labels={n}: {why}")
         rm_tokenizer = from_pretrained(AutoTokenizer, args.reward_model, "--reward-model", truncation_side="left")
-        rm_reads_ids = rm_tokenizer.get_vocab() == tokenizer.get_vocab()  # no decoding and encoding
-        if rm_reads_ids:
+        if rm_tokenizer.get_vocab() == tokenizer.get_vocab():  # it reads the policy's ids: no decoding and encoding
+            rm_tokenizer = None
             add_pad_token(tokenizer, [reward_model], eos_ids)
         else:
             add_pad_token(rm_tokenizer, [reward_model])
@@ -869,12 +829,12 @@ def load_models(args, device):
     policy.generation_config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
     if args.lora_r:
         policy = add_lora(policy, args)
-    error = 0.0  # refuse a model whose logits response_logprobs does not reproduce: rank 0 holds the weights
+    error = 0.0  # refuse a model whose logits the LM head does not reproduce: rank 0 holds the weights
     if not dist.is_initialized() or dist.get_rank() == 0:
         with torch.no_grad():
             ids = torch.arange(1, 9)[None] % len(tokenizer)
             hidden = hidden_states(policy, ids, torch.ones_like(ids), 1)
-            got, _ = response_logprobs(policy, hidden, ids[:, 1:], 1.0, fp32=False)  # the matmul in the model's dtype
+            got, _ = lm_head_logprobs(hidden, policy, ids[:, 1:], 1.0, fp32=False)  # the matmul in the model's dtype
             want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1)[torch.arange(7), ids[0, 1:]]
         error = (got[0] - want).abs().max().item()
     error = all_reduce(torch.tensor(error)).item()  # rank 0's verdict, on every rank
@@ -882,7 +842,7 @@ def load_models(args, device):
     if error > 1e-3:
         why = f"its forward changes the logits in a way this script does not reproduce (log-probs {error:.3g} apart)"
         raise SystemExit(f"error: --model {args.model}: {why}")
-    return tokenizer, policy, reward_model, rm_tokenizer, rm_reads_ids
+    return tokenizer, policy, reward_model, rm_tokenizer
 
 
 def model_defaults(args, policy):
@@ -915,6 +875,54 @@ def last_hidden_state(model, inputs):
     finally:
         hook.remove()
     return kept[0]
+
+
+LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
+
+
+def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp32=True):
+    """Log-probs of labels (B, T) and the entropies (B, T) of the next-token distributions, from the last hidden
+    states (B, T, H) and the model's output embedding `head`, its logits scaled (Cohere's logit_scale, Granite's
+    1 / logits_scaling) and soft-capped (Gemma's final_logit_softcapping) as its own forward does (details 4, 7):
+        z = softcap * tanh(scale * head(h) / softcap) / temperature,  log p = log_softmax(z),  H = -sum_v p_v log p_v.
+    In chunks of at most LM_HEAD_CHUNK logits, each under torch.utils.checkpoint: no chunk's logits outlive it, and its
+    backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
+    for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
+    where F.linear would run it (autocast's dtype), the head cast to it once, not once a chunk (a bf16 head: FSDP's bf16
+    gather), and its gradient summed over the chunks in it."""
+    B, T = labels.shape
+    config, head = model.config, model.get_output_embeddings()
+    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    device_type = hidden.device.type
+    dtype = head.weight.dtype
+    if fp32:
+        dtype = torch.float32
+    elif torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+
+    def logits(h, weight, bias):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place
+        z = F.linear(h.to(dtype), weight, bias).float()
+        if softcap:  # tanh's backward reads its output: that product not in place
+            return z.mul_(scale / softcap).tanh_() * (softcap / temperature)
+        return z.mul_(scale / temperature)
+
+    def chunk(h, y, weight, bias):  # (N, H), (N,) -> log p of y (N,), entropy (N,)
+        with torch.autocast(device_type, enabled=False):
+            logp = logits(h, weight, bias).log_softmax(-1)  # the logits are freed here: two chunk-sized tensors at most
+            logprobs = logp.gather(-1, y[:, None])[:, 0]
+            if entropy_grad and torch.is_grad_enabled():
+                return logprobs, -(logp.exp() * logp).sum(-1)
+            with torch.no_grad():  # for the logs: no recomputed tensors kept for a backward that never reads them
+                return logprobs, -logp.exp().mul_(logp).sum(-1)
+
+    weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
+    n = max(1, LM_HEAD_CHUNK // head.weight.shape[0])  # tokens per chunk
+    hidden, labels = hidden.reshape(B * T, -1), labels.reshape(B * T)
+    chunks = []
+    for i in range(0, B * T, n):
+        chunks.append(checkpoint(chunk, hidden[i : i + n], labels[i : i + n], weight, bias, use_reentrant=False))
+    return torch.cat([lp for lp, _ in chunks]).view(B, T), torch.cat([entropy for _, entropy in chunks]).view(B, T)
 
 
 def shard(model, bf16=False):
@@ -950,17 +958,20 @@ def place(model, device, bf16=False):
 
 
 def frozen_copy(model, device, bf16):
-    """A copy of the fp32 policy that does not train (the reference); under torchrun an empty model sharded as the
-    policy is, filled from its shards: no rank holds either whole."""
+    """A copy of the fp32 policy that never trains (the reference): no gradient, eval mode whatever train() its holder
+    gets; under torchrun an empty model sharded as the policy is, filled from its shards: no rank holds either whole."""
     if not dist.is_initialized():
-        return copy.deepcopy(model).eval()
-    with torch.device("meta"):
-        copied = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
-    shard(copied, bf16)
-    copied.to_empty(device=device)
-    copied.load_state_dict(model.state_dict())
-    for buffer, source in zip(copied.buffers(), model.buffers()):
-        buffer.copy_(source)
+        copied = copy.deepcopy(model)
+    else:
+        with torch.device("meta"):
+            copied = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+        shard(copied, bf16)
+        copied.to_empty(device=device)
+        copied.load_state_dict(model.state_dict())
+        for buffer, source in zip(copied.buffers(), model.buffers()):
+            buffer.copy_(source)
+    copied.eval().requires_grad_(False)
+    copied.train = lambda mode=True: copied  # models.train() leaves it in eval mode
     return copied
 
 
@@ -977,6 +988,15 @@ def unsharded(model):
         for module in sharded:
             module.reshard()
             module.set_reshard_after_forward(module is not model, recurse=False)  # FSDP's default: not the root
+
+
+@contextlib.contextmanager
+def scoring(model, adapters_off=False):
+    """A no-grad pass of the model, gathered whole once under torchrun (not once a micro-batch); adapters_off: with
+    LoRA, the reference is the policy with its adapters off."""
+    adapters = model.disable_adapter() if adapters_off else contextlib.nullcontext()
+    with torch.no_grad(), adapters, unsharded(model):
+        yield
 
 
 def prepare(args, trained):
@@ -1027,6 +1047,10 @@ def check_run(args, world):
         (no_split, f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
         (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
         (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
+        (
+            args.eval_only and not reward_fn_names(args),
+            "--eval-only beside --reward-model scores by a --reward-fn: name it",
+        ),
     ]:
         if bad:
             raise SystemExit(f"error: {message}")
@@ -1039,6 +1063,13 @@ def all_reduce(x, op="sum"):
     y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
     dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
     return y.to(x.device)
+
+
+def global_mean(values):
+    """Mean of the scalar tensors in every rank's list, pooled (not a mean of means), NaNs (0 / 0 token means) out."""
+    x = torch.stack(values).double()
+    total, count = all_reduce(torch.stack([x.nansum(), (~x.isnan()).sum().double()])).tolist()
+    return total / count
 
 
 def uses_bf16(args):
@@ -1068,25 +1099,32 @@ def setup(args):
 
 
 def parse_args(argv=None):
-    """The flags; with --resume RUN_DIR the run's args.json gives the defaults: only the flags given change."""
+    """The flags; with --resume RUN_DIR the run's args.json gives the defaults: only the flags given change. A path
+    under assets/ that the working directory lacks is the one beside the script."""
     args = tyro.cli(Args, args=argv)
-    if args.resume is None:
-        return args
-    try:
-        with open(os.path.join(args.resume, "args.json")) as f:
-            saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()}
-    except (OSError, ValueError, AttributeError) as e:  # no such file, a damaged one, or no {flag: value} object
-        raise SystemExit(f"error: --resume {args.resume}: args.json unreadable ({type(e).__name__}: {e})") from None
-    script = saved.get("script", os.path.basename(__file__))
-    if script != os.path.basename(__file__):
-        go_on = f"python {script} --resume {args.resume} goes on with it"
-        raise SystemExit(f"error: --resume {args.resume} is a run of {script}: {go_on}")
-    saved = {f.name: saved[f.name] for f in fields(Args) if f.name in saved} | {"resume": args.resume}
-    return tyro.cli(Args, args=argv, default=Args(**saved))
+    if args.resume is not None:
+        try:
+            with open(os.path.join(args.resume, "args.json")) as f:
+                saved = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()}
+        except (OSError, ValueError, AttributeError) as e:  # no such file, a damaged one, or no {flag: value} object
+            raise SystemExit(f"error: --resume {args.resume}: args.json unreadable ({type(e).__name__}: {e})") from None
+        script = saved.get("script", os.path.basename(__file__))
+        if script != os.path.basename(__file__):
+            go_on = f"python {script} --resume {args.resume} goes on with it"
+            raise SystemExit(f"error: --resume {args.resume} is a run of {script}: {go_on}")
+        saved = {f.name: saved[f.name] for f in fields(Args) if f.name in saved} | {"resume": args.resume}
+        args = tyro.cli(Args, args=argv, default=Args(**saved))
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in ["model", "reward_model", "dataset", "eval_split"]:  # the embedded ones, run from elsewhere
+        path = getattr(args, name) or ""
+        if path.startswith("assets/") and not os.path.exists(path) and os.path.exists(os.path.join(here, path)):
+            setattr(args, name, os.path.join(here, path))
+    return args
 
 
-def open_run(args, rank, checkpoint):
-    """The run directory, the same on every rank; rank 0's args.json and TensorBoard writer (wandb syncs it)."""
+def open_run(args, given, rank, checkpoint):
+    """The run directory, the same on every rank; rank 0's args.json (the flags as given) and TensorBoard writer (wandb
+    syncs it)."""
     names = [args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")]
     if dist.is_initialized():
         dist.broadcast_object_list(names)
@@ -1110,15 +1148,16 @@ def open_run(args, rank, checkpoint):
             settings |= dict(id=json.load(open(os.path.join(run_dir, "args.json"))).get("wandb_id"), resume="allow")
         saved["wandb_id"] = wandb.init(**settings).id
     with open(os.path.join(run_dir, "args.json"), "w") as f:
-        json.dump(asdict(args) | saved, f, indent=1)
+        json.dump(given | saved, f, indent=1)
     return run_dir, SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
 
 
-def start_run(args, ranks, models, optimizer, tokenizer, needs_answers):
+def start_run(args, given, ranks, models, optimizer, tokenizer):
     """(a resumed run's state ({} if new), its weights and AdamW's loaded; the prompts from there; run dir; writer)."""
     resumed = load_checkpoint(args, models, optimizer)
+    needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))
     rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
-    run_dir, writer = open_run(args, ranks[0], resumed)
+    run_dir, writer = open_run(args, given, ranks[0], resumed)
     start = resumed.get("update", 0) * args.prompts_per_update
     return resumed, prompt_stream(rows, args.seed, start, *ranks), run_dir, writer
 
@@ -1168,7 +1207,8 @@ def global_metrics(metrics, ops):
 
 
 def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
-    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong.
+    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong;
+    with --eval-only printed with its 95% bound, the run's one result.
     Under torchrun each rank takes every world-th batch, and every rank runs as many rollouts (each gathers the policy):
     a rank short of a batch samples the first one again, uncounted."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -1195,16 +1235,9 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
     for name, chosen in [("right", scores > 0), ("wrong", scores <= 0)]:
         if chosen.any():
             metrics[f"eval/mean_length_{name}"] = lengths[chosen].mean().item()
+    if args.eval_only:
+        print(eval_line(metrics, n=len(rows)))
     return metrics
-
-
-def evaluate_only(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
-    """--eval-only: the held-out accuracy of --model, printed with its 95% bound, and returned (no run directory)."""
-    result = evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size)
-    print(eval_line(result, n=len(rows)))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return result
 
 
 def eval_line(metrics, n=None):
@@ -1214,29 +1247,39 @@ def eval_line(metrics, n=None):
     return line if n is None else f"{line} (n={n}; two evaluations of one policy differ by < {bound:.3f})"
 
 
-def timing(marks, start_time, first_update, update, args, mask, device):
-    """time/* and perf/* of one update from its marks (start, generated, scored, updated); '(seconds so far, ETA)'."""
-    elapsed = time.time() - start_time
-    left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (args.total_steps - update) / (update - first_update)))
-    peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    if device.type == "cuda":
-        peak_memory = torch.cuda.max_memory_allocated() / 2**20
-    metrics = {
-        "time/generation": marks[1] - marks[0],
-        "time/scoring": marks[2] - marks[1],
-        "time/update": marks[3] - marks[2],
-        "time/elapsed": elapsed,
-        "perf/tokens_per_sec": mask.sum().item() / (marks[3] - marks[0]),
-        "perf/peak_memory_mb": peak_memory,
-    }
-    return metrics, f"{marks[3] - marks[0]:.2f}s  ({elapsed:.0f}s, ETA {left})"
+class Stopwatch:
+    """An update's time/* by phase, each taken once the GPU's queued work is done, and the run's progress; on a GPU
+    perf/peak_memory_mb is the update's own, on a CPU the process's peak resident set."""
+
+    def __init__(self, device, first_update, total_steps):
+        self.device, self.first, self.total, self.start = device, first_update, total_steps, time.time()
+
+    def lap(self, phase=None):
+        """time/<phase>, the seconds since the last lap; with no phase an update starts."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            if phase is None:
+                torch.cuda.reset_peak_memory_stats()
+        now, self.times = time.perf_counter(), {} if phase is None else self.times
+        if phase is not None:
+            self.times[f"time/{phase}"] = now - self.last
+        self.last = now
+
+    def metrics(self, update, tokens):
+        """time/* and perf/* of the update just timed, and its line's end: '(seconds so far, ETA)'."""
+        seconds, elapsed = sum(self.times.values()), time.time() - self.start
+        left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (self.total - update) / (update - self.first)))
+        peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+        if self.device.type == "cuda":
+            peak_memory = torch.cuda.max_memory_allocated() / 2**20
+        metrics = {"time/elapsed": elapsed, "perf/tokens_per_sec": tokens / seconds, "perf/peak_memory_mb": peak_memory}
+        return self.times | metrics, f"{seconds:.2f}s  ({elapsed:.0f}s, ETA {left})"
 
 
-def wall_clock(device):
-    """time.perf_counter() once the GPU's queued work is done, so that each step is timed by its own."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
+def due(update, every, total_steps=None):
+    """Whether an evaluation or a save is due after this update: every N updates (0: never) and after the last
+    (total_steps), but not once a stop is requested (which saves anyway); the same answer on every rank."""
+    return bool(every) and (update % every == 0 or update == total_steps) and not stop_requested()
 
 
 # TRY NOT TO MODIFY: stops and checkpoints
@@ -1306,7 +1349,8 @@ def reason(error):
 def trained_state(models, optimizer):
     """What checkpoint/ holds: this rank's shards of the trained weights (not a LoRA base's) and of AdamW's state."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: no_dist, on purpose
-    frozen = {name for name, p in models.named_parameters(remove_duplicate=False) if not p.requires_grad}  # tied too
+    named = models.named_parameters(remove_duplicate=False)  # tied ones too
+    frozen = {name for name, p in named if not (p.requires_grad or name.startswith("ref_policy."))}  # a LoRA base
     weights = {k: v for k, v in dsd.get_model_state_dict(models).items() if k not in frozen}
     return {"models": weights, "optimizer": dsd.get_optimizer_state_dict(models, optimizer)}
 
@@ -1464,5 +1508,22 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
 
 
+@contextlib.contextmanager
+def refusals_once():
+    """Under torchrun a refusal (a SystemExit's one line) is printed by rank 0 alone and ends torchrun's report."""
+    try:
+        yield
+    except SystemExit as e:
+        if isinstance(e.code, str) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            sys.stderr = sys.stderr if int(os.environ["RANK"]) == 0 else open(os.devnull, "w")
+            if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report of a failed rank ends with it
+                with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                    json.dump({"message": e.code, "timestamp": int(time.time())}, f)
+            if dist.is_initialized():  # else gloo's threads can abort the process as it exits
+                dist.destroy_process_group()
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    with refusals_once():  # under torchrun, a refusal is one line, once
+        main()

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -65,13 +66,14 @@ def main():
     for name, bf16, fp32_head in [("fp32", False, True), ("bf16, fp32 head", True, True), ("bf16", True, False)]:
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             hidden = ppo_llm.hidden_states(policy, qr, am, width)
-            results[name] = ppo_llm.response_logprobs(policy, hidden, responses, 1.0, fp32=fp32_head)[0]
+            results[name] = ppo_llm.lm_head_logprobs(hidden, policy, responses, 1.0, fp32=fp32_head)[0]
     errors = {}
     for name in ["bf16, fp32 head", "bf16"]:
         error = (results[name] - results["fp32"]).abs()[mask]
         errors[name] = [error.mean().item(), error.max().item()]
 
     hidden, head = torch.randn(1024, 768, device=device), torch.nn.Linear(768, 50257, bias=False).to(device)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(), get_output_embeddings=lambda: head)  # as an LM's
     labels = torch.randint(0, 50257, (1, 1024), device=device)
     timings = {}
     for fp32_head in [True, False]:
@@ -79,7 +81,7 @@ def main():
             for i in range(4):  # one warm-up
                 if i == 1:
                     start = time.perf_counter()
-                ppo_llm.lm_head_logprobs(hidden[None], head, labels, 1.0, fp32=fp32_head)
+                ppo_llm.lm_head_logprobs(hidden[None], model, labels, 1.0, fp32=fp32_head)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         timings["fp32" if fp32_head else "bf16"] = (time.perf_counter() - start) / 3 * 1000

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,7 @@ def child(name):
 
     else:
         head = torch.nn.Linear(896, 151936, bias=False, device=device, dtype=torch.bfloat16)
+        model = types.SimpleNamespace(config=types.SimpleNamespace(), get_output_embeddings=lambda: head)  # an LM's
         hidden = torch.randn(1, 1024, 896, device=device, requires_grad=True)
         labels = torch.randint(151936, (1, 1024), device=device)
         n = ppo_llm.LM_HEAD_CHUNK // 151936  # tokens a chunk
@@ -110,11 +112,11 @@ def child(name):
         def fn():
             head.weight.grad = hidden.grad = None
             if how == "once":
-                logprobs, _ = ppo_llm.lm_head_logprobs(hidden, head, labels, 1.0, with_entropy=True)
+                logprobs, _ = ppo_llm.lm_head_logprobs(hidden, model, labels, 1.0)
             else:  # each chunk a call under checkpoint, its cast inside: made again in the backward, as each chunk is
 
                 def chunk(h, y):
-                    return ppo_llm.lm_head_logprobs(h, head, y, 1.0, with_entropy=True)[0]
+                    return ppo_llm.lm_head_logprobs(h, model, y, 1.0)[0]
 
                 chunks = [checkpoint(chunk, hidden[:, i : i + n], labels[:, i : i + n], use_reentrant=False)
                           for i in range(0, 1024, n)]  # fmt: skip

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -298,9 +299,10 @@ def head_child(spec):
     hidden = torch.randn(1, tokens, H, device=device, requires_grad=bool(grad))
     labels = torch.randint(V, (1, tokens), device=device)
     entropy_grad = loss == "log-probs + entropy"
+    model = types.SimpleNamespace(config=types.SimpleNamespace(), get_output_embeddings=lambda: head)  # as an LM's
 
-    def naive(hidden, head, labels, temperature, with_entropy, entropy_grad):  # TRL-style: full (B, T, V) logits
-        logits = head(hidden) / temperature
+    def naive(hidden, model, labels, temperature, entropy_grad):  # TRL-style: full (B, T, V) logits
+        logits = model.get_output_embeddings()(hidden) / temperature
         logprobs = logits.gather(-1, labels[..., None])[..., 0] - torch.logsumexp(logits, -1)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
@@ -314,7 +316,7 @@ def head_child(spec):
         else:
             base = rss_mb()
         with torch.set_grad_enabled(bool(grad)):
-            logprobs, entropy = fn(x, head, y, 1.0, with_entropy=True, entropy_grad=entropy_grad)
+            logprobs, entropy = fn(x, model, y, 1.0, entropy_grad=entropy_grad)
             if grad:
                 (logprobs.sum() + (entropy.sum() if entropy_grad else 0)).backward()
         del logprobs, entropy
@@ -371,8 +373,7 @@ def profile(shape="gpt2-124m", micro=8, new=64, repeats=3):
         hidden = ppo_llm.hidden_states(policy, ids, mask, PROMPT_TOKENS)
         t1 = time.perf_counter()
         leaf = hidden.detach().requires_grad_()
-        logprobs, entropy = ppo_llm.lm_head_logprobs(leaf, policy.get_output_embeddings(), ids[:, PROMPT_TOKENS:],
-                                                     1.0, with_entropy=True, entropy_grad=True)  # fmt: skip
+        logprobs, entropy = ppo_llm.lm_head_logprobs(leaf, policy, ids[:, PROMPT_TOKENS:], 1.0, entropy_grad=True)
         t2 = time.perf_counter()
         (logprobs.mean() + entropy.mean()).backward()
         t3 = time.perf_counter()

@@ -192,7 +192,7 @@ def logprobs_child(spec):
         position_ids_from_mask(model)
         logps["fixed"] = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, C)[0]
         hidden = grpo_llm.hidden_states(model, input_ids, attention_mask, enc.input_ids.shape[1])
-        logps["ours"] = grpo_llm.response_logprobs(model, hidden, completions, 1.0)[0]
+        logps["ours"] = grpo_llm.lm_head_logprobs(hidden, model, completions, 1.0)[0]
     padded = (enc.attention_mask[:, 0] == 0)[:, None] & mask  # the tokens of completions whose prompt was padded
     result = {"tokens": int(mask.sum()), "tokens_of_padded_prompts": int(padded.sum()), "completions": len(mask)}
     result["padded_prompts"] = int((enc.attention_mask[:, 0] == 0).sum())
@@ -375,7 +375,7 @@ def logprobs_table(result, out_dir):
     labels = {
         "stock": "TRL 1.16 `_get_per_token_logps_and_entropies`, as installed",
         "fixed": "the same with position ids from the mask (this benchmark's patch)",
-        "ours": "grpo_llm.py `hidden_states` + `response_logprobs`",
+        "ours": "grpo_llm.py `hidden_states` + `lm_head_logprobs`",
     }
     for name, label in labels.items():
         r = result[name]

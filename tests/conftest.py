@@ -105,3 +105,11 @@ def saved_weights(run_dir, name):
     weights = torch.load(path)["models"]
     os.remove(path)
     return {k.removeprefix(f"{name}."): v for k, v in weights.items() if k.startswith(f"{name}.")}
+
+
+def lm(head, logit_scale=None, softcap=None):
+    """A causal LM as lm_head_logprobs reads one: its output embedding `head`, its config's logit scale and softcap."""
+    import types
+
+    config = types.SimpleNamespace(logit_scale=logit_scale, final_logit_softcapping=softcap)
+    return types.SimpleNamespace(config=config, get_output_embeddings=lambda: head)

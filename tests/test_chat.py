@@ -232,11 +232,11 @@ def test_reward_fn_as_module_with_weights(chat, tmp_path, monkeypatch):
 def test_reward_model_reads_the_whole_response(chat):
     # a prompt of 64 tokens and a reward model of 32 positions: the text loses its start, never the response
     args = ppo_llm.Args(model=chat["policy"], reward_model=chat["rm_other"], micro_batch_size=4)
-    _, _, reward_model, rm_tokenizer, reads_ids = ppo_llm.load_models(args, torch.device("cpu"))
+    _, _, reward_model, rm_tokenizer = ppo_llm.load_models(args, torch.device("cpu"))
     rows = [{"prompt": "1" * 60 + "+1=", "messages": None}]
     r = {"query_responses": None, "attention_mask": None}  # the policy's ids: unused, the text is encoded again
-    assert not reads_ids
-    got = ppo_llm.reward_model_scores(reward_model, rm_tokenizer, reads_ids, r, rows, ["61"], args)
+    assert rm_tokenizer is not None  # a tokenizer of its own: it does not read the policy's ids
+    got = ppo_llm.reward_model_scores(reward_model, rm_tokenizer, r, rows, ["61"], args)
     ids = rm_tokenizer(("1" * 60 + "+1=61")[-32:], return_tensors="pt").input_ids
     assert got.item() == pytest.approx(reward_model(input_ids=ids).logits[0, 0].item(), abs=1e-6)
 
@@ -257,8 +257,8 @@ def test_a_policy_without_a_pad_token_beside_a_reward_model_of_another_tokenizer
     GPT2LMHeadModel(tiny_config(tok)).save_pretrained(tmp_path / "policy")
     tok.save_pretrained(tmp_path / "policy")
     args = ppo_llm.Args(model=str(tmp_path / "policy"), reward_model=tiny["rm_other"])
-    tokenizer, policy, _, _, reads_ids = ppo_llm.load_models(args, torch.device("cpu"))
-    assert not reads_ids and tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == len(tok)
+    tokenizer, policy, _, rm_tokenizer = ppo_llm.load_models(args, torch.device("cpu"))
+    assert rm_tokenizer is not None and tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == len(tok)
     assert policy.get_input_embeddings().num_embeddings == len(tok) + 1
 
 
@@ -435,7 +435,9 @@ def test_score_norm_flag(tiny, tmp_path, monkeypatch):
     assert ppo_llm.parse_args(["--score-norm", "off"]).score_norm == "off"
     assert ppo_llm.parse_args([]).score_norm == "auto" and ppo_llm.Args().weight_decay == 0.0
     whitened = []
-    monkeypatch.setattr(ppo_llm, "normalize_scores", lambda scores, whiten, clip: whitened.append(whiten) or scores)
+    monkeypatch.setattr(
+        ppo_llm, "normalize_scores", lambda scores, ended, whiten, *_: whitened.append(whiten) or scores
+    )
     for reward_model, norm in [(tiny["rm"], "auto"), (None, "auto"), (tiny["rm"], "off"), (None, "on")]:
         run(ppo_llm, tmp_path / str(len(whitened)), model=tiny["policy"], reward_model=reward_model, score_norm=norm)
     assert whitened == [True, False, False, True]

@@ -65,7 +65,8 @@ def update(case, r):
         models = ppo_models(variant)
         args = types.SimpleNamespace(micro_batch_size=2, temperature=1.0, cast_lm_head_to_fp32=True, cliprange=0.2,
                                      cliprange_value=0.2, vf_coef=0.1, ent_coef=0.01, critic=variant)  # fmt: skip
-        stats = ppo_llm.accumulate_gradients(*models, r, torch.arange(r["mask"].shape[0]), args, nullcontext())
+        micro_batches = torch.arange(r["mask"].shape[0]).split(2)
+        stats = ppo_llm.accumulate_gradients(*models, r, micro_batches, args, nullcontext())
         stats = {k: ppo_llm.global_mean([s[k] for s in stats]) for k in stats[0]}
     else:
         torch.manual_seed(0)
@@ -76,7 +77,8 @@ def update(case, r):
             models = [grpo_llm.add_lora(models[0], args)]
         if dist.is_initialized():
             models = [grpo_llm.place(models[0], CPU)]
-        loss, stats = grpo_llm.accumulate_gradients(models[0], r, args, nullcontext())
+        micro_batches = torch.arange(r["mask"].shape[0]).split(2)
+        loss, stats = grpo_llm.accumulate_gradients(models[0], r, micro_batches, args, nullcontext())
         stats = {k: grpo_llm.global_mean([s[k] for s in stats]) for k in stats[0]} | {
             "loss": grpo_llm.global_mean([loss])
         }
@@ -127,7 +129,8 @@ def worker(rank, world, init_file):
     # the batch statistics: whitening, score normalisation, GRPO's batch std, the top-entropy quantile, the metrics
     torch.testing.assert_close(ppo_llm.masked_whiten(r["advantages"], r["mask"]), whitened[mine])
     scores = (rewards - rewards.mean()) * torch.rsqrt(rewards.var() + 1e-8)  # the union's, Bessel (detail 13)
-    torch.testing.assert_close(ppo_llm.normalize_scores(rewards[mine], True, None), scores[mine])
+    ended = torch.ones(len(rewards), dtype=torch.bool)
+    torch.testing.assert_close(ppo_llm.normalize_scores(rewards[mine], ended[mine], True, None, None), scores[mine])
     torch.testing.assert_close(grpo_llm.group_advantages(rewards[mine], 2, "batch")[0], group_advantages[mine])
     torch.testing.assert_close(grpo_llm.high_entropy_mask(r["advantages"], r["loss_mask"], 0.2), entropy_mask[mine])
     metrics = {"update": 3, "mean": float(rank), "n": rank + 1, "lo": rank + 5.0, "hi": rank + 0.5}
@@ -287,8 +290,8 @@ def family_outputs(args):
     """Every model the scripts load for `args` (policy, reference, reward model, critic, value head), through their
     own loading, and each one's output on fixed ids (whole on every rank, as the one-process model's)."""
     cpu = torch.device("cpu")
-    tokenizer, policy, reward_model, _, reads_ids = ppo_llm.load_models(args, cpu)
-    critic, value_head = ppo_llm.build_value_model(args, cpu, policy, tokenizer, reads_ids)
+    tokenizer, policy, reward_model, rm_tokenizer = ppo_llm.load_models(args, cpu)
+    critic, value_head = ppo_llm.build_value_model(args, cpu, policy, tokenizer, reward_model, rm_tokenizer)
     ref_policy = policy if args.lora_r else ppo_llm.frozen_copy(policy, cpu, bf16=False)  # as main() makes it
     models = {"policy": policy, "ref_policy": ref_policy, "critic": critic}
     models["reward_model"] = reward_model
@@ -317,7 +320,7 @@ def bf16_logprobs(path):
         with ppo_llm.unsharded(policy):  # the gathered copy
             assert policy.get_output_embeddings().weight.dtype == torch.bfloat16
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), ppo_llm.unsharded(policy):
-        logprobs, _, _ = ppo_llm.training_forward(policy, None, None, union_batch(), torch.arange(B), args, False)
+        _, logprobs, _ = ppo_llm.policy_forward(policy, union_batch(), torch.arange(B), args)
     return logprobs
 
 

@@ -102,7 +102,7 @@ def test_logprobs_are_the_models_own(families, family, precision):
         qr = torch.cat([enc.input_ids, responses], 1)
         am = torch.cat([enc.attention_mask, mask.long()], 1)
         hidden = ppo_llm.hidden_states(policy, qr, am, width)
-        ours, _ = ppo_llm.response_logprobs(policy, hidden, responses, args.temperature, args.cast_lm_head_to_fp32)
+        ours, _ = ppo_llm.lm_head_logprobs(hidden, policy, responses, args.temperature, fp32=args.cast_lm_head_to_fp32)
         logits = policy(input_ids=qr, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0)).logits
         theirs = torch.log_softmax(logits[:, width - 1 : -1].float() / 0.7, -1).gather(-1, responses[..., None])[..., 0]
     tolerance = 0.05 if precision == "bf16" else 1e-5
@@ -182,7 +182,8 @@ def test_accumulated_gradient_is_the_minibatch_gradient(tiny, critic):
         args = types.SimpleNamespace(micro_batch_size=micro_batch_size, temperature=1.0, cast_lm_head_to_fp32=True,
                                      cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, ent_coef=0.01,
                                      critic=critic)  # fmt: skip
-        ppo_llm.accumulate_gradients(policy, critic_model, value_head, rollout, torch.arange(B), args, nullcontext())
+        micro_batches = torch.arange(B).split(micro_batch_size)
+        ppo_llm.accumulate_gradients(policy, critic_model, value_head, rollout, micro_batches, args, nullcontext())
         grads[micro_batch_size] = [p.grad.clone() for p in params]
         for p in params:
             p.grad = None

@@ -21,10 +21,8 @@ def t(rows):
 def grpo_loss(logprobs, old, ref, advantages, mask, entropy_mask=1.0, **flags):
     """grpo_llm.grpo_loss of the whole batch (its share is 1) with these flags and its defaults otherwise, but for
     --max-new-tokens 4 (dr_grpo's normaliser) and the plain k3 term that the hand computations below assume."""
-    flags = {"max_new_tokens": 4, "use_bias_correction_kl": False} | flags
-    return grpo_llm.grpo_loss(
-        logprobs, old, ref, advantages, mask, len(mask), mask.sum(), entropy_mask=entropy_mask, **flags
-    )
+    args = grpo_llm.Args(**({"max_new_tokens": 4, "use_bias_correction_kl": False} | flags))
+    return grpo_llm.grpo_loss(logprobs, old, ref, advantages, mask, len(mask), mask.sum(), args, entropy_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -453,10 +451,10 @@ def test_entropy_bonus_raises_the_entropy(tiny):
              prompt_width=Q, advantages=torch.zeros(B), old_logprobs=None, ref_logprobs=None,
              entropy_mask=torch.ones_like(mask))  # fmt: skip
     args = grpo_llm.Args(micro_batch_size=4, ent_coef=1.0, max_new_tokens=R)
-    grpo_llm.accumulate_gradients(policy, r, args, torch.autocast("cpu", enabled=False))
+    grpo_llm.accumulate_gradients(policy, r, [torch.arange(B)], args, torch.autocast("cpu", enabled=False))
     got = [p.grad.clone() for p in policy.parameters()]
     policy.zero_grad()
-    _, entropy = grpo_llm.training_forward(policy, r, torch.arange(B), args, with_entropy=True)
+    _, _, entropy = grpo_llm.policy_forward(policy, r, torch.arange(B), args)
     (-(entropy * mask).sum() / mask.sum()).backward()
     for a, p in zip(got, policy.parameters()):
         torch.testing.assert_close(a, p.grad)

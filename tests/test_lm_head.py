@@ -7,6 +7,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import lm
 
 import ppo_llm
 
@@ -74,7 +75,7 @@ def check(
 ):
     def fn():
         return ppo_llm.lm_head_logprobs(
-            hidden, head, labels, temperature, scale, softcap, with_entropy=True, entropy_grad=1 in use, fp32=fp32
+            hidden, lm(head, scale, softcap), labels, temperature, entropy_grad=1 in use, fp32=fp32
         )
 
     got, got_grads = values_and_grads(fn, hidden, head, coefs, use, context)
@@ -134,15 +135,14 @@ def test_autocast(monkeypatch):
 def test_no_grad_is_the_same_forward(monkeypatch):
     monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", 2 * V)
     hidden, head, labels, _ = inputs()
-    with_grad = ppo_llm.lm_head_logprobs(hidden, head, labels, 0.7, 1.3, 3.0, with_entropy=True)
+    with_grad = ppo_llm.lm_head_logprobs(hidden, lm(head, 1.3, 3.0), labels, 0.7)
     with torch.no_grad():
-        logprobs, entropy = ppo_llm.lm_head_logprobs(hidden, head, labels, 0.7, 1.3, 3.0, with_entropy=True)
-        alone, none = ppo_llm.lm_head_logprobs(hidden, head, labels, 0.7, 1.3, 3.0)
-    assert logprobs.grad_fn is None and none is None
-    assert torch.equal(logprobs, with_grad[0]) and torch.equal(entropy, with_grad[1]) and torch.equal(alone, logprobs)
+        logprobs, entropy = ppo_llm.lm_head_logprobs(hidden, lm(head, 1.3, 3.0), labels, 0.7)
+    assert logprobs.grad_fn is None and entropy.grad_fn is None
+    assert torch.equal(logprobs, with_grad[0]) and torch.equal(entropy, with_grad[1])
 
 
-def peak_chunks(tokens, grad, with_entropy, entropy_grad):
+def peak_chunks(tokens, grad, entropy_grad):
     """Peak bytes of the tensors alive during one call and its backward, in chunks of LM_HEAD_CHUNK fp32 logits.
     torch's MemTracker sees every allocation and free on the CPU too (it is private API, pinned by requirements.txt)."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -154,9 +154,7 @@ def peak_chunks(tokens, grad, with_entropy, entropy_grad):
     labels = torch.randint(0, vocab, (1, tokens), generator=g).to(DEVICE)
     tracker = MemTracker()
     with tracker, torch.set_grad_enabled(grad):
-        logprobs, entropy = ppo_llm.lm_head_logprobs(
-            hidden, head, labels, 0.7, with_entropy=with_entropy, entropy_grad=entropy_grad
-        )
+        logprobs, entropy = ppo_llm.lm_head_logprobs(hidden, lm(head), labels, 0.7, entropy_grad=entropy_grad)
         if grad:
             loss = logprobs.sum() + (entropy.sum() if entropy_grad else 0)
             loss.backward()
@@ -164,19 +162,17 @@ def peak_chunks(tokens, grad, with_entropy, entropy_grad):
 
 
 @pytest.mark.parametrize(
-    "grad, with_entropy, entropy_grad, bound",
+    "grad, entropy_grad, bound",
     [
-        (False, False, False, 2.5),  # old log-probs, reference: the logits and their log-softmax
-        (False, True, False, 2.5),  # GRPO's top-entropy pass: the exp of the log-softmax takes the logits' place
-        (True, False, False, 4),
-        (True, True, False, 4),  # the entropy logged (--ent-coef 0): no gradient, no more memory
-        (True, True, True, 6),  # an entropy bonus: its backward needs p and log p of a chunk too
+        (False, False, 2.5),  # old log-probs, reference: the logits, their log-softmax, then its exp in their place
+        (True, False, 4),  # the entropy logged (--ent-coef 0): no gradient, no more memory
+        (True, True, 6),  # an entropy bonus: its backward needs p and log p of a chunk too
     ],
 )
-def test_memory_does_not_grow_with_tokens(monkeypatch, grad, with_entropy, entropy_grad, bound):
+def test_memory_does_not_grow_with_tokens(monkeypatch, grad, entropy_grad, bound):
     # 4 chunks of tokens against 16: the same peak. Computed with autograd, an entropy that the loss never reads kept
     # each recomputed chunk's p and log p until the backward ended, 2 chunks more per chunk (10.3 -> 34.3 chunks).
     monkeypatch.setattr(ppo_llm, "LM_HEAD_CHUNK", 16 * 4096)
-    small, large = (peak_chunks(n, grad, with_entropy, entropy_grad) for n in (4 * 16, 16 * 16))
+    small, large = (peak_chunks(n, grad, entropy_grad) for n in (4 * 16, 16 * 16))
     assert large - small < 0.1, (small, large)
     assert large < bound, large

@@ -13,6 +13,7 @@ from conftest import (
     char_tokenizer,
     ends_at,
     interrupt_generation,
+    lm,
     saved_update,
     saved_weights,
     tiny_config,
@@ -52,18 +53,18 @@ def test_lm_head_logprobs_and_entropy_by_hand():
     # logits (0, 0, ln 2): softmax = (1/4, 1/4, 2/4); label 2 -> ln(1/2), label 0 -> ln(1/4)
     # entropy = -(2 * 1/4 * ln(1/4) + 1/2 * ln(1/2)) = ln 2 + ln(2) / 2 = 1.5 ln 2 = 1.039721
     hidden = torch.ones(1, 2, 1)
-    logprobs, entropy = lm_head_logprobs(hidden, head(0.0, 0.0, math.log(2)), T([[2, 0]]), 1.0, with_entropy=True)
+    logprobs, entropy = lm_head_logprobs(hidden, lm(head(0.0, 0.0, math.log(2))), T([[2, 0]]), 1.0)
     assert torch.allclose(logprobs, T([[math.log(0.5), math.log(0.25)]]))
     assert torch.allclose(entropy, T([[1.5 * math.log(2)] * 2]))
     # temperature 2: logits (0, 0, ln(2) / 2): p(2) = sqrt 2 / (2 + sqrt 2) = 0.414214, ln = -0.881374
-    logprobs, _ = lm_head_logprobs(hidden[:, :1], head(0.0, 0.0, math.log(2)), T([[2]]), 2.0)
+    logprobs, _ = lm_head_logprobs(hidden[:, :1], lm(head(0.0, 0.0, math.log(2))), T([[2]]), 2.0)
     assert logprobs.item() == pytest.approx(-0.881374, abs=1e-6)
     # scale 2 (Cohere's logit_scale): logits (0, 0, 2 ln 2): p(2) = 4 / 6, ln(2/3) = -0.405465
-    logprobs, _ = lm_head_logprobs(hidden[:, :1], head(0.0, 0.0, math.log(2)), T([[2]]), 1.0, scale=2.0)
+    logprobs, _ = lm_head_logprobs(hidden[:, :1], lm(head(0.0, 0.0, math.log(2)), logit_scale=2.0), T([[2]]), 1.0)
     assert logprobs.item() == pytest.approx(-0.405465, abs=1e-6)
     # softcap 1 (Gemma 2): logits tanh(0, 0, ln 2) = (0, 0, 0.6) (tanh ln 2 = (2 - 1/2) / (2 + 1/2)):
     # ln p(2) = 0.6 - ln(2 + e^0.6) = 0.6 - ln(3.822119) = 0.6 - 1.340805 = -0.740805
-    logprobs, _ = lm_head_logprobs(hidden[:, :1], head(0.0, 0.0, math.log(2)), T([[2]]), 1.0, softcap=1.0)
+    logprobs, _ = lm_head_logprobs(hidden[:, :1], lm(head(0.0, 0.0, math.log(2)), softcap=1.0), T([[2]]), 1.0)
     assert logprobs.item() == pytest.approx(-0.740805, abs=1e-6)
 
 
@@ -87,9 +88,7 @@ def test_lm_head_logprobs_equals_the_full_computation(monkeypatch, chunk_logits)
     expected = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
     expected_entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     expected_grads = grads(expected, expected_entropy)
-    got, got_entropy = lm_head_logprobs(
-        hidden, layer, labels, temperature, scale, softcap, with_entropy=True, entropy_grad=True
-    )
+    got, got_entropy = lm_head_logprobs(hidden, lm(layer, scale, softcap), labels, temperature, entropy_grad=True)
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(got_entropy, expected_entropy)
     for a, b in zip(grads(got, got_entropy), expected_grads):
@@ -110,14 +109,25 @@ def test_masked_whiten_bessel():
     assert torch.allclose(masked_whiten(values, mask, shift_mean=False)[:3], T([3.0, 4.0, 5.0]), atol=1e-6)
 
 
-def test_normalize_scores_whiten_then_clip():
+def test_normalize_scores_whiten_then_penalty_then_clip():
     # 1, 2, 3, 6: mean 3, Bessel variance (4 + 1 + 0 + 9) / 3 = 14 / 3, std 2.160247
     # whitened (-2, -1, 0, 3) / 2.160247 = (-0.925820, -0.462910, 0, 1.388730); clipped at 1: 1.388730 -> 1
-    scores = T([1.0, 2.0, 3.0, 6.0])
-    assert torch.allclose(normalize_scores(scores, True, None), T([-0.925820, -0.462910, 0.0, 1.388730]), atol=1e-6)
-    assert torch.allclose(normalize_scores(scores, True, 1.0), T([-0.925820, -0.462910, 0.0, 1.0]), atol=1e-6)
-    assert torch.equal(normalize_scores(scores, False, 2.0), T([1.0, 2.0, 2.0, 2.0]))  # clip alone
-    assert normalize_scores(scores, False, None) is scores
+    scores, ended = T([1.0, 2.0, 3.0, 6.0]), torch.ones(4, dtype=torch.bool)
+    whitened = T([-0.925820, -0.462910, 0.0, 1.388730])
+    assert torch.allclose(normalize_scores(scores, ended, True, None, None), whitened, atol=1e-6)
+    assert torch.allclose(
+        normalize_scores(scores, ended, True, None, 1.0), T([-0.925820, -0.462910, 0.0, 1.0]), atol=1e-6
+    )
+    assert torch.equal(normalize_scores(scores, ended, False, None, 2.0), T([1.0, 2.0, 2.0, 2.0]))  # clip alone
+    assert normalize_scores(scores, ended, False, None, None) is scores
+    # the missing-EOS penalty after the whitening, in its units: the third response never ended, 0 - 1 = -1; then
+    # clipped at 1. Had the penalty come first, the whitening would have rescaled it
+    ended = T([True, True, False, True])
+    got = normalize_scores(scores, ended, True, 1.0, 1.0)
+    assert torch.allclose(got, T([-0.925820, -0.462910, -1.0, 1.0]), atol=1e-6)
+    # when no response ends, every score loses the penalty: whitened - 1 (taken first, whitening would remove it)
+    got = normalize_scores(scores, torch.zeros(4, dtype=torch.bool), True, 1.0, None)
+    assert torch.allclose(got, whitened - 1.0, atol=1e-6)
 
 
 def test_kl_penalty_estimators():
@@ -203,7 +213,8 @@ def test_embedded_task_files():
     # the embedded task is two files of the general data path: 256 held-out problems, none of them in the training file
     tokenizer = AutoTokenizer.from_pretrained("assets/arith-sft")
     train = ppo_llm.load_prompts(ppo_llm.Args(), tokenizer, True)
-    test = ppo_llm.eval_rows(ppo_llm.Args(), tokenizer)  # test.jsonl beside train.jsonl, found without --eval-split
+    arithmetic = [ppo_llm.load_reward_fn("arithmetic")]
+    test = ppo_llm.eval_rows(ppo_llm.Args(), tokenizer, arithmetic)  # test.jsonl beside train.jsonl, unasked
     assert len(test) == 256 and not {r["prompt"] for r in test} & {r["prompt"] for r in train}
     # 100 x 100 problems a+b with a, b in 0..99, less the 256 held out: 10,000 - 256 = 9,744
     assert len(train) == 9744 and len({r["prompt"] for r in train}) == 9744
@@ -218,10 +229,9 @@ def test_padded_prompt_sees_unpadded_positions(tiny):
     ids = T([[20, 21, 22, 23]])
     padded = torch.cat([T([[0, 0]]), ids], dim=1)
     mask = torch.cat([T([[0, 0]]), torch.ones(1, 4, dtype=torch.long)], dim=1)
-    head = policy.get_output_embeddings()
     with torch.no_grad():
-        lp, _ = lm_head_logprobs(ppo_llm.hidden_states(policy, ids, torch.ones_like(ids), 2), head, ids[:, 2:], 1.0)
-        lp_padded, _ = lm_head_logprobs(ppo_llm.hidden_states(policy, padded, mask, 4), head, ids[:, 2:], 1.0)
+        lp, _ = lm_head_logprobs(ppo_llm.hidden_states(policy, ids, torch.ones_like(ids), 2), policy, ids[:, 2:], 1.0)
+        lp_padded, _ = lm_head_logprobs(ppo_llm.hidden_states(policy, padded, mask, 4), policy, ids[:, 2:], 1.0)
     assert torch.allclose(lp, lp_padded, atol=1e-5)
 
 
@@ -272,13 +282,13 @@ def test_old_logprobs_are_scored_in_the_first_epochs_micro_batches(tiny, tmp_pat
     # micro-batch's padding), so the no-grad passes (policy and critic, then the reference) score the very
     # micro-batches the first epoch trains, in its shuffled order. On a CPU one kernel serves every shape: only the
     # structure can be checked here.
-    calls, real = [], ppo_llm.training_forward
+    calls, real = [], ppo_llm.policy_forward
 
-    def spy(policy, critic, value_head, batch, micro_batch, *args, **kwargs):
+    def spy(model, batch, micro_batch, args):
         calls.append((torch.is_grad_enabled(), micro_batch.tolist()))
-        return real(policy, critic, value_head, batch, micro_batch, *args, **kwargs)
+        return real(model, batch, micro_batch, args)
 
-    monkeypatch.setattr(ppo_llm, "training_forward", spy)
+    monkeypatch.setattr(ppo_llm, "policy_forward", spy)
     run(tiny, tmp_path, total_steps=1, prompts_per_update=16, micro_batch_size=4, kl_coef=0.05, critic="separate")
     scored = [rows for grad, rows in calls if not grad]
     trained = [rows for grad, rows in calls if grad]
@@ -323,12 +333,26 @@ def test_run_logs_saves_and_loads_back(tiny, tmp_path, capsys):
     assert policy.config.vocab_size == GPT2LMHeadModel.from_pretrained(tiny["policy"]).config.vocab_size
     assert set(torch.load(os.path.join(run_dir, "policy", "critic", "value_head.pt"))) == {"weight", "bias"}
     assert saved_update(run_dir) == metrics[-1]["update"]
-    assert sorted(glob.glob(os.path.join(run_dir, "checkpoint*"))) == [
+    assert sorted(glob.glob(os.path.join(run_dir, "checkpoint*"))) == [  # updates 1 and 2 saved once each: a, then b
         f"{run_dir}/checkpoint",
-        f"{run_dir}/checkpoint.a",
+        f"{run_dir}/checkpoint.b",
     ]
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         assert {"prompt", "completion", "score"} <= set(json.loads(f.readline()))
+
+
+def test_the_last_update_is_saved_once(tiny, tmp_path, monkeypatch):
+    # 4 updates at --save-every 2 (as the defaults, 300 at 20): updates 2 and 4 are saved, the last one once, not again
+    # after the loop (at 7B each save writes tens of GB and gathers policy/)
+    saved, real = [], ppo_llm.save_checkpoint
+
+    def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
+        saved.append(state["update"])
+        real(run_dir, models, optimizer, state, tokenizer, merged)
+
+    monkeypatch.setattr(ppo_llm, "save_checkpoint", save_checkpoint)
+    run(tiny, tmp_path, total_steps=4, save_every=2)
+    assert saved == [2, 4]
 
 
 def test_resume_logs_what_one_run_logs(tiny, tmp_path):
@@ -406,7 +430,8 @@ def test_evaluation_prompts_are_fixed_and_cut_as_in_training(tiny, tmp_path):
     # the evaluation draws the same prompts whatever --seed, from --eval-split FILE
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     args = [ppo_llm.Args(dataset=tiny["jsonl"], eval_split=tiny["jsonl"], eval_size=5, seed=s) for s in (1, 2)]
-    assert ppo_llm.eval_rows(args[0], tokenizer) == ppo_llm.eval_rows(args[1], tokenizer)
+    arithmetic = [ppo_llm.load_reward_fn("arithmetic")]
+    assert ppo_llm.eval_rows(args[0], tokenizer, arithmetic) == ppo_llm.eval_rows(args[1], tokenizer, arithmetic)
     # prompts longer than the context (32) lose their start in evaluation too, as in training (--max-prompt-length)
     long = tmp_path / "long.jsonl"
     long.write_text("".join(json.dumps({"prompt": "1+" * 20 + f"{i}=", "answer": "2"}) + "\n" for i in range(4)))
@@ -507,7 +532,8 @@ def test_value_head_starts_at_zero_and_dropout_is_off(tiny, tmp_path, monkeypatc
     # detail 8: the value head is zero-initialised, so the first values are 0
     policy = ppo_llm.load_model(AutoModelForCausalLM, tiny["policy"], "--model")
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
-    critic, head = ppo_llm.build_value_model(ppo_llm.Args(critic="head"), torch.device("cpu"), policy, tokenizer, False)
+    args, cpu = ppo_llm.Args(critic="head"), torch.device("cpu")
+    critic, head = ppo_llm.build_value_model(args, cpu, policy, tokenizer, None, None)
     assert critic is None and not head.weight.any() and not head.bias.any()
     # detail 6: dropout 0 in the config and in every nn.Dropout, also one that ignores the config
     model = AutoModelForCausalLM.from_pretrained(tiny["policy"])
@@ -538,12 +564,11 @@ def test_entropy_bonus_raises_the_entropy(tiny):
     r = dict(query_responses=qr, attention_mask=torch.ones_like(qr), responses=qr[:, Q:], mask=mask, prompt_width=Q,
              old_logprobs=zeros, values=zeros, advantages=zeros, returns=zeros)  # fmt: skip
     args = ppo_llm.Args(micro_batch_size=4, ent_coef=1.0, vf_coef=0.0, critic="head")
-    ppo_llm.accumulate_gradients(
-        policy, None, value_head, r, torch.arange(B), args, torch.autocast("cpu", enabled=False)
-    )
+    micro_batches = [torch.arange(B)]
+    ppo_llm.accumulate_gradients(policy, None, value_head, r, micro_batches, args, torch.autocast("cpu", enabled=False))
     got = [p.grad.clone() for p in policy.parameters()]
     policy.zero_grad()
-    _, entropy, _ = ppo_llm.training_forward(policy, None, value_head, r, torch.arange(B), args, with_entropy=True)
+    _, entropy, _ = ppo_llm.training_forward(policy, None, value_head, r, torch.arange(B), args)
     (-masked_mean(entropy, mask)).backward()
     for a, p in zip(got, policy.parameters()):
         torch.testing.assert_close(a, p.grad)

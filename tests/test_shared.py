@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 import torch
+from conftest import lm
 
 import grpo_llm
 import ppo_llm
@@ -55,8 +56,10 @@ def test_numerics_agree_on_random_inputs():
     head = torch.nn.Linear(8, 11)
     a, b = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
     mask = (torch.rand(3, 5, generator=g) > 0.3).float()
-    for x, y in zip(ppo_llm.lm_head_logprobs(hidden, head, labels, 0.7, 1.2, 3.0, True),
-                    grpo_llm.lm_head_logprobs(hidden, head, labels, 0.7, 1.2, 3.0, True)):  # fmt: skip
+    model = lm(head, 1.2, 3.0)
+    for x, y in zip(
+        ppo_llm.lm_head_logprobs(hidden, model, labels, 0.7), grpo_llm.lm_head_logprobs(hidden, model, labels, 0.7)
+    ):
         assert torch.equal(x, y)
     assert torch.equal(ppo_llm.masked_mean(a, mask), grpo_llm.masked_mean(a, mask))
     assert torch.equal(ppo_llm.masked_mean(a, mask, axis=1), grpo_llm.masked_mean(a, mask, axis=1))
