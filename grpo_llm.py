@@ -623,16 +623,14 @@ def finite_scores(values, source, completions):
 
 
 def reward_fn_names(args):
-    """--reward-fn's names; unset, arithmetic (the embedded tasks' check), but none beside a reward model: there a
-    reward function only measures (an accuracy is logged), and one the run was not given would misjudge other data."""
+    """--reward-fn's names; unset, arithmetic (the embedded tasks' check), none beside a reward model (docs)."""
     if args.reward_fn is None:
         return () if args.reward_model else ("arithmetic",)
     return (args.reward_fn,) if isinstance(args.reward_fn, str) else args.reward_fn
 
 
 def reward_fn_scores(reward_fns, completions, rows, device):
-    """Each reward function's scores of the completions (B, reward functions); an error of one, on any rank, stops
-    every rank here."""
+    """Each reward function's scores (B, reward functions); an error of one, on any rank, stops every rank here."""
     scores = on_every_rank(lambda: [reward_fn(completions, rows) for reward_fn in reward_fns])
     return torch.tensor(scores, dtype=torch.float, device=device).reshape(len(reward_fns), len(completions)).T
 
@@ -691,8 +689,7 @@ def prompt_stream(rows, seed, start, rank, world):
 
 
 def eval_rows(args, tokenizer, reward_fns):
-    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None (also
-    when no reward function scores them)."""
+    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None."""
     if not reward_fns or not (args.eval_every or args.eval_only):
         return None
     split, beside = args.eval_split, args.dataset.removesuffix("train.jsonl") + "test.jsonl"
@@ -720,10 +717,8 @@ def from_pretrained(cls, name, flag, **kwargs):
 
 
 def load_model(cls, name, flag, dtype=torch.float32, bf16=False):
-    """Dropout 0, in the config and every nn.Dropout (detail 6); an adapter on its base (LoRA). In fp32, or in dtype
-    "auto", the checkpoint's, but fp16 read as bf16 (bf16: the run's autocast) or fp32: fp16 would train without loss
-    scaling. Under torchrun rank 0 alone reads the weights (place() sends each rank its shards), the others build it on
-    the meta device."""
+    """Dropout 0, in the config and every nn.Dropout (detail 6); an adapter on its base (LoRA). In fp32, or "auto": the
+    checkpoint's dtype, fp16 read as bf16 (autocast's) or fp32. Under torchrun rank 0 alone reads weights (place())."""
     adapter = os.path.join(name, "adapter_config.json")
     base = json.load(open(adapter))["base_model_name_or_path"] if os.path.isfile(adapter) else name
     config = from_pretrained(AutoConfig, base, flag)
@@ -798,10 +793,8 @@ def rm_text(rm_tokenizer, row, completion):
 
 @torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
-    """Score of each sequence (B,) at its last real token (None without a reward model): of the policy's ids when it
-    reads them (rm_tokenizer None), else of rm_text in its own tokens, cut on the left."""
-    if reward_model is None:
-        return None
+    """Score of each sequence (B,) at its last real token: of the policy's ids when it reads them (rm_tokenizer None),
+    else of rm_text in its own tokens, cut on the left."""
     if rm_tokenizer is None:
         mask = batch["attention_mask"]
         inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
@@ -886,9 +879,8 @@ def model_defaults(args, policy):
 
 
 def last_hidden_state(model, inputs):
-    """What the LM head reads (B, T, H), from the model's own forward (where FSDP gathers the weights) with the head on
-    the last position alone: a hook on the trunk keeps its output. output_hidden_states=True would keep every layer's
-    states until the forward returns, which a no-grad pass would otherwise free layer by layer."""
+    """What the LM head reads (B, T, H): the trunk's output, kept by a hook in the model's own forward (where FSDP
+    gathers the weights), not every layer's states until it returns, as output_hidden_states=True would."""
     if model.get_output_embeddings() is None:  # a trunk (AutoModel): PPO's critic
         return model(**inputs, use_cache=False).last_hidden_state
     kept = []
@@ -905,14 +897,12 @@ LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), 
 
 def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp32=True):
     """Log-probs of labels (B, T) and the entropies (B, T) of the next-token distributions, from the last hidden
-    states (B, T, H) and the model's output embedding `head`, its logits scaled (Cohere's logit_scale, Granite's
-    1 / logits_scaling) and soft-capped (Gemma's final_logit_softcapping) as its own forward does (details 4, 7):
-        z = softcap * tanh(scale * head(h) / softcap) / temperature,  log p = log_softmax(z),  H = -sum_v p_v log p_v.
+    states (B, T, H) and the model's output embedding `head`, the logits scaled (Cohere, Granite) and soft-capped
+    (Gemma) as its forward does: z = softcap * tanh(scale * head(h) / softcap) / temperature (details 4, 7).
     In chunks of at most LM_HEAD_CHUNK logits, each under torch.utils.checkpoint: no chunk's logits outlive it, and its
     backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
     for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
-    where F.linear would run it (autocast's dtype), the head cast to it once, not once a chunk (a bf16 head: FSDP's bf16
-    gather), and its gradient summed over the chunks in it."""
+    where F.linear runs it (autocast's dtype), the head cast to it once: its gradient summed over the chunks in it."""
     B, T = labels.shape
     config, head = model.config, model.get_output_embeddings()
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
@@ -1015,8 +1005,7 @@ def unsharded(model):
 
 @contextlib.contextmanager
 def scoring(model, adapters_off=False):
-    """A no-grad pass of the model, gathered whole once under torchrun (not once a micro-batch); adapters_off: with
-    LoRA, the reference is the policy with its adapters off."""
+    """A no-grad pass, the model gathered once under torchrun (not once a micro-batch), LoRA's adapters off or not."""
     adapters = model.disable_adapter() if adapters_off else contextlib.nullcontext()
     with torch.no_grad(), adapters, unsharded(model):
         yield
@@ -1070,10 +1059,7 @@ def check_run(args, world):
         (no_split, f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
         (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
         (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
-        (
-            args.eval_only and not reward_fn_names(args),
-            "--eval-only beside --reward-model scores by a --reward-fn: name it",
-        ),
+        (args.eval_only and not reward_fn_names(args), "--eval-only beside --reward-model needs a --reward-fn"),
     ]:
         if bad:
             raise SystemExit(f"error: {message}")
@@ -1146,8 +1132,7 @@ def parse_args(argv=None):
 
 
 def open_run(args, given, rank, checkpoint):
-    """The run directory, the same on every rank; rank 0's args.json (the flags as given) and TensorBoard writer (wandb
-    syncs it)."""
+    """The run directory, the same on every rank; rank 0's args.json (the flags as given) and TensorBoard writer."""
     names = [args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")]
     if dist.is_initialized():
         dist.broadcast_object_list(names)
@@ -1216,8 +1201,7 @@ def samples_to_log(args, update, rows, completions, **values):
 
 
 def global_metrics(metrics, ops):
-    """Each metric over every rank, all in one gather: the mean of the ranks' values (each has as many sequences), or
-    ops[key]'s ("sum", "min", "max")."""
+    """Each metric over every rank, in one gather: the ranks' mean (as many sequences each), or ops[key]'s ("max")."""
     if not dist.is_initialized():
         return metrics
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -1230,10 +1214,9 @@ def global_metrics(metrics, ops):
 
 
 def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
-    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong;
-    with --eval-only printed with its 95% bound, the run's one result.
-    Under torchrun each rank takes every world-th batch, and every rank runs as many rollouts (each gathers the policy):
-    a rank short of a batch samples the first one again, uncounted."""
+    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong
+    (--eval-only: printed). Under torchrun each rank takes every world-th batch and runs as many rollouts as the others
+    (each gathers the policy): a rank short of a batch samples the first again, uncounted."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
     batches += [None] * (-len(batches) % world)
@@ -1283,9 +1266,8 @@ class Stopwatch:
             torch.cuda.synchronize()
             if phase is None:
                 torch.cuda.reset_peak_memory_stats()
-        now, self.times = time.perf_counter(), {} if phase is None else self.times
-        if phase is not None:
-            self.times[f"time/{phase}"] = now - self.last
+        now = time.perf_counter()
+        self.times = {} if phase is None else self.times | {f"time/{phase}": now - self.last}
         self.last = now
 
     def metrics(self, update, tokens):
@@ -1300,8 +1282,7 @@ class Stopwatch:
 
 
 def due(update, every, total_steps=None):
-    """Whether an evaluation or a save is due after this update: every N updates (0: never) and after the last
-    (total_steps), but not once a stop is requested (which saves anyway); the same answer on every rank."""
+    """Every N updates (0: never) and the last (total_steps), not once a stop is requested; as every rank sees it."""
     return bool(every) and (update % every == 0 or update == total_steps) and not stop_requested()
 
 
@@ -1379,9 +1360,8 @@ def trained_state(models, optimizer):
 
 
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
-    """checkpoint/, whole or not at all: every rank writes its own shards (torch.distributed.checkpoint) into
-    checkpoint.a or .b, whichever the link `checkpoint` does not point to, with policy/ (save_policy) and the state
-    (state.json) after them; then the link points to it. SaveFailed on every rank if any rank failed."""
+    """checkpoint/, whole or not at all: every rank's shards (torch.distributed.checkpoint), policy/ and state.json go
+    in checkpoint.a or .b, the one the link `checkpoint` does not point to; then it does. SaveFailed on every rank."""
     SAVING.append(True)
     rank, link = dist.get_rank() if dist.is_initialized() else 0, os.path.join(run_dir, "checkpoint")
     slot, old = "checkpoint.a", "checkpoint.b"
@@ -1414,9 +1394,8 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
 
 
 def save_policy(path, models, tokenizer, merged=False):
-    """policy/: save_pretrained of the policy and its tokenizer (with LoRA the adapter; merged: also the base with the
-    adapters merged in, in policy/merged), and PPO's value model (its critic in policy/critic, value_head.pt; see
-    docs/ppo_llm.md). Under torchrun each model is gathered into rank 0's CPU memory in turn, and rank 0 writes it."""
+    """policy/: save_pretrained of the policy (LoRA: the adapter; merged: the merged model in policy/merged), PPO's
+    critic (policy/critic, value_head.pt: docs/ppo_llm.md); under torchrun gathered a model at a time into rank 0."""
     rank, failed = dist.get_rank() if dist.is_initialized() else 0, None
     options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True)
     for name, model in models.items():  # every rank takes part in each gather, rank 0 too after a failure
@@ -1475,9 +1454,8 @@ def load_checkpoint(args, models, optimizer):
 
 @contextlib.contextmanager
 def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
-    """main()'s loop inside the run's plumbing: Ctrl-C and SIGTERM stop it after the update (on_signal); any exception
-    saves run["state"] (every rank together), prints an error's traceback, what is on disk and how to go on, and
-    exits; the end closes the logs and the processes."""
+    """main()'s loop inside the run's plumbing: Ctrl-C and SIGTERM stop it after the update; any exception saves
+    run["state"] (every rank together) and says what is on disk and how to go on; the end closes logs and processes."""
     STOP.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     print(f"{run_dir}/checkpoint: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
@@ -1502,9 +1480,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         elif saved is None:
             saved, go_on = "no checkpoint was written", "start the run again"
         cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
-        if cause is not None and not isinstance(
-            cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit
-        ):
+        if not isinstance(cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit | None):
             traceback.print_exception(cause)
         if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
             dist.barrier()
@@ -1542,8 +1518,6 @@ def refusals_once():
             if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report of a failed rank ends with it
                 with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
                     json.dump({"message": e.code, "timestamp": int(time.time())}, f)
-            if dist.is_initialized():  # else gloo's threads can abort the process as it exits
-                dist.destroy_process_group()
         raise
 
 

@@ -343,8 +343,7 @@ def optimizer_step(optimizer, params, max_grad_norm):
 
 
 def build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer):
-    """Detail 8: (the critic: None with --critic head, else a trunk from the reward model if it reads the policy's
-    tokens, else from the policy; the value head, a linear layer initialised to 0 in fp32, also under autocast)."""
+    """Detail 8: (critic: None with --critic head, else the reward model's or policy's trunk; value head: 0, fp32)."""
     critic = None
     if args.critic == "separate":
         source = args.reward_model if reward_model is not None and rm_tokenizer is None else args.model
@@ -411,9 +410,10 @@ def main(args: Args | None = None):
             # 3. scores; per-token rewards: -beta * KL on every token, the normalised score on the last (details 3, 13)
             completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
             fn_scores = reward_fn_scores(reward_fns, completions, rows, device)  # (B, reward functions)
-            scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)
             if reward_model is None:
-                scores = fn_scores[:, 0]
+                scores = fn_scores[:, 0]  # the reward function's
+            else:
+                scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)
             kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator) * mask
             non_score_reward = -kl_coef * kl
             rewards = non_score_reward.clone()
@@ -468,9 +468,8 @@ def check_args(args, world):
     check_range(args, ">= 0", "save_every lora_r learning_rate weight_decay vf_coef ent_coef kl_coef ref_update_every")
     check_range(args, ">= 0", "missing_eos_penalty eval_every sample_every num_samples")
     check_range(args, ">= 1", "max_new_tokens max_prompt_length total_steps prompts_per_update num_mini_batches")
-    check_range(args, ">= 1", "micro_batch_size num_ppo_epochs kl_horizon eval_size")
-    check_range(args, "> 0", "lora_alpha temperature cliprange cliprange_value max_grad_norm target_kl kl_target")
-    check_range(args, "> 0", "score_clip")
+    check_range(args, ">= 1", "micro_batch_size num_ppo_epochs kl_horizon eval_size lora_alpha")
+    check_range(args, "> 0", "temperature cliprange cliprange_value max_grad_norm target_kl kl_target score_clip")
     check_range(args, "in [0, 1]", "gamma lam")
     check_run(args, world)
     batch_size = args.prompts_per_update // world  # this process's share
@@ -490,8 +489,7 @@ def check_args(args, world):
 
 
 def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
-    """An update's metrics, TRL's names (docs/ppo_llm.md), over every rank (means, but for the sums and maxima), and
-    its progress line."""
+    """An update's metrics, TRL's names (docs/ppo_llm.md), over every rank, and its progress line."""
     mask, batch_size, scores = batch["mask"], len(batch["mask"]), batch["scores"]
     if args.missing_eos_penalty is not None:  # TRL's objective/scores: the penalty taken, in the scores' units
         scores = scores - args.missing_eos_penalty * (~batch["ended"]).float()
@@ -521,14 +519,12 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
 
 
 def load_critic(args, source, tokenizer, device):
-    """PPO's separate critic (detail 8): the trunk of `source` (AutoModel, no LM head) in fp32 (LoRA: adapters of its
-    own on the checkpoint's dtype; the value head trains in full), the policy's pad token, placed as the policy."""
-    bf16 = uses_bf16(args)
-    critic = load_model(AutoModel, source, "--critic source", "auto" if args.lora_r else torch.float32, bf16)
+    """PPO's separate critic (detail 8): the trunk of `source` (no LM head) as the policy is loaded (LoRA: its own)."""
+    critic = load_model(AutoModel, source, "--critic", "auto" if args.lora_r else torch.float32, uses_bf16(args))
     add_pad_token(tokenizer, [critic])
     if args.lora_r:
         critic = add_lora(critic, args)
-    return place(critic, device, bf16 and not args.lora_r)
+    return place(critic, device, uses_bf16(args) and not args.lora_r)
 
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
@@ -600,16 +596,14 @@ def finite_scores(values, source, completions):
 
 
 def reward_fn_names(args):
-    """--reward-fn's names; unset, arithmetic (the embedded tasks' check), but none beside a reward model: there a
-    reward function only measures (an accuracy is logged), and one the run was not given would misjudge other data."""
+    """--reward-fn's names; unset, arithmetic (the embedded tasks' check), none beside a reward model (docs)."""
     if args.reward_fn is None:
         return () if args.reward_model else ("arithmetic",)
     return (args.reward_fn,) if isinstance(args.reward_fn, str) else args.reward_fn
 
 
 def reward_fn_scores(reward_fns, completions, rows, device):
-    """Each reward function's scores of the completions (B, reward functions); an error of one, on any rank, stops
-    every rank here."""
+    """Each reward function's scores (B, reward functions); an error of one, on any rank, stops every rank here."""
     scores = on_every_rank(lambda: [reward_fn(completions, rows) for reward_fn in reward_fns])
     return torch.tensor(scores, dtype=torch.float, device=device).reshape(len(reward_fns), len(completions)).T
 
@@ -668,8 +662,7 @@ def prompt_stream(rows, seed, start, rank, world):
 
 
 def eval_rows(args, tokenizer, reward_fns):
-    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None (also
-    when no reward function scores them)."""
+    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None."""
     if not reward_fns or not (args.eval_every or args.eval_only):
         return None
     split, beside = args.eval_split, args.dataset.removesuffix("train.jsonl") + "test.jsonl"
@@ -697,10 +690,8 @@ def from_pretrained(cls, name, flag, **kwargs):
 
 
 def load_model(cls, name, flag, dtype=torch.float32, bf16=False):
-    """Dropout 0, in the config and every nn.Dropout (detail 6); an adapter on its base (LoRA). In fp32, or in dtype
-    "auto", the checkpoint's, but fp16 read as bf16 (bf16: the run's autocast) or fp32: fp16 would train without loss
-    scaling. Under torchrun rank 0 alone reads the weights (place() sends each rank its shards), the others build it on
-    the meta device."""
+    """Dropout 0, in the config and every nn.Dropout (detail 6); an adapter on its base (LoRA). In fp32, or "auto": the
+    checkpoint's dtype, fp16 read as bf16 (autocast's) or fp32. Under torchrun rank 0 alone reads weights (place())."""
     adapter = os.path.join(name, "adapter_config.json")
     base = json.load(open(adapter))["base_model_name_or_path"] if os.path.isfile(adapter) else name
     config = from_pretrained(AutoConfig, base, flag)
@@ -775,10 +766,8 @@ def rm_text(rm_tokenizer, row, completion):
 
 @torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
-    """Score of each sequence (B,) at its last real token (None without a reward model): of the policy's ids when it
-    reads them (rm_tokenizer None), else of rm_text in its own tokens, cut on the left."""
-    if reward_model is None:
-        return None
+    """Score of each sequence (B,) at its last real token: of the policy's ids when it reads them (rm_tokenizer None),
+    else of rm_text in its own tokens, cut on the left."""
     if rm_tokenizer is None:
         mask = batch["attention_mask"]
         inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
@@ -863,9 +852,8 @@ def model_defaults(args, policy):
 
 
 def last_hidden_state(model, inputs):
-    """What the LM head reads (B, T, H), from the model's own forward (where FSDP gathers the weights) with the head on
-    the last position alone: a hook on the trunk keeps its output. output_hidden_states=True would keep every layer's
-    states until the forward returns, which a no-grad pass would otherwise free layer by layer."""
+    """What the LM head reads (B, T, H): the trunk's output, kept by a hook in the model's own forward (where FSDP
+    gathers the weights), not every layer's states until it returns, as output_hidden_states=True would."""
     if model.get_output_embeddings() is None:  # a trunk (AutoModel): PPO's critic
         return model(**inputs, use_cache=False).last_hidden_state
     kept = []
@@ -882,14 +870,12 @@ LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), 
 
 def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp32=True):
     """Log-probs of labels (B, T) and the entropies (B, T) of the next-token distributions, from the last hidden
-    states (B, T, H) and the model's output embedding `head`, its logits scaled (Cohere's logit_scale, Granite's
-    1 / logits_scaling) and soft-capped (Gemma's final_logit_softcapping) as its own forward does (details 4, 7):
-        z = softcap * tanh(scale * head(h) / softcap) / temperature,  log p = log_softmax(z),  H = -sum_v p_v log p_v.
+    states (B, T, H) and the model's output embedding `head`, the logits scaled (Cohere, Granite) and soft-capped
+    (Gemma) as its forward does: z = softcap * tanh(scale * head(h) / softcap) / temperature (details 4, 7).
     In chunks of at most LM_HEAD_CHUNK logits, each under torch.utils.checkpoint: no chunk's logits outlive it, and its
     backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
     for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
-    where F.linear would run it (autocast's dtype), the head cast to it once, not once a chunk (a bf16 head: FSDP's bf16
-    gather), and its gradient summed over the chunks in it."""
+    where F.linear runs it (autocast's dtype), the head cast to it once: its gradient summed over the chunks in it."""
     B, T = labels.shape
     config, head = model.config, model.get_output_embeddings()
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
@@ -992,8 +978,7 @@ def unsharded(model):
 
 @contextlib.contextmanager
 def scoring(model, adapters_off=False):
-    """A no-grad pass of the model, gathered whole once under torchrun (not once a micro-batch); adapters_off: with
-    LoRA, the reference is the policy with its adapters off."""
+    """A no-grad pass, the model gathered once under torchrun (not once a micro-batch), LoRA's adapters off or not."""
     adapters = model.disable_adapter() if adapters_off else contextlib.nullcontext()
     with torch.no_grad(), adapters, unsharded(model):
         yield
@@ -1047,10 +1032,7 @@ def check_run(args, world):
         (no_split, f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
         (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
         (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
-        (
-            args.eval_only and not reward_fn_names(args),
-            "--eval-only beside --reward-model scores by a --reward-fn: name it",
-        ),
+        (args.eval_only and not reward_fn_names(args), "--eval-only beside --reward-model needs a --reward-fn"),
     ]:
         if bad:
             raise SystemExit(f"error: {message}")
@@ -1123,8 +1105,7 @@ def parse_args(argv=None):
 
 
 def open_run(args, given, rank, checkpoint):
-    """The run directory, the same on every rank; rank 0's args.json (the flags as given) and TensorBoard writer (wandb
-    syncs it)."""
+    """The run directory, the same on every rank; rank 0's args.json (the flags as given) and TensorBoard writer."""
     names = [args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")]
     if dist.is_initialized():
         dist.broadcast_object_list(names)
@@ -1193,8 +1174,7 @@ def samples_to_log(args, update, rows, completions, **values):
 
 
 def global_metrics(metrics, ops):
-    """Each metric over every rank, all in one gather: the mean of the ranks' values (each has as many sequences), or
-    ops[key]'s ("sum", "min", "max")."""
+    """Each metric over every rank, in one gather: the ranks' mean (as many sequences each), or ops[key]'s ("max")."""
     if not dist.is_initialized():
         return metrics
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -1207,10 +1187,9 @@ def global_metrics(metrics, ops):
 
 
 def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
-    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong;
-    with --eval-only printed with its 95% bound, the run's one result.
-    Under torchrun each rank takes every world-th batch, and every rank runs as many rollouts (each gathers the policy):
-    a rank short of a batch samples the first one again, uncounted."""
+    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong
+    (--eval-only: printed). Under torchrun each rank takes every world-th batch and runs as many rollouts as the others
+    (each gathers the policy): a rank short of a batch samples the first again, uncounted."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
     batches += [None] * (-len(batches) % world)
@@ -1260,9 +1239,8 @@ class Stopwatch:
             torch.cuda.synchronize()
             if phase is None:
                 torch.cuda.reset_peak_memory_stats()
-        now, self.times = time.perf_counter(), {} if phase is None else self.times
-        if phase is not None:
-            self.times[f"time/{phase}"] = now - self.last
+        now = time.perf_counter()
+        self.times = {} if phase is None else self.times | {f"time/{phase}": now - self.last}
         self.last = now
 
     def metrics(self, update, tokens):
@@ -1277,8 +1255,7 @@ class Stopwatch:
 
 
 def due(update, every, total_steps=None):
-    """Whether an evaluation or a save is due after this update: every N updates (0: never) and after the last
-    (total_steps), but not once a stop is requested (which saves anyway); the same answer on every rank."""
+    """Every N updates (0: never) and the last (total_steps), not once a stop is requested; as every rank sees it."""
     return bool(every) and (update % every == 0 or update == total_steps) and not stop_requested()
 
 
@@ -1356,9 +1333,8 @@ def trained_state(models, optimizer):
 
 
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
-    """checkpoint/, whole or not at all: every rank writes its own shards (torch.distributed.checkpoint) into
-    checkpoint.a or .b, whichever the link `checkpoint` does not point to, with policy/ (save_policy) and the state
-    (state.json) after them; then the link points to it. SaveFailed on every rank if any rank failed."""
+    """checkpoint/, whole or not at all: every rank's shards (torch.distributed.checkpoint), policy/ and state.json go
+    in checkpoint.a or .b, the one the link `checkpoint` does not point to; then it does. SaveFailed on every rank."""
     SAVING.append(True)
     rank, link = dist.get_rank() if dist.is_initialized() else 0, os.path.join(run_dir, "checkpoint")
     slot, old = "checkpoint.a", "checkpoint.b"
@@ -1391,9 +1367,8 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
 
 
 def save_policy(path, models, tokenizer, merged=False):
-    """policy/: save_pretrained of the policy and its tokenizer (with LoRA the adapter; merged: also the base with the
-    adapters merged in, in policy/merged), and PPO's value model (its critic in policy/critic, value_head.pt; see
-    docs/ppo_llm.md). Under torchrun each model is gathered into rank 0's CPU memory in turn, and rank 0 writes it."""
+    """policy/: save_pretrained of the policy (LoRA: the adapter; merged: the merged model in policy/merged), PPO's
+    critic (policy/critic, value_head.pt: docs/ppo_llm.md); under torchrun gathered a model at a time into rank 0."""
     rank, failed = dist.get_rank() if dist.is_initialized() else 0, None
     options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True)
     for name, model in models.items():  # every rank takes part in each gather, rank 0 too after a failure
@@ -1452,9 +1427,8 @@ def load_checkpoint(args, models, optimizer):
 
 @contextlib.contextmanager
 def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
-    """main()'s loop inside the run's plumbing: Ctrl-C and SIGTERM stop it after the update (on_signal); any exception
-    saves run["state"] (every rank together), prints an error's traceback, what is on disk and how to go on, and
-    exits; the end closes the logs and the processes."""
+    """main()'s loop inside the run's plumbing: Ctrl-C and SIGTERM stop it after the update; any exception saves
+    run["state"] (every rank together) and says what is on disk and how to go on; the end closes logs and processes."""
     STOP.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     print(f"{run_dir}/checkpoint: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
@@ -1479,9 +1453,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         elif saved is None:
             saved, go_on = "no checkpoint was written", "start the run again"
         cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
-        if cause is not None and not isinstance(
-            cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit
-        ):
+        if not isinstance(cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit | None):
             traceback.print_exception(cause)
         if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
             dist.barrier()
@@ -1519,8 +1491,6 @@ def refusals_once():
             if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's report of a failed rank ends with it
                 with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
                     json.dump({"message": e.code, "timestamp": int(time.time())}, f)
-            if dist.is_initialized():  # else gloo's threads can abort the process as it exits
-                dist.destroy_process_group()
         raise
 
 

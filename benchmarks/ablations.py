@@ -216,9 +216,9 @@ def table(saved):
     lines = [
         f"`python benchmarks/ablations.py` on {saved['machine']}, torch {saved['torch']}: ppo_llm.py's embedded run "
         f"for {saved['total_steps']} updates, seeds {', '.join(map(str, seeds))}, two runs at a time, "
-        f"{saved['hours']:.1f} hours in all. Mean ± standard error over the seeds; Δ: the difference of the means from the baseline's, "
-        "marked ~ when it is under twice its standard error (no measurable effect). first ratio: the mean ratio of "
-        "the first minibatch, before any optimizer step.",
+        f"{saved['hours']:.1f} hours in all. Mean ± standard error over the seeds; Δ: the difference of the means from "
+        "the baseline's, marked ~ when it is under twice its standard error (no measurable effect). first ratio: the "
+        "mean ratio of the first minibatch, before any optimizer step.",
         "",
         "| left out (detail) | the change | final accuracy | Δ | updates to 0.90 | final KL | Δ | first ratio | "
         "diverged | reading |",
