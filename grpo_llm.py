@@ -16,8 +16,9 @@ Implementation details, cited "detail N":
    to its tokens; a group of equal rewards gets exactly 0. No value model, no GAE.
 4. Sampling is softmax(logits / temperature) alone (the checkpoint's generation_config is replaced), and log-probs
    divide by the same temperature.
-5. At --num-iterations 1 the old log-probs are the current ones detached; above, they are recomputed after generation
-   in the training's micro-batch shapes. The reference, the SFT policy in fp32 scored the same way, starts at KL 0.
+5. At --num-iterations 1 the old log-probs are the current ones detached (rho = 1: no clip acts, the gradient is the
+   policy gradient's with the group as baseline); above, they are recomputed after generation in the training's
+   micro-batch shapes. The reference, the SFT policy in fp32 scored the same way, starts at KL 0.
 6. Dropout is 0, in the config and in every nn.Dropout; prompts are left-padded, position ids come from the mask.
 7. The LM head runs on completion positions only, in chunks recomputed in backward (torch.utils.checkpoint): memory
    does not grow with length x vocabulary. One fp32 log-softmax gives the log-probs and the entropy.
@@ -411,7 +412,7 @@ def main(args: Args | None = None):
             advantages, zero_std = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)
             dropped = torch.zeros_like(batch["ended"])
             if args.dynamic_sampling:  # DAPO's, without resampling: the groups whose rewards are all equal
-                dropped |= zero_std.repeat_interleave(G)  # advantage 0 already: out of the KL, entropy and normaliser
+                dropped |= zero_std.repeat_interleave(G)  # advantage 0 already: out of the KL and entropy terms
             if args.mask_truncated_completions:  # DAPO's overlong filtering: the completions that never ended
                 dropped |= ~batch["ended"]
             loss_mask = mask * ~dropped[:, None]
@@ -485,6 +486,10 @@ def check_args(args, world):
         raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high})")
     if args.delta is not None and args.delta <= high:
         raise SystemExit(f"error: --delta must be > 1 + --epsilon-high (got {args.delta})")
+    if args.off_policy_mask_threshold is not None and args.num_iterations == 1:  # old = current: it never acts
+        raise SystemExit(
+            "error: --off-policy-mask-threshold needs --num-iterations > 1 (at 1 no completion is off-policy)"
+        )
     if args.reward_fn == ():
         raise SystemExit("error: --reward-fn needs at least one reward function")
     if args.reward_weights is not None and len(args.reward_weights) != n_rewards:

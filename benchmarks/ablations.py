@@ -146,7 +146,7 @@ def child(spec):
 
     ppo_llm.optimizer_step = noting_divergence
     argv = [*ABLATIONS[spec["ablation"]][2], "--seed", str(spec["seed"]), "--total-steps", str(spec["total_steps"])]
-    argv += ["--output-dir", spec["run_dir"], "--save-every", "0", "--sample-every", "0"]
+    argv += ["--output-dir", spec["run_dir"], "--save-every", "0", "--sample-every", "0", *spec.get("toy", [])]
     start = time.time()
     try:
         run_dir = ppo_llm.main(ppo_llm.parse_args(argv))

@@ -57,8 +57,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {
     "ppo": ["ppo_llm.py"],
     "ppo-head": ["ppo_llm.py", "--critic", "head"],
-    "ppo-rm": ["ppo_llm.py", "--reward-model", "assets/arith-rm"],
-    "ppo-rm-raw": ["ppo_llm.py", "--reward-model", "assets/arith-rm", "--score-norm", "off"],
+    "ppo-rm": ["ppo_llm.py", "--reward-model", "assets/arith-rm", "--reward-fn", "arithmetic"],
+    "ppo-rm-raw": [
+        "ppo_llm.py",
+        "--reward-model",
+        "assets/arith-rm",
+        "--reward-fn",
+        "arithmetic",
+        "--score-norm",
+        "off",
+    ],
     "grpo": ["grpo_llm.py", "--loss-type", "grpo", "--beta", "0.04"],  # the paper's beta, so that the KL is measured
     "dr_grpo": ["grpo_llm.py", "--loss-type", "dr_grpo", "--scale-rewards", "none"],
     "dapo": ["grpo_llm.py", "--loss-type", "dapo", "--epsilon-high", "0.28"],

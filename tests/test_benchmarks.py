@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import types
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,8 @@ def run_main(monkeypatch, module, argv):
         ("torchrun_stress", ["--table"], ["--table", "torchrun_stress_ppo_llm.json does not exist"]),
         ("scale", ["--table"], ["--table", "scale_c*.json does not exist"]),
         ("gpu", ["--table"], ["--table", "gpu_*.json does not exist"]),
+        ("ablations", ["--table"], ["--table", "ablations.json does not exist"]),
+        ("passes", ["--table"], ["--table", "passes_*.json does not exist"]),
     ],
 )
 def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(
@@ -235,3 +238,48 @@ def test_gpu_a_pytest_cut_off_writes_its_report(tmp_path):
         signal.signal(signal.SIGINT, handler)
     assert state == "cut off" and "KeyboardInterrupt" in (tmp_path / "log").read_text()
     assert gpu.junit_counts(xml) == {"tests": 1, "failures": 0, "errors": 0, "skipped": 0, "failed": []}
+
+
+def ablated(name):
+    """A fresh copy of ppo_llm with ablation `name` applied (the imported ppo_llm stays as it is)."""
+    ablations = importlib.import_module("ablations")
+    spec = importlib.util.spec_from_file_location(f"ppo_llm_{len(name)}", os.path.join(ROOT, "ppo_llm.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ablations.apply(module, name)
+    return module
+
+
+def test_each_ablation_changes_what_it_says(tmp_path):
+    import torch
+
+    ablations = importlib.import_module("ablations")
+    for name in ablations.ABLATIONS:  # every line an ablation replaces is in ppo_llm.py, once
+        ablated(name)
+    # detail 2: tokens after the first EOS (id 1) stay in the mask
+    responses = torch.tensor([[5, 1, 0, 0]])
+    assert ablated("no EOS cut").truncate_after_eos(responses, [1], 0)[1].tolist() == [[True] * 4]
+    # detail 6: positions counted from the left edge, padding included
+    assert ablated("position ids 0, 1, 2, ...").position_ids(torch.tensor([[0, 1, 1]])).tolist() == [[0, 1, 2]]
+    # detail 10: V = 2 from V_old = 0 with c = 0.2 against R = 2: clipped, 1/2 (0.2 - 2)^2 = 1.62; unclipped, 0
+    args = (torch.tensor([[2.0]]), torch.zeros(1, 1), torch.tensor([[2.0]]), torch.ones(1, 1), 0.2)
+    assert ablated("full").value_loss(*args)[0].item() == pytest.approx(1.62)
+    assert ablated("no value clipping").value_loss(*args)[0].item() == 0.0
+    # detail 8: the value head's weight random; detail 3, 12: beta 0, the reference still scored: its KL is logged
+    policy = torch.nn.Module()
+    policy.config = types.SimpleNamespace(hidden_size=4)
+    _, head = ablated("random value head").build_value_model(
+        ablations_args := __import__("ppo_llm").Args(critic="head"), torch.device("cpu"), policy, None, None, None
+    )
+    assert head.weight.abs().sum() > 0 and not head.bias.any() and ablations_args.critic == "head"
+    toy = ["--prompts-per-update", "8", "--num-mini-batches", "1", "--eval-size", "8", "--eval-every", "2"]
+    records = {}
+    for name in ["full", "no KL penalty"]:
+        spec = {"ablation": name, "seed": 1, "total_steps": 2, "run_dir": str(tmp_path / name), "toy": toy}
+        done = subprocess.run([sys.executable, "benchmarks/ablations.py", "--child", json.dumps(spec)], cwd=ROOT,
+                              capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        records[name] = json.loads(done.stdout.splitlines()[-1])
+    assert records["no KL penalty"]["kl_coef"] == 0 and records["full"]["kl_coef"] == 0.05
+    assert records["no KL penalty"]["final_kl"] != 0 and records["full"]["first_ratio"] == 1.0
+    assert [update for update, _ in records["full"]["curve"]] == [0, 2] and not records["full"]["diverged"]

@@ -279,6 +279,26 @@ def test_process_group_waits_an_hour_for_rank_0(monkeypatch):
     assert seen["backend"] == "gloo" and seen["timeout"].total_seconds() == 3600 and seen["device_id"] is None
 
 
+def test_a_run_resumes_on_another_number_of_processes(tmp_path):
+    # 12 prompts on 3 processes (4 each, so micro-batches of at most 4), resumed on 2 (6 each): args.json holds
+    # --micro-batch-size as given (64), and each launch derives its cap again
+    flags = ["--prompts-per-update", "12", "--num-mini-batches", "1", "--eval-every", "0", "--sample-every", "0"]
+    torchrun("ppo_llm.py", *flags, "--total-steps", "1", "--output-dir", tmp_path, processes=3)
+    (run_dir,) = tmp_path.iterdir()
+    assert json.loads((run_dir / "args.json").read_text())["micro_batch_size"] == 64
+    torchrun("ppo_llm.py", "--resume", run_dir, "--total-steps", "2")
+    assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2]
+
+
+def test_a_refusal_under_torchrun_is_one_line_once_and_torchruns_report_gives_it():
+    # every rank refuses 3 processes for 8 prompts: rank 0 alone prints the line, and each rank's error file makes it
+    # torchrun's report (not error_file <N/A>)
+    p = torchrun("ppo_llm.py", "--prompts-per-update", "8", processes=3, ok=False)
+    message = "error: 3 processes must divide --prompts-per-update"
+    assert [line for line in p.stderr.splitlines() if line.startswith("error")] == [message]
+    assert f"traceback : {message}" in p.stderr and "<N/A>" not in p.stderr
+
+
 @pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
 def test_processes_must_divide_the_prompts(script):
     with pytest.raises(SystemExit) as e:

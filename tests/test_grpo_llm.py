@@ -580,6 +580,7 @@ def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
          "'gsm8k'], nor a file.py:function or module:function that loads"),
         (dict(reward_weights=(1.0, 2.0)), "error: --reward-weights needs one weight per reward (1), not 2"),
         (dict(reward_fn=()), "error: --reward-fn needs at least one reward function"),
+        (dict(off_policy_mask_threshold=0.5), "error: --off-policy-mask-threshold needs --num-iterations > 1"),
         (dict(temperature=0.0), "error: --temperature must be > 0"),
         (dict(top_entropy_quantile=0.0), "error: --top-entropy-quantile must be in (0, 1]"),
         (dict(sapo_temperature_neg=0.0), "error: --sapo-temperature-neg must be > 0 (got 0.0)"),

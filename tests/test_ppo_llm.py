@@ -692,3 +692,63 @@ def test_bad_input_one_line(tiny, tmp_path, monkeypatch, kwargs, message):
 def test_bad_reward_model_labels(tiny, tmp_path):
     with pytest.raises(SystemExit, match="has num_labels=2: --reward-label \\(0 to 1\\) chooses the logit that is the"):
         run(tiny, tmp_path, reward_model=tiny["rm_two_labels"])
+
+
+def test_no_forward_keeps_every_layers_states(tiny, tmp_path, monkeypatch):
+    # A forward that asks for every layer's hidden states keeps all L + 1 of them until it returns; in a no-grad pass
+    # (old log-probs, values, the reference) that is memory for nothing (at 7B, 32 layers x 64 x 1,024 tokens in bf16:
+    # about 17 GB). The scripts keep the trunk's output alone (benchmarks/passes.py measures both).
+    asked, real = [], GPT2LMHeadModel.forward
+
+    def forward(self, *args, **kwargs):
+        asked.append((torch.is_grad_enabled(), kwargs.get("output_hidden_states")))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT2LMHeadModel, "forward", forward)
+    run(tiny, tmp_path, total_steps=1, kl_coef=0.05, critic="head")
+    assert (False, None) in asked and (True, None) in asked  # no-grad passes and the training's, none asking
+    assert not any(every_layer for _, every_layer in asked)
+
+
+def test_beside_a_reward_model_an_accuracy_comes_only_from_a_reward_function_given(tiny, tmp_path):
+    # --reward-fn unset is arithmetic, the embedded tasks' exact match; beside a reward model none is assumed (on
+    # GSM8K's rationales an exact match reads near 0, a broken run's look): neither objective/accuracy nor a held-out
+    # accuracy is logged unless a reward function is named, and --eval-only asks for one
+    options = dict(
+        reward_model=tiny["rm"], dataset=tiny["jsonl"], eval_split=tiny["jsonl"], eval_every=1, total_steps=1
+    )
+    _, metrics = run(tiny, tmp_path / "none", **options)
+    assert not any(key.endswith("accuracy") for m in metrics for key in m)
+    _, metrics = run(tiny, tmp_path / "given", reward_fn="gsm8k", **options)
+    assert "objective/accuracy" in metrics[-1] and "eval/accuracy" in metrics[-1]
+    with pytest.raises(SystemExit, match="^error: --eval-only beside --reward-model needs a --reward-fn$"):
+        ppo_llm.main(ppo_llm.Args(model=tiny["policy"], reward_model=tiny["rm"], eval_only=True))
+
+
+def test_the_reference_never_trains_and_a_refreshed_one_is_saved(tiny):
+    # frozen_copy: no gradient, and eval mode also after models.train(), which the update calls on what it holds; with
+    # --ref-update-every the reference is in checkpoint/ (a frozen LoRA base is not)
+    policy = ppo_llm.load_model(AutoModelForCausalLM, tiny["policy"], "--model")
+    reference = ppo_llm.frozen_copy(policy, torch.device("cpu"), bf16=False)
+    models = torch.nn.ModuleDict({"policy": policy, "ref_policy": reference})
+    models.train()
+    assert policy.training and not any(module.training for module in reference.modules())
+    assert not any(p.requires_grad for p in reference.parameters())
+    optimizer = torch.optim.AdamW(policy.parameters())
+    saved = ppo_llm.trained_state(models, optimizer)["models"]
+    assert any(key.startswith("ref_policy.") for key in saved) and any(key.startswith("policy.") for key in saved)
+
+
+def test_the_embedded_default_runs_from_elsewhere_and_a_copy_says_what_to_give(tmp_path, monkeypatch):
+    # run from another directory, the embedded model and task are found beside the script; a copy of the script
+    # without the repository's assets/ says that they ship with it and what to give instead
+    monkeypatch.chdir(tmp_path)
+    argv = ["--total-steps", "1", "--prompts-per-update", "4", "--num-mini-batches", "1", "--eval-every", "0"]
+    args = ppo_llm.parse_args(argv)
+    assert os.path.isabs(args.model) and os.path.isfile(os.path.join(args.model, "config.json"))
+    assert os.path.isfile(args.dataset) and os.listdir(ppo_llm.main(args))
+    monkeypatch.setattr(ppo_llm, "__file__", str(tmp_path / "ppo_llm.py"))  # the script alone, copied here
+    with pytest.raises(SystemExit) as e:
+        ppo_llm.main(ppo_llm.parse_args(argv))
+    assert str(e.value).startswith("error: --model assets/arith-sft is no directory")
+    assert "the embedded models ship in the repository's assets/: give --model" in str(e.value)
