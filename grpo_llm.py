@@ -1504,9 +1504,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
             writer.close()
     print(f"saved the policy to {run_dir}/policy")
     if args.track and writer is not None:
-        import wandb
-
-        wandb.finish()
+        sys.modules["wandb"].finish()  # open_run imported it
     if dist.is_initialized():
         dist.barrier()  # every rank waits for rank 0's save
         dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
@@ -1514,7 +1512,8 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
 
 @contextlib.contextmanager
 def refusals_once():
-    """Under torchrun a refusal (a SystemExit's one line) is printed by rank 0 alone and ends torchrun's report."""
+    """Under torchrun a refusal (a SystemExit's one line) is printed by rank 0 alone and ends torchrun's report; a
+    process group still there (--eval-only's) ends with the run."""
     try:
         yield
     except SystemExit as e:
@@ -1524,6 +1523,8 @@ def refusals_once():
                 with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
                     json.dump({"message": e.code, "timestamp": int(time.time())}, f)
         raise
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

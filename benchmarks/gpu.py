@@ -16,8 +16,9 @@ torchrun with NCCL and FSDP2 does on several is not measured (one GPU is world s
    takes from the folder what the machine lacks of their requirements), TRL 1.16 into benchmarks/runs/trl116 where
    scale.py looks for it; then prints the versions it finds and checks that tyro and datasets import. Without them no
    other part can run: a set-up that fails or is cut off ends the run with one line.
-2. tests: tests/test_families.py, test_lm_head.py and test_lora.py: the scripts' runs in them use the GPU by default,
-   and TEST_DEVICE=cuda puts test_lm_head.py's own tensors on it.
+2. tests: tests/test_families.py, test_lm_head.py and test_lora.py, a pytest run each (one cut off inside a script's
+   main(), which takes SIGINT as a stop, loses its own report alone): the scripts' runs in them use the GPU by
+   default, and TEST_DEVICE=cuda puts test_lm_head.py's own tensors on it.
 3. speed: llm_speed.py --gpt2-shape: PPO and GRPO, seconds per update split into generation, scoring and
    optimisation, tokens/s, peak memory.
 4. trl: scale.py at GPT-2-124M's and Qwen2-0.5B's shapes: ours and TRL's GRPOTrainer, seconds per update, peak
@@ -85,8 +86,6 @@ def setup_commands(wheels):
         if wheels:
             pip = [PY, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links", wheels, "--target", TRL_DIR]
             commands.append([*pip, TRL])
-    found = "import importlib.metadata as m; print(*[f'{n} {m.version(n)}' for n in m.sys.argv[1:]], sep=', ')"
-    commands.append([PY, "-c", found, *VERSIONS[:3], *VERSIONS[-2:]])  # torch, transformers, peft, pyarrow, fsspec
     commands.append([PY, "-c", "import datasets, tyro"])
     return commands, missing
 
@@ -95,10 +94,13 @@ def part_commands(part, smoke, work):
     """One part's commands, at toy size with smoke, and the environment variables they need besides."""
     results, logs = os.path.join(work, "results"), os.path.join(work, "logs")
     if part == "tests":
-        pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={logs}/tests.xml"]
+        pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"]  # a file at a time: a cut-off loses one report
         if smoke:
-            return [[*pytest, "tests/test_lm_head.py", "-k", "autocast"]], {}
-        return [[*pytest, *TESTS]], {"TEST_DEVICE": "cuda"}
+            return [
+                [*pytest, f"--junitxml={logs}/tests-test_lm_head.xml", "tests/test_lm_head.py", "-k", "autocast"]
+            ], {}
+        reports = [f"--junitxml={logs}/tests-{os.path.basename(test)[:-3]}.xml" for test in TESTS]
+        return [[*pytest, report, test] for report, test in zip(reports, TESTS)], {"TEST_DEVICE": "cuda"}
     if part == "speed":
         speed = [PY, "benchmarks/llm_speed.py", "--out-dir", results]
         if smoke:
@@ -137,10 +139,10 @@ def stop(process):
     process.wait()
 
 
-def run_part(commands, env, budget, log_path):
-    """The commands one after the other, each in a process group of its own, until one fails or the budget is spent:
-    "ok", "failed (exit N)" or "cut off"."""
-    start = time.monotonic()
+def run_part(commands, env, budget, log_path, keep_going=False):
+    """The commands one after the other, each in a process group of its own, until one fails (keep_going: all, failed
+    or not) or the budget is spent: "ok", "failed (exit N)" or "cut off"."""
+    start, state = time.monotonic(), "ok"
     with open(log_path, "w") as log:
         for command in commands:
             log.write("$ " + " ".join(command) + "\n")
@@ -157,20 +159,24 @@ def run_part(commands, env, budget, log_path):
                 stop(process)
                 raise
             if code:
-                return f"failed (exit {code})"
-    return "ok"
+                state = f"failed (exit {code})"
+            if code and not keep_going:
+                break
+    return state
 
 
-def junit_counts(path):
-    """pytest's junit XML: the counts and the names of the tests that failed."""
-    if not os.path.exists(path):
+def junit_counts(paths):
+    """The counts of pytest's junit XML reports (those written), summed, and the names of the tests that failed."""
+    paths = [path for path in paths if os.path.exists(path)]
+    if not paths:
         return None
-    suite = ElementTree.parse(path).getroot().find("testsuite")
-    counts = {key: int(suite.get(key)) for key in ["tests", "failures", "errors", "skipped"]}
-    failed = []
-    for case in suite.iter("testcase"):
-        if case.find("failure") is not None or case.find("error") is not None:
-            failed.append(f"{case.get('classname')}::{case.get('name')}")
+    counts, failed = dict.fromkeys(["tests", "failures", "errors", "skipped"], 0), []
+    for path in paths:
+        suite = ElementTree.parse(path).getroot().find("testsuite")
+        counts = {key: count + int(suite.get(key)) for key, count in counts.items()}
+        for case in suite.iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed.append(f"{case.get('classname')}::{case.get('name')}")
     return counts | {"failed": failed}
 
 
@@ -285,7 +291,7 @@ def measure(out, parts, budgets, wheels, smoke):
             before = files(os.path.join(work, "results"))
             log_path = os.path.join(work, "logs", f"{name}.log")
             part_start = time.monotonic()
-            state = run_part(commands, env | part_env, budgets[name], log_path)
+            state = run_part(commands, env | part_env, budgets[name], log_path, keep_going=name == "tests")
             after = files(os.path.join(work, "results"))
             with open(log_path) as f:
                 tail = f.read().splitlines()[-15:]
@@ -296,13 +302,17 @@ def measure(out, parts, budgets, wheels, smoke):
             if name == "setup":
                 part["installed"] = missing
             if name == "tests":
-                part["tests"] = junit_counts(os.path.join(work, "logs", "tests.xml"))
+                part["tests"] = junit_counts(sorted(glob.glob(os.path.join(work, "logs", "tests-*.xml"))))
             summary["parts"][name] = part
             summary["seconds"] = time.monotonic() - start
             summary["versions"] = versions()
             print(f"   {state} in {part['seconds']:.0f} s", flush=True)
             write_out(out, work, summary)
-            if name == "setup" and state != "ok":  # every other part imports tyro and datasets
+            if name == "setup":  # what it finds; without tyro and datasets no other part can run
+                print(
+                    "   " + ", ".join(f"{name} {version}" for name, version in summary["versions"].items()), flush=True
+                )
+            if name == "setup" and state != "ok":
                 last = (tail or ["no output"])[-1]
                 raise SystemExit(f"error: the set-up {state} ({last}), so no part can run: {out}/summary.md has why")
     print(table(summary))

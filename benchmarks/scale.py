@@ -166,7 +166,8 @@ def median(xs):
 
 
 def ours(name, updates):
-    """Run ppo_llm.py / grpo_llm.py as a subprocess; medians of its time/* and perf/* over the timed updates."""
+    """Run ppo_llm.py / grpo_llm.py as a subprocess; medians of its time/* and perf/* over the timed updates, but the
+    peak memory: the highest update's (on a GPU each update's is its own), as TRL's is its process's."""
     shape, script, prompts, gens, new, micro, extra = CONFIGS[name]
     path = build(shape)
     with tempfile.TemporaryDirectory(dir=RUNS) as out:
@@ -179,9 +180,11 @@ def ours(name, updates):
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         (run,) = os.listdir(out)
         with open(os.path.join(out, run, "metrics.jsonl")) as f:
-            metrics = [json.loads(line) for line in f][1:]
-    keys = ["time/generation", "time/scoring", "time/update", "perf/tokens_per_sec", "perf/peak_memory_mb"]
-    result = {k: median([m[k] for m in metrics]) for k in keys}
+            metrics = [json.loads(line) for line in f]
+    peak_memory = max(m["perf/peak_memory_mb"] for m in metrics)
+    metrics = metrics[1:]  # the first update warms up
+    keys = ["time/generation", "time/scoring", "time/update", "perf/tokens_per_sec"]
+    result = {k: median([m[k] for m in metrics]) for k in keys} | {"perf/peak_memory_mb": peak_memory}
     result["s/update"] = median([m["time/generation"] + m["time/scoring"] + m["time/update"] for m in metrics])
     return result
 

@@ -236,3 +236,12 @@ def test_auto_precision_is_bf16_only_on_a_gpu_that_runs_it_natively(monkeypatch)
         assert ppo_llm.uses_bf16(ppo_llm.Args()) is expected
         assert ppo_llm.uses_bf16(ppo_llm.Args(mixed_precision="bf16")) is True
         assert ppo_llm.uses_bf16(ppo_llm.Args(cuda=False)) is False
+
+
+def test_gradient_checkpointing_is_non_reentrant(tiny):
+    # named, not left to the installed transformers' default: reentrant checkpointing can leave a frozen base's LoRA
+    # adapters without a gradient
+    policy = ppo_llm.load_model(AutoModelForCausalLM, tiny["policy"], "--model")
+    ppo_llm.prepare(ppo_llm.Args(gradient_checkpointing=True, learning_rate=1e-4), [policy])
+    functions = [m._gradient_checkpointing_func for m in policy.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    assert functions and all(f.keywords == {"use_reentrant": False} for f in functions)
