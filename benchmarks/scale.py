@@ -410,7 +410,8 @@ def estimate_gb(params, layers, hidden, vocab, seq, micro, batch, trained=1, fro
     on CPU ~0.7 GiB of libraries in the resident set.
     With LoRA (lora: the adapters' parameters of one trained model), each trained model's frozen base in its
     checkpoint dtype (base_bytes), 16 B per adapter parameter (fp32 weight, gradient, AdamW), the reference free (the
-    base with its adapters off: pass frozen without it), the activations as above and no head-weight gradient."""
+    base with its adapters off: pass frozen without it), the activations as above and no head-weight gradient, but the
+    fp32 copy of the bf16 base's head that the chunked head holds from its forward through its backward."""
     act_bytes, tokens = (2 if bf16 else 4), micro * seq
     per_layer = 16 * hidden * act_bytes * tokens
     activations = tokens * hidden * act_bytes * layers + per_layer if checkpointing else per_layer * layers
@@ -420,7 +421,7 @@ def estimate_gb(params, layers, hidden, vocab, seq, micro, batch, trained=1, fro
     step = 4 * params * trained + trained * activations + head
     if lora:
         persistent = base_bytes * params * trained + 4 * params * frozen + 16 * lora * trained
-        step = trained * activations + 5 * 2**24 * 4
+        step = trained * activations + 5 * 2**24 * 4 + vocab * hidden * 4
     return (persistent + max(step, kv_cache) + (0.7 * 2**30 if cpu else 0)) / 2**30
 
 
