@@ -91,7 +91,7 @@ class Args:
     model: str = "assets/arith-sft"  # policy and reference: a directory (as the embedded SFT model) or a hub id
     reward_model: str | None = None  # a sequence-classification reward model; without one, --reward-fn scores
     reward_label: int | None = None  # the reward model's logit that is the score, if it has several
-    reward_fn: str | None = None  # arithmetic, gsm8k, format, file.py:fn, module:fn (unset: arithmetic, no RM)
+    reward_fn: str | None = None  # arithmetic, gsm8k, format, file.py:fn, module:fn (unset: arithmetic; RM: none)
     dataset: str = "assets/arith/train.jsonl"  # prompts: a .jsonl .json .csv .parquet file, or a hub dataset
     dataset_config: str | None = None  # hub dataset configuration (gsm8k: main)
     dataset_split: str = "train"  # hub dataset split
