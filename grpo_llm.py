@@ -96,7 +96,7 @@ class Args:
     model: str = "assets/arith-sft"  # policy and reference: a directory (as the embedded SFT model) or a hub id
     reward_model: str | None = None  # a sequence-classification reward model; it replaces --reward-fn as the reward
     reward_label: int | None = None  # the reward model's logit that is the score, if it has several
-    reward_fn: tuple[str, ...] | None = None  # summed: arithmetic, gsm8k, format, file.py:fn, module:fn (unset: arithmetic)
+    reward_fn: tuple[str, ...] | None = None  # summed: arithmetic gsm8k format file.py:fn module:fn (unset: arithmetic)
     reward_weights: tuple[float, ...] | None = None  # weight of each reward function (unset: 1 each)
     dataset: str = "assets/arith/train.jsonl"  # prompts: a .jsonl .json .csv .parquet file, or a hub dataset
     dataset_config: str | None = None  # hub dataset configuration (gsm8k: main)
