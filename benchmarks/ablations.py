@@ -306,7 +306,7 @@ def figure(saved, path):
 
 
 def write(saved):
-    write_table("ablations.md", table(saved), RESULTS)
+    write_table("ablations.md", table(saved), results_dir=RESULTS)
     figure(saved, os.path.join(RESULTS, "ablations.png"))
 
 

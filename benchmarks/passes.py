@@ -160,7 +160,7 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.table:
         for saved in saved_results(os.path.join(RESULTS, "passes_*.json")):
-            write_table(f"passes_{saved['device']}.md", table(saved), RESULTS)
+            write_table(f"passes_{saved['device']}.md", table(saved), results_dir=RESULTS)
         return
     env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072"}
     results = {}
@@ -173,7 +173,7 @@ def main():
     saved = {"device": device, "machine": machine(device), "torch": torch.__version__, "results": results}
     with open(os.path.join(RESULTS, f"passes_{device}.json"), "w") as f:
         json.dump(saved, f, indent=1)
-    write_table(f"passes_{device}.md", table(saved), RESULTS)
+    write_table(f"passes_{device}.md", table(saved), results_dir=RESULTS)
     print(table(saved))
 
 

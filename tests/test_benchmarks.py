@@ -285,3 +285,14 @@ def test_each_ablation_changes_what_it_says(tmp_path):
     record = json.loads(done.stdout.splitlines()[-1])
     assert record["kl_coef"] == 0 and record["final_kl"] != 0 and record["first_ratio"] == 1.0
     assert [update for update, _ in record["curve"]] == [0, 2] and not record["diverged"]
+
+
+def test_the_committed_ablations_rebuild_their_table_and_figure(monkeypatch, tmp_path):
+    # ablations.py --table, from the committed ablations.json alone, writes its table and figure byte for byte
+    ablations = importlib.import_module("ablations")
+    shutil.copy(os.path.join(RESULTS, "ablations.json"), tmp_path)
+    redirect(monkeypatch, ablations, tmp_path)
+    run_main(monkeypatch, ablations, ["--table"])
+    for name in ["ablations.md", "ablations.png"]:
+        with open(os.path.join(RESULTS, name), "rb") as f:
+            assert (tmp_path / name).read_bytes() == f.read(), name
