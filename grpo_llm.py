@@ -1505,15 +1505,12 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
     print(f"saved the policy to {run_dir}/policy")
     if args.track and writer is not None:
         sys.modules["wandb"].finish()  # open_run imported it
-    if dist.is_initialized():
-        dist.barrier()  # every rank waits for rank 0's save
-        dist.destroy_process_group()  # nothing else holds the group: gloo's threads end before Python's
 
 
 @contextlib.contextmanager
-def refusals_once():
-    """Under torchrun a refusal (a SystemExit's one line) is printed by rank 0 alone and ends torchrun's report; a
-    process group still there (--eval-only's) ends with the run."""
+def clean_exit():
+    """Under torchrun a refusal (a SystemExit's one line) is printed by rank 0 alone and ends torchrun's report; a run
+    that ends well ends every rank together (after rank 0's last save), without Python's own exit."""
     try:
         yield
     except SystemExit as e:
@@ -1523,10 +1520,13 @@ def refusals_once():
                 with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
                     json.dump({"message": e.code, "timestamp": int(time.time())}, f)
         raise
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if dist.is_initialized():  # Python's exit would race gloo's threads, which FSDP's device mesh keeps past a destroy
+        dist.barrier()  # every rank done, rank 0's last save too
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
-    with refusals_once():  # under torchrun, a refusal is one line, once
+    with clean_exit():  # under torchrun: a refusal in one line, once; the ranks end together
         main()
