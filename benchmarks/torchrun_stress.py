@@ -38,12 +38,13 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from docs_tables import saved_results, write_table  # noqa: E402
 from scale import machine_name  # noqa: E402
 
-# the end-to-end torchrun test's settings: 2 updates, a sample line each, no evaluation
+# the end-to-end torchrun test's settings: 2 updates, a sample line each, an evaluation of 20 prompts at 0 and 2
 SETTINGS = {
     "ppo_llm.py": ["--prompts-per-update", "8", "--num-mini-batches", "1"],
     "grpo_llm.py": ["--prompts-per-update", "4", "--num-generations", "2"],
 }
-COMMON = ["--total-steps", "2", "--micro-batch-size", "4", "--eval-every", "0", "--sample-every", "1"]
+COMMON = ["--total-steps", "2", "--micro-batch-size", "4", "--sample-every", "1"]
+COMMON += ["--eval-every", "2", "--eval-size", "20"]
 
 
 @dataclass
