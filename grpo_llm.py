@@ -1322,6 +1322,26 @@ def stop_if_signalled():
         raise KeyboardInterrupt(signal.Signals(STOP[0]).name if STOP else "another rank's signal")
 
 
+class TimedOut(Exception):
+    """A call ran past its time limit (--tool-timeout); an Exception, so that on_every_rank stops every rank on it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds, what):
+    """TimedOut(what) raised into the call once `seconds` pass (SIGALRM: the main thread's sleep, I/O or regex too)."""
+
+    def on_alarm(signum, frame):
+        raise TimedOut(f"{what} ran past {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class EveryRank(Exception):
     """An error on one rank, raised on every rank at the same point, so that they stop and save together."""
 
