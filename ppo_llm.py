@@ -35,6 +35,7 @@ Running it for real (docs/ppo_llm.md): any causal LM, chat templates, bf16 autoc
 resuming (checkpoint/, --resume); CleanRL's and TRL's names for ours: docs/ppo_llm.md.
 """
 
+import ast
 import contextlib
 import copy
 import datetime
@@ -42,6 +43,7 @@ import itertools
 import json
 import logging
 import math
+import operator
 import os
 import random
 import re
@@ -110,6 +112,9 @@ class Args:
     max_prompt_length: int | None = None  # longer prompts lose their start (unset: the context - --max-new-tokens)
     temperature: float = 1.0  # sampling temperature, also in the log-probs (detail 4)
     cast_lm_head_to_fp32: bool = True  # the LM head's matmul in fp32 under autocast
+    tools: tuple[str, ...] = ()  # tools the policy may call: calculator (built in), file.py:function (docs: Tools)
+    max_tool_calls: int = 4  # tool turns in a response; a call past them cuts the response off
+    tool_timeout: float = 10.0  # seconds a tool call may run before it fails (an error result)
     # ---- PPO
     total_steps: int = 300  # PPO updates (a rollout batch and its epochs each)
     prompts_per_update: int = 128  # prompts per rollout batch, one response each
@@ -172,17 +177,17 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
-    """GAE over the response tokens, (B, T) -> (advantages, returns) (detail 9): delta_t = r_t + gamma * V_{t+1} - V_t,
-    A_t = delta_t + gamma * lam * A_{t+1}, returns = A + V. Rewards and values count as 0 where mask is 0 and past the
-    last position (the episode ends at the last real token); advantages and returns are 0 where mask is 0."""
-    rewards, values = rewards * mask, values * mask
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
-    deltas = rewards + gamma * next_values - values
-    advantages, last = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
+    """GAE over the policy's tokens, (B, T) -> (advantages, returns) (detail 9): delta_t = r_t + gamma * V_{t'} - V_t,
+    A_t = delta_t + gamma * lam * A_{t'}, returns = A + V, where t' is the next position where mask is 1: a tool's
+    result (mask 0) is part of the next state, so V bootstraps from the policy's next token, and past the last one
+    V_{t'} = A_{t'} = 0 (the episode ends there). Advantages and returns are 0 where mask is 0."""
+    advantages, last, next_value = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0]), 0.0
     for t in reversed(range(rewards.shape[1])):
-        last = deltas[:, t] + gamma * lam * last
-        advantages[:, t] = last
-    return advantages * mask, (advantages + values) * mask
+        acts = mask[:, t].bool()  # else position t is skipped: last and next_value carry over it
+        last = torch.where(acts, rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * last, last)
+        next_value = torch.where(acts, values[:, t], next_value)
+        advantages[:, t] = last * mask[:, t]
+    return advantages, (advantages + values) * mask
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_range):
@@ -243,28 +248,48 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
 
 
 @torch.no_grad()
-def rollout(policy, tokenizer, prompts, args, autocast, stop=None):
+def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None):
     """Step 1: the prompts left-padded (detail 6), cut on the left to --max-prompt-length; a response sampled for each
     from softmax(logits / temperature) (detail 4: the policy's generation_config, set by load_models), cut after its
-    first EOS (detail 2); with stop (generate()'s stopping_criteria), all at the next token once it says so. The batch:
-        query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens
-        responses, mask                  (B, R)      the response tokens (pad after EOS), 1.0 on the real ones
-        ended                            (B,)        whether the response has an EOS
+    first EOS (detail 2); with stop (generate()'s stopping_criteria), all at the next token once it says so. With
+    tools, in turns: a turn that ends in tool calls gets their results appended as tokens (the chat template's tool
+    messages), after which the policy writes its next turn. A response ends on a turn without a call; it is cut off
+    (not ended) by a call past --max-tool-calls, a result that does not fit, or --max-new-tokens, which counts every
+    token of the response. The ids the policy sampled are the ids it trains on, never re-tokenised. The batch:
+        query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens (a tool's too)
+        responses, mask                  (B, R)      the response tokens (pad after them), 1.0 on the policy's own
+        ended                            (B,)        whether the response ended (its last turn in an EOS)
+        tool_calls, tool_failures, turns (B,)        the response's tool calls, the failed ones, the policy's turns
         prompt_width                     Q"""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
+    eos_ids, B = policy.generation_config.eos_token_id, len(prompts)
+    contexts = [ids[real.bool()].tolist() for ids, real in zip(inputs.input_ids, inputs.attention_mask)]
+    responses, masks, ended, going = [[] for _ in prompts], [[] for _ in prompts], [False] * B, list(range(B))
+    tool_calls, tool_failures, turns = torch.zeros(3, B, dtype=torch.long)
     policy.eval()
-    with autocast, unsharded(policy):  # FSDP: the policy gathered once for generation, not once per token
-        out = policy.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, stopping_criteria=stop)
-    eos_ids = policy.generation_config.eos_token_id
-    responses, mask, ended = truncate_after_eos(out[:, inputs.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
-    return {
-        "query_responses": torch.cat([inputs.input_ids, responses], 1),
-        "attention_mask": torch.cat([inputs.attention_mask, mask.long()], 1),
-        "responses": responses,
-        "mask": mask.float(),
-        "ended": ended,
-        "prompt_width": inputs.input_ids.shape[1],
-    }
+    with autocast, unsharded(policy):  # FSDP: one gather for every turn, no collective in them (ranks' turns differ)
+        while going:  # a turn: one generate() for the responses still going, each after its own ids so far
+            context = tokenizer.pad({"input_ids": [contexts[i] + responses[i] for i in going]}, return_tensors="pt")
+            room = args.max_new_tokens - min(len(responses[i]) for i in going)
+            out = policy.generate(
+                **context.to(policy.device), max_new_tokens=room, stopping_criteria=stop, synced_gpus=False
+            )
+            new, new_mask, _ = truncate_after_eos(out[:, context.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
+            still_going = []
+            for i, turn, length in zip(going, new.tolist(), new_mask.sum(1).tolist()):
+                turn = turn[: min(length, args.max_new_tokens - len(responses[i]))]  # within the response's own room
+                responses[i], masks[i], turns[i] = responses[i] + turn, masks[i] + [1.0] * len(turn), turns[i] + 1
+                calls = tool_calls_in(tokenizer, contexts[i] + responses[i], len(turn)) if tools else []
+                ended[i] = turn[-1] in eos_ids and not calls  # a turn that calls a tool does not end the response
+                if calls and turn[-1] in eos_ids and turns[i] <= args.max_tool_calls:  # else a call cuts it off
+                    result, failed = run_tools(tokenizer, tools, calls, args.tool_timeout, eos_ids)  # the results' ids
+                    tool_calls[i], tool_failures[i] = tool_calls[i] + len(calls), tool_failures[i] + failed
+                    if len(responses[i]) + len(result) <= args.max_new_tokens:  # else they cut it off
+                        responses[i], masks[i] = responses[i] + result, masks[i] + [0.0] * len(result)
+                        still_going.append(i)
+            going = [i for i in still_going if len(responses[i]) < args.max_new_tokens]  # room for a turn
+    counts = {"tool_calls": tool_calls, "tool_failures": tool_failures, "turns": turns}
+    return padded_batch(inputs, responses, masks, ended, tokenizer.pad_token_id) | counts
 
 
 def position_ids(attention_mask):
@@ -362,10 +387,11 @@ def main(args: Args | None = None):
     batch_size = args.prompts_per_update // world  # this process's share of the prompts, one response each
     micro_batch_size = min(args.micro_batch_size, batch_size // args.num_mini_batches)  # at most a minibatch
     reward_fns = [load_reward_fn(name) for name in reward_fn_names(args)]  # a bad one fails here, before loading
-    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device)  # rm_tokenizer None: it reads our ids
-    eval_problems = eval_rows(args, tokenizer, reward_fns)
+    tools = load_tools(args.tools)  # {name: function}, as reward functions are loaded
+    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device, tools)  # rm_tokenizer None: our ids
+    eval_problems = eval_rows(args, tokenizer, reward_fns, tools)
     if args.eval_only:  # no training, no run directory
-        return evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
+        return evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
     critic, value_head = build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer)
     ref_policy = None  # beta 0 without --kl-target: no KL penalty, no reference
     if args.kl_coef or args.kl_target:
@@ -375,14 +401,14 @@ def main(args: Args | None = None):
     if args.ref_update_every:  # else the reference is --model's
         models["ref_policy"] = ref_policy
     models = nn.ModuleDict({name: model for name, model in models.items() if model is not None})
-    resumed, prompts, run_dir, writer = start_run(args, given, (rank, world), models, optimizer, tokenizer)
+    resumed, prompts, run_dir, writer = start_run(args, given, (rank, world), models, optimizer, tokenizer, tools)
     first_update, kl_coef = resumed.get("update", 0), resumed.get("kl_coef", args.kl_coef)
     run = {"update": first_update, "state": {"update": first_update, "kl_coef": kl_coef}}  # what a stop saves
     clock = Stopwatch(device, first_update, args.total_steps)
     whiten = args.score_norm == "on" or (args.score_norm == "auto" and reward_model is not None)  # the scores (13)
     with guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         if eval_problems and not resumed:  # the initial policy, at update 0
-            initial = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
+            initial = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
             run["update"] = update
@@ -390,9 +416,9 @@ def main(args: Args | None = None):
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
             clock.lap()  # the update starts
-            # ALGO LOGIC: 1. rollout, a response for each prompt (rollout() lists the batch's keys and shapes)
+            # ALGO LOGIC: 1. rollout, a response for each prompt, in turns with tools (rollout() lists the batch)
             rows = [next(prompts) for _ in range(batch_size)]
-            batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, [signalled])
+            batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, [signalled], tools)
             stop_if_signalled()  # every rank, before the update changes anything
             mask = batch["mask"]  # (B, R)
             clock.lap("generation")
@@ -408,8 +434,8 @@ def main(args: Args | None = None):
                     out = [policy_forward(ref_policy, batch, mb, args)[1] for mb in micro_batches]
                 ref_logprobs = torch.cat(out)[order]
             # 3. scores; per-token rewards: -beta * KL on every token, the normalised score on the last (details 3, 13)
-            completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-            fn_scores = reward_fn_scores(reward_fns, completions, rows, device)  # (B, reward functions)
+            completions, transcripts = decode_responses(tokenizer, batch)  # the last turns; the whole responses
+            fn_scores = reward_fn_scores(reward_fns, completions, rows, transcripts, device)  # (B, reward functions)
             if reward_model is None:
                 scores = fn_scores[:, 0]  # the reward function's
             else:
@@ -418,7 +444,7 @@ def main(args: Args | None = None):
             non_score_reward = -kl_coef * kl
             rewards = non_score_reward.clone()
             normalized = normalize_scores(scores, batch["ended"], whiten, args.missing_eos_penalty, args.score_clip)
-            rewards[torch.arange(batch_size, device=device), mask.long().sum(1) - 1] += normalized
+            rewards[torch.arange(batch_size, device=device), mask.shape[1] - 1 - mask.flip(1).argmax(1)] += normalized
             if args.whiten_rewards:
                 rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
             clock.lap("scoring")
@@ -450,8 +476,8 @@ def main(args: Args | None = None):
             batch |= {"scores": scores, "non_score_reward": non_score_reward, "fn_scores": fn_scores}
             metrics, line = ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock)
             if eval_problems and due(update, args.eval_every, args.total_steps):
-                metrics |= evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size)
-            log(writer, metrics, line, samples_to_log(args, update, rows, completions, score=scores))
+                metrics |= evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
+            log(writer, metrics, line, samples_to_log(args, update, rows, transcripts, score=scores))
             if update < args.total_steps and due(update, args.save_every):  # the last is saved below
                 save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer)
         save_checkpoint(run_dir, models, optimizer, run["state"], tokenizer, merged=args.save_merged)
@@ -466,11 +492,12 @@ def main(args: Args | None = None):
 def check_args(args, world):
     """Every flag out of range and every bad combination, one line each, before anything loads."""
     check_range(args, ">= 0", "save_every lora_r learning_rate weight_decay vf_coef ent_coef kl_coef ref_update_every")
-    check_range(args, ">= 0", "missing_eos_penalty eval_every sample_every num_samples")
+    check_range(args, ">= 0", "missing_eos_penalty eval_every sample_every num_samples max_tool_calls")
     check_range(args, ">= 1", "max_new_tokens max_prompt_length total_steps prompts_per_update num_mini_batches")
     check_range(args, ">= 1", "micro_batch_size num_ppo_epochs kl_horizon eval_size lora_alpha")
     check_range(args, "> 0", "temperature cliprange cliprange_value max_grad_norm target_kl kl_target score_clip")
     check_range(args, "in [0, 1]", "gamma lam")
+    check_range(args, "> 0", "tool_timeout")
     check_run(args, world)
     batch_size = args.prompts_per_update // world  # this process's share
     minibatch_size = batch_size // args.num_mini_batches
@@ -491,6 +518,7 @@ def check_args(args, world):
 def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
     """An update's metrics, TRL's names (docs/ppo_llm.md), over every rank, and its progress line."""
     mask, batch_size, scores = batch["mask"], len(batch["mask"]), batch["scores"]
+    lengths = batch["attention_mask"][:, batch["prompt_width"] :].sum(1)
     if args.missing_eos_penalty is not None:  # TRL's objective/scores: the penalty taken, in the scores' units
         scores = scores - args.missing_eos_penalty * (~batch["ended"]).float()
     metrics = {
@@ -502,7 +530,7 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
         "objective/non_score_reward": batch["non_score_reward"].sum(1).mean().item(),
         "objective/scores": scores.mean().item(),
         "val/num_eos_tokens": int(batch["ended"].sum().item()),
-        "val/mean_length": mask.sum().item() / batch_size,
+        "val/mean_length": lengths.sum().item() / batch_size,  # every token, a tool's too
         "lr": optimizer.param_groups[0]["lr"],
     }
     for key in stats[0]:  # policy_loss's (policy/*, val/ratio), value_loss's (val/clipfrac_avg), the losses
@@ -510,7 +538,9 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
     metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
     if batch["fn_scores"].shape[1]:  # the reward function's verdict, beside a reward model when one is given
         metrics["objective/accuracy"] = batch["fn_scores"][:, 0].double().sum().item() / batch_size
-    times, progress = clock.metrics(update, mask.sum().item())
+    if args.tools:
+        metrics |= tool_metrics(batch)
+    times, progress = clock.metrics(update, lengths.sum().item())
     ops = {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"}
     metrics = global_metrics(metrics | times, ops)
     line = f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
@@ -556,21 +586,29 @@ REWARD_FNS = {  # f(completions, reference answers) -> a score per completion
 }
 
 
-def load_reward_fn(spec):
-    """--reward-fn as f(completions, rows): REWARD_FNS[name], or file.py:fn / module:fn called as TRL calls one."""
-    if spec in REWARD_FNS:
-        return lambda completions, rows: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
+def import_function(spec, flag, known):
+    """known[spec], or the function that file.py:fn or module:fn names; one line if there is none."""
+    if spec in known:
+        return known[spec]
     source, _, name = spec.rpartition(":")
     try:
-        fn = (runpy.run_path(source) if source.endswith(".py") else runpy.run_module(source))[name]
+        return (runpy.run_path(source) if source.endswith(".py") else runpy.run_module(source))[name]
     except Exception as e:  # no such file, module or function, or a file that does not import (a SyntaxError, say)
         why = f" ({type(e).__name__}: {e})" if source else ""
-        choices = f"not one of {sorted(REWARD_FNS)}, nor a file.py:function or module:function that loads"
-        raise SystemExit(f"error: --reward-fn {spec}: {choices}{why}") from None
+        choices = f"not one of {sorted(known)}, nor a file.py:function or module:function that loads"
+        raise SystemExit(f"error: {flag} {spec}: {choices}{why}") from None
 
-    def user_fn(completions, rows):
+
+def load_reward_fn(spec):
+    """--reward-fn as f(completions, rows, transcripts): REWARD_FNS[name], or file.py:fn / module:fn called as TRL
+    calls one, with the whole responses as `transcripts` (their tool calls and results too)."""
+    if spec in REWARD_FNS:
+        return lambda completions, rows, transcripts: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
+    fn = import_function(spec, "--reward-fn", REWARD_FNS)
+
+    def user_fn(completions, rows, transcripts):
         columns = {key: [row["columns"][key] for row in rows] for key in rows[0]["columns"]}
-        values = list(fn(completions=completions, **columns))
+        values = list(fn(completions=completions, transcripts=transcripts, **columns))
         if len(values) != len(completions):
             counts = f"{len(values)} numbers for {len(completions)} completions"
             raise SystemExit(f"error: --reward-fn {spec} returned {counts}")
@@ -602,13 +640,162 @@ def reward_fn_names(args):
     return (args.reward_fn,) if isinstance(args.reward_fn, str) else args.reward_fn
 
 
-def reward_fn_scores(reward_fns, completions, rows, device):
+def reward_fn_scores(reward_fns, completions, rows, transcripts, device):
     """Each reward function's scores (B, reward functions); an error of one, on any rank, stops every rank here."""
-    scores = on_every_rank(lambda: [reward_fn(completions, rows) for reward_fn in reward_fns])
+    scores = on_every_rank(lambda: [reward_fn(completions, rows, transcripts) for reward_fn in reward_fns])
     return torch.tensor(scores, dtype=torch.float, device=device).reshape(len(reward_fns), len(completions)).T
 
 
-def load_prompts(args, tokenizer, needs_answers):
+def padded_batch(inputs, responses, masks, ended, pad_token_id):
+    """rollout()'s batch from the left-padded prompts and each response's ids, mask and end, right-padded."""
+    device, lengths = inputs.input_ids.device, torch.tensor([len(response) for response in responses])
+    responses = nn.utils.rnn.pad_sequence([torch.tensor(r) for r in responses], True, pad_token_id).to(device)
+    real = (torch.arange(responses.shape[1]) < lengths[:, None]).long().to(device)  # (B, R): a tool's tokens too
+    return {
+        "query_responses": torch.cat([inputs.input_ids, responses], 1),
+        "attention_mask": torch.cat([inputs.attention_mask, real], 1),
+        "responses": responses,
+        "mask": nn.utils.rnn.pad_sequence([torch.tensor(m) for m in masks], True).to(device),
+        "ended": torch.tensor(ended, device=device),
+        "prompt_width": inputs.input_ids.shape[1],
+    }
+
+
+def decode_responses(tokenizer, batch):
+    """(completions, transcripts): each response's last turn, its text after its last tool result (what the reward
+    functions score, so that a tool's output is never the policy's answer), and the whole response, each tool result
+    marked [tool: ...] (samples, and the reward functions' `transcripts`). Without tools the two are the same."""
+    real, mask = batch["attention_mask"][:, batch["prompt_width"] :].bool(), batch["mask"].bool()
+    completions, transcripts = [], []
+    for ids, is_tool in zip(batch["responses"].tolist(), (real & ~mask).tolist()):  # the pad after it: not a tool's
+        parts = [(tool, [i for i, _ in part]) for tool, part in itertools.groupby(zip(ids, is_tool), lambda x: x[1])]
+        texts = [tokenizer.decode(part, skip_special_tokens=True) for _, part in parts]
+        completions.append("" if parts[-1][0] else texts[-1])  # a response cut off on a tool's result: no answer
+        transcripts.append("".join(f"[tool: {text}]" if tool else text for (tool, _), text in zip(parts, texts)))
+    return completions, transcripts
+
+
+ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+ARITHMETIC |= {ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg}
+
+
+def calculator(expression: str) -> str:
+    """Evaluates an arithmetic expression of numbers, + - * / // % ** and parentheses.
+
+    Args:
+        expression: the expression, as 37*85
+    """
+
+    def value(node):  # through ast, never eval(): numbers and ARITHMETIC only, their sizes bounded (no 9**9**9)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if type(getattr(node, "op", None)) not in ARITHMETIC:
+            raise ValueError(f"not arithmetic: {ast.unparse(node)}")
+        operands = [value(node.operand)] if isinstance(node, ast.UnaryOp) else [value(node.left), value(node.right)]
+        if isinstance(node.op, ast.Pow) and (abs(operands[0]) > 1e100 or abs(operands[1]) > 100):
+            raise ValueError("an exponent or its base too large")
+        result = ARITHMETIC[type(node.op)](*operands)
+        if not abs(result) <= 1e100:  # inf and nan too
+            raise ValueError("a result too large")
+        return result
+
+    return str(value(ast.parse(expression.strip(), mode="eval").body))
+
+
+TOOLS = {"calculator": calculator}  # the built-in tools (--tools NAME); yours: --tools file.py:function
+
+
+def load_tools(specs):
+    """--tools as {name: function}: TOOLS[spec], or file.py:fn / module:fn, a function with type hints and a docstring
+    whose Args: describe its arguments, as apply_chat_template(tools=) and TRL take them (check_tool_template)."""
+    return {tool.__name__: tool for tool in [import_function(spec, "--tools", TOOLS) for spec in specs]}
+
+
+def check_tool_template(tokenizer, tools, eos_ids, model):
+    """With --tools, a chat template that describes them, prefix-preserving, and a response template that parses calls
+    (a <tool_call> template gets that JSON format, as TRL's add_response_schema, from its assistant header); else one
+    line."""
+    user, flag = [{"role": "user", "content": "1"}], f"error: --tools: the chat template of --model {model}"
+
+    def render(**options):
+        return tokenizer.apply_chat_template(user, tokenize=False, **options)
+
+    try:  # transformers reads each tool's JSON schema from its type hints and docstring
+        described = tokenizer.chat_template is not None and render(tools=list(tools.values())) != render()
+    except Exception as e:  # transformers DocstringParsingException: no docstring, type hint or Args: line
+        raise SystemExit(f"error: --tools: {e}: a tool is a function with type hints and an Args: docstring") from None
+    if not described:
+        raise SystemExit(
+            f"{flag} does not render tools: give --model one that does (Qwen2.5-Instruct; assets/calc-sft)"
+        )
+    if getattr(tokenizer, "response_template", None) is None:
+        if "<tool_call>" not in tokenizer.chat_template:  # Llama 3.x's and Mistral's formats: not guessed at
+            raise SystemExit(f"{flag} writes calls in a format not read here: <tool_call> JSON, or a response_template")
+        calls = dict(open="<tool_call>", close="</tool_call>", content="json", repeats=True)
+        calls["transform"] = {"type": "function", "function": "{content}"}  # parse_response's tool_calls
+        anchor = render(add_generation_prompt=True).removeprefix(render())  # where each assistant turn starts
+        tokenizer.response_template = {"start_anchor": anchor, "fields": {"content": {}, "tool_calls": calls}}
+    tool_result_ids(tokenizer, [{"role": "tool", "name": next(iter(tools)), "content": "1"}], eos_ids)
+
+
+def tool_calls_in(tokenizer, ids, turn_length):
+    """The tool calls of a response's last turn, ids[-turn_length:], read by the tokenizer's response template
+    (transformers' parse_response, the turn after its context: prefix=): [] if none, [None] if not valid JSON."""
+    text, prefix = tokenizer.decode(ids[-turn_length:]), tokenizer.decode(ids[:-turn_length])
+    try:
+        return tokenizer.parse_response(text, prefix=prefix).get("tool_calls") or []
+    except ValueError:  # malformed JSON: a failed call
+        return [None]
+
+
+def run_tools(tokenizer, tools, calls, timeout, eos_ids):
+    """The ids of the calls' tool messages (their results, str() of what each returns), and how many failed: a call
+    that is not JSON, names no tool, has arguments that are not an object, raises, returns no string or runs past
+    --tool-timeout gets {'error': ...} as its result (as TRL), which the policy reads; the run goes on."""
+    messages, failed = [], 0
+    for call in calls:
+        name = None
+        try:  # a call without a name or arguments fails here, as one that names no tool
+            if call is None:
+                raise ValueError("the call is not valid JSON")
+            name, arguments = call["function"]["name"], call["function"].get("arguments", {})
+            if name not in tools or not isinstance(arguments, dict):
+                raise ValueError(f"no tool {name!r}" if name not in tools else "the arguments are not a JSON object")
+            with time_limit(timeout, f"tool {name}"):
+                result = tools[name](**arguments)
+            if not isinstance(result, str):
+                raise TypeError(f"the tool returned {type(result).__name__}, not str")
+        except Exception as e:  # the tool's own errors, time_limit's TimedOut: the policy reads them
+            result, failed = {"error": f"{type(e).__name__}: {e}"}, failed + 1
+        messages.append({"role": "tool", "name": str(name), "content": str(result)})
+    return tool_result_ids(tokenizer, messages, eos_ids), failed
+
+
+def tool_result_ids(tokenizer, messages, eos_ids):
+    """The ids that tool messages add after an assistant turn, and the next turn's header (TRL's _get_tool_suffix_ids):
+    the chat template rendered with them and without, the shorter cut after its last EOS (Qwen2.5's '\\n' after
+    <|im_end|> is the template's, never sampled). One line if that is not a prefix of the longer."""
+    calls = [{"type": "function", "function": {"name": m["name"], "arguments": {}}} for m in messages]
+    before = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    shorter = tokenizer.apply_chat_template(before, return_dict=False)
+    longer = tokenizer.apply_chat_template(before + messages, add_generation_prompt=True, return_dict=False)
+    cut = max([j + 1 for j, token in enumerate(shorter) if token in eos_ids], default=len(shorter))
+    if longer[:cut] != shorter[:cut]:  # Qwen3's writes an empty think block into the last assistant turn alone
+        why = "renders an assistant turn otherwise once a tool message follows: not prefix-preserving (as Qwen3's)"
+        raise SystemExit(f"error: --tools: the chat template of {tokenizer.name_or_path} {why}")
+    return longer[cut:]
+
+
+def tool_metrics(batch):
+    """TRL's tools/call_frequency (calls per response) and tools/failure_frequency (failed calls per call, 0 without
+    calls), and tools/mean_turns (the policy's turns per response), over every rank."""
+    counts = [len(batch["turns"]), batch["tool_calls"].sum(), batch["tool_failures"].sum(), batch["turns"].sum()]
+    n, calls, failures, turns = all_reduce(torch.tensor([float(c) for c in counts], dtype=torch.float64)).tolist()
+    frequencies = {"tools/call_frequency": calls / n, "tools/failure_frequency": failures / max(calls, 1)}
+    return frequencies | {"tools/mean_turns": turns / n}
+
+
+def load_prompts(args, tokenizer, needs_answers, tools=None):
     """--dataset's rows: {prompt (the text the policy sees), answer (text or None), messages, columns (reward fns')}."""
     datasets.disable_progress_bars()
     file_format = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(args.dataset.split(".")[-1])
@@ -634,7 +821,7 @@ def load_prompts(args, tokenizer, needs_answers):
         if answer is not None:
             answer = row[args.answer_column] = str(answer)
         text, messages = prompt, None
-        if not isinstance(prompt, str) or args.chat_template or args.system_prompt is not None:  # a conversation
+        if not isinstance(prompt, str) or args.chat_template or args.system_prompt is not None or tools:  # a chat
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             if not (isinstance(messages, list) and messages and all({"role", "content"} <= set(m) for m in messages)):
                 why = "the prompt is neither a string nor a list of {role, content} messages"
@@ -644,7 +831,9 @@ def load_prompts(args, tokenizer, needs_answers):
             if tokenizer.chat_template is None:
                 needs = "conversational prompts, --chat-template and --system-prompt need"
                 raise SystemExit(f"error: --model {args.model}: its tokenizer has no chat template, which {needs}")
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                messages, list((tools or {}).values()) or None, tokenize=False, add_generation_prompt=True
+            )
         columns = {"prompts": prompt} | {k: v for k, v in row.items() if k != args.prompt_column}  # TRL's keywords
         rows.append({"prompt": text, "answer": answer, "messages": messages, "columns": columns})
     missing = [i for i, row in enumerate(rows, 1) if row["answer"] is None]
@@ -661,7 +850,7 @@ def prompt_stream(rows, seed, start, rank, world):
     return itertools.islice(stream, start + rank, None, world)
 
 
-def eval_rows(args, tokenizer, reward_fns):
+def eval_rows(args, tokenizer, reward_fns, tools=None):
     """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None."""
     if not reward_fns or not (args.eval_every or args.eval_only):
         return None
@@ -673,7 +862,7 @@ def eval_rows(args, tokenizer, reward_fns):
     if split is None:
         return None
     source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
-    rows = load_prompts(Args(**asdict(args) | source), tokenizer, needs_answers=True)
+    rows = load_prompts(Args(**asdict(args) | source), tokenizer, needs_answers=True, tools=tools)
     return list({row["prompt"]: row for row in rows}.values())[: args.eval_size]
 
 
@@ -784,9 +973,9 @@ def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, ar
     return scores
 
 
-def load_models(args, device):
+def load_models(args, device, tools=None):
     """(tokenizer, policy, frozen reward model or None, its tokenizer or None when it reads the policy's ids) on the
-    device; under torchrun sharded as each loads (rank 0 holds one whole model at a time)."""
+    device; under torchrun sharded as each loads (rank 0 holds one whole model at a time); --tools' template checked."""
     bf16 = uses_bf16(args)
     policy = load_model(AutoModelForCausalLM, args.model, "--model", "auto" if args.lora_r else torch.float32, bf16)
     weights = f"{str(policy.dtype)[6:]} base weights, fp32 adapters" if args.lora_r else "fp32 weights"
@@ -816,6 +1005,8 @@ def load_models(args, device):
         do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens
     )
     policy.generation_config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+    if tools:
+        check_tool_template(tokenizer, tools, eos_ids, args.model)
     if args.lora_r:
         policy = add_lora(policy, args)
     error = 0.0  # refuse a model whose logits the LM head does not reproduce: rank 0 holds the weights
@@ -1133,11 +1324,11 @@ def open_run(args, given, rank, checkpoint):
     return run_dir, SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
 
 
-def start_run(args, given, ranks, models, optimizer, tokenizer):
+def start_run(args, given, ranks, models, optimizer, tokenizer, tools=None):
     """(a resumed run's state ({} if new), its weights and AdamW's loaded; the prompts from there; run dir; writer)."""
     resumed = load_checkpoint(args, models, optimizer)
     needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))
-    rows = load_prompts(args, tokenizer, needs_answers=needs_answers)
+    rows = load_prompts(args, tokenizer, needs_answers=needs_answers, tools=tools)
     run_dir, writer = open_run(args, given, ranks[0], resumed)
     start = resumed.get("update", 0) * args.prompts_per_update
     return resumed, prompt_stream(rows, args.seed, start, *ranks), run_dir, writer
@@ -1186,31 +1377,36 @@ def global_metrics(metrics, ops):
     return {key: type(value)(reduced[ops.get(key)][i].item()) for i, (key, value) in enumerate(metrics.items())}
 
 
-def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size):
+def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, tools=None):
     """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong
     (--eval-only: printed). Under torchrun each rank takes every world-th batch and runs as many rollouts as the others
     (each gathers the policy): a rank short of a batch samples the first again, uncounted."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
     batches += [None] * (-len(batches) % world)
-    scores, lengths = [], []
+    records = []  # each response's (score, length, tool calls, failed ones)
     for chunk in batches[rank::world]:
-        batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk or batches[0]], args, autocast)
+        batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk or batches[0]], args, autocast, None, tools)
         if chunk is None:
             continue
-        completions = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-        scores += reward_fn(completions, chunk)
-        lengths += batch["mask"].sum(1).tolist()
+        completions, transcripts = decode_responses(tokenizer, batch)
+        lengths = batch["attention_mask"][:, batch["prompt_width"] :].sum(1).float().tolist()  # every token
+        counts = batch["tool_calls"].tolist(), batch["tool_failures"].tolist()
+        records += zip(reward_fn(completions, chunk, transcripts), lengths, *counts)
     if dist.is_initialized():  # every rank's
         every_rank = [None] * world
-        dist.all_gather_object(every_rank, (scores, lengths))
-        scores, lengths = [x for s, _ in every_rank for x in s], [x for _, n in every_rank for x in n]
+        dist.all_gather_object(every_rank, records)
+        records = [record for rank_records in every_rank for record in rank_records]
+    scores, lengths, calls, failures = zip(*records)
     scores, lengths = torch.tensor(scores, dtype=torch.float64), torch.tensor(lengths)
     stderr = scores.std(correction=0).item() / len(scores) ** 0.5
     metrics = {
         "eval/accuracy": scores.mean().item(),
         "eval/accuracy_stderr": stderr,
     }
+    if tools:  # TRL's tools/ metrics (tool_metrics) of the held-out responses
+        metrics["eval/tools/call_frequency"] = sum(calls) / len(calls)
+        metrics["eval/tools/failure_frequency"] = sum(failures) / max(sum(calls), 1)
     for name, chosen in [("right", scores > 0), ("wrong", scores <= 0)]:
         if chosen.any():
             metrics[f"eval/mean_length_{name}"] = lengths[chosen].mean().item()

@@ -1,0 +1,383 @@
+"""Tool use: the built-in calculator, GAE over a mask with holes, the chat template's tool messages and response
+templates (our own templates in Qwen2.5's, Qwen3's and Llama 3's forms, and a compact one), and multi-turn runs of both
+scripts on a tiny model whose turns a patched generate() writes."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import transformers
+from conftest import char_tokenizer, tiny_config, untimed_metrics
+from tokenizers import AddedToken
+from transformers import AutoTokenizer, GPT2LMHeadModel
+
+import grpo_llm
+import ppo_llm
+
+COMPACT = (  # the embedded calc task's form: tools named in one line, a call and its result on the turn's line
+    "{%- if tools %}{{ tools | map(attribute='function.name') | join(',') + ':' }}{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{{ message.content }}"
+    "{%- elif message.role == 'assistant' %}{{ '\\nA:' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}{{ '<tool_call>' + call.function | tojson + '</tool_call>' }}"
+    "{%- endfor %}{{ '<eos>' }}"
+    "{%- elif message.role == 'tool' %}{{ '\\nR:' + message.content }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '\\nA:' }}{% endif %}"
+)
+QWEN25 = (  # Qwen2.5's form: ChatML turns, the tools' JSON schemas in a system turn, results in a user turn
+    "{%- if tools %}<|im_start|>system\n<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{{ '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}{{ '<|im_start|>assistant\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}{{ '<tool_call>\n' + call.function | tojson + '\n</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Qwen3's: an empty think block in the last assistant turn only, so a turn renders otherwise once a tool message follows
+QWEN3 = QWEN25.replace(
+    "'<|im_start|>assistant\n' + (message.content or '')",
+    "'<|im_start|>assistant\n' + ('<think>\n\n</think>\n\n' if loop.last else '') + (message.content or '')",
+)
+LLAMA3 = (  # Llama 3.1's form: the call is a bare JSON object with "parameters", the result an ipython turn
+    "{%- if tools %}<|start_header_id|>system<|end_header_id|>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "<|eot_id|>{% endif %}"
+    "{%- for message in messages %}<|start_header_id|>{{ message.role }}<|end_header_id|>{{ message.content }}"
+    "<|eot_id|>{% endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"
+)
+NO_TOOLS = "{% for message in messages %}{{ message.content }}{% endfor %}"  # a template that ignores tools=
+
+
+def tool_tokenizer(template, specials=()):
+    """The tests' character tokenizer with a newline, <tool_call> / </tool_call> as single (not special) tokens, a
+    chat template, and the template's turn markers as special tokens."""
+    tok = char_tokenizer([chr(c) for c in range(32, 127)] + ["\n"])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ["<tool_call>", "</tool_call>"]])
+    tok.add_special_tokens({"additional_special_tokens": list(specials)})
+    tok.chat_template = template
+    return tok
+
+
+CALLS = {  # a response template's <tool_call> JSON field, as the embedded calc-sft's tokenizer carries it
+    "open": "<tool_call>",
+    "close": "</tool_call>",
+    "content": "json",
+    "repeats": True,
+    "transform": {"type": "function", "function": "{content}"},
+}
+
+
+def compact_tokenizer():
+    tok = tool_tokenizer(COMPACT)
+    tok.response_template = {"start_anchor": "\nA:", "fields": {"content": {}, "tool_calls": CALLS}}
+    return tok
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+# ---- the calculator
+
+
+@pytest.mark.parametrize(
+    "expression, result",
+    [("37*85", "3145"), ("7/2", "3.5"), (" -(2**3) + 1", "-7"), ("17 // 5 % 2", "1"), ("(1 + 2) * 3.5", "10.5")],
+)
+def test_calculator_evaluates_arithmetic(expression, result):
+    assert ppo_llm.calculator(expression) == result  # 37 * 85 = 2960 + 185; -(8) + 1; 17 // 5 = 3, 3 % 2 = 1
+
+
+@pytest.mark.parametrize(
+    "expression, error",
+    [
+        ("9**9**9", "exponent"),  # 9**387420489: refused before it is computed, not a hang
+        ("(10**100)**2", "too large"),  # 1e200 > 1e100
+        ("1e308 * 10", "too large"),  # inf
+        ("__import__('os').getcwd()", "not arithmetic"),  # never eval()
+        ("x + 1", "not arithmetic"),
+        ("True + 1", "not arithmetic"),  # a bool is no number here
+    ],
+)
+def test_calculator_refuses_what_is_not_bounded_arithmetic(expression, error):
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=error):
+        ppo_llm.calculator(expression)
+    assert time.perf_counter() - started < 5  # not a hang (a bound far above the microseconds it takes)
+
+
+# ---- GAE over a mask with holes
+
+
+def test_gae_skips_a_tool_result_and_bootstraps_from_the_next_policy_token():
+    # positions 0 1 2 3 4: the policy's tokens at 0, 3, 4 (a tool's result at 1, 2); gamma 0.5, lam 0.5
+    rewards = torch.tensor([[1.0, 9.0, 9.0, 0.0, 2.0]])  # the tool tokens' 9s are never read
+    values = torch.tensor([[0.5, 7.0, 7.0, 1.0, 3.0]])
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0, 1.0]])
+    advantages, returns = ppo_llm.compute_gae(rewards, values, mask, gamma=0.5, lam=0.5)
+    # t=4: delta = 2 + 0.5 * 0 - 3 = -1, A = -1
+    # t=3: delta = 0 + 0.5 * 3 - 1 = 0.5, A = 0.5 + 0.25 * -1 = 0.25
+    # t=0: next policy token is 3: delta = 1 + 0.5 * 1 - 0.5 = 1, A = 1 + 0.25 * 0.25 = 1.0625
+    torch.testing.assert_close(advantages, torch.tensor([[1.0625, 0.0, 0.0, 0.25, -1.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[1.5625, 0.0, 0.0, 1.25, 2.0]]))  # A + V where mask is 1
+
+
+def test_gae_without_holes_is_the_classic_recursion_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(4, 7, generator=g), torch.randn(4, 7, generator=g)
+    mask = (torch.arange(7)[None] < torch.tensor([[7], [5], [1], [3]])).float()  # responses of 7, 5, 1, 3 tokens
+    r, v = rewards * mask, values * mask  # the recursion as the script had it before tools
+    next_values = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], 1)
+    deltas, advantages, last = r + 0.9 * next_values - v, torch.zeros_like(r), torch.zeros(4)
+    for t in reversed(range(7)):
+        last = deltas[:, t] + 0.9 * 0.8 * last
+        advantages[:, t] = last
+    got_advantages, got_returns = ppo_llm.compute_gae(rewards, values, mask, 0.9, 0.8)
+    assert torch.equal(got_advantages, advantages * mask) and torch.equal(got_returns, (advantages + v) * mask)
+
+
+# ---- parsing calls, running tools, rendering results
+
+
+def test_a_tool_message_is_rendered_as_the_chat_template_adds_it():
+    tok = compact_tokenizer()
+    assert tok.decode(ppo_llm.tool_result_ids(tok, [{"role": "tool", "name": "f", "content": "42"}], [1])) == (
+        "\nR:42\nA:"  # after the turn's <eos>: the result, then the next assistant turn's header
+    )
+    qwen = tool_tokenizer(QWEN25, ["<|im_start|>", "<|im_end|>"])
+    im_end = qwen.convert_tokens_to_ids("<|im_end|>")
+    ids = ppo_llm.tool_result_ids(qwen, [{"role": "tool", "name": "f", "content": "42"}], [im_end])
+    # Qwen2.5's '\n' after <|im_end|> comes first: the policy stopped at <|im_end|> and never sampled it
+    assert (
+        qwen.decode(ids)
+        == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_calls_are_parsed_by_the_response_template_after_their_context():
+    tok = compact_tokenizer()
+    prompt = tok("calculator:6*7\nA:").input_ids
+    turn = tok(CALL).input_ids + [tok.eos_token_id]
+    (call,) = ppo_llm.tool_calls_in(tok, prompt + turn, len(turn))
+    assert call["function"] == {"name": "calculator", "arguments": {"expression": "6*7"}}
+    assert ppo_llm.tool_calls_in(tok, prompt + tok("42").input_ids, 2) == []  # an answer
+    broken = tok('<tool_call>{"name": "calculator", "arguments": {</tool_call>').input_ids
+    assert ppo_llm.tool_calls_in(tok, prompt + broken, len(broken)) == [None]  # malformed JSON: one failed call
+
+
+def test_every_kind_of_bad_call_is_an_error_result_and_counted():
+    def slow(seconds: float) -> str:
+        """Sleeps.
+
+        Args:
+            seconds: how long
+        """
+        time.sleep(seconds)
+        return "woke"
+
+    def number() -> int:
+        """Returns a number, not a string."""
+        return 3
+
+    def broken(x: str) -> str:
+        """Raises.
+
+        Args:
+            x: anything
+        """
+        raise RuntimeError("the tool broke")
+
+    tok = compact_tokenizer()
+    tools = {"calculator": ppo_llm.calculator, "slow": slow, "number": number, "broken": broken}
+    calls = [
+        {"function": {"name": "calculator", "arguments": {"expression": "6*7"}}},  # the one that works
+        None,  # not JSON
+        {"function": {"name": "search", "arguments": {}}},  # no such tool
+        {"function": {"name": "calculator", "arguments": "6*7"}},  # arguments not an object
+        {"function": {"name": "calculator", "arguments": {"expr": "6*7"}}},  # a wrong argument: TypeError
+        {"function": {"name": "broken", "arguments": {"x": ""}}},
+        {"function": {"name": "number", "arguments": {}}},
+        {"function": {"name": "slow", "arguments": {"seconds": 30}}},  # past --tool-timeout
+        {"function": {"name": "calculator", "arguments": {"expression": "9**9**9"}}},
+    ]
+    started = time.perf_counter()
+    ids, failed = ppo_llm.run_tools(tok, tools, calls, 0.5, [tok.eos_token_id])
+    assert time.perf_counter() - started < 10  # the 30 s sleep was cut at 0.5 s
+    assert failed == 8
+    text = tok.decode(ids)
+    assert text.startswith("\nR:42\nR:{'error': 'ValueError: the call is not valid JSON'}\nR:")
+    for why in ["no tool 'search'", "not a JSON object", "TypeError", "the tool broke", "returned int, not str"]:
+        assert why in text
+    assert "TimedOut: tool slow ran past 0.5 s" in text and "exponent" in text and text.endswith("\nA:")
+
+
+def test_load_tools_takes_the_builtin_and_your_functions(tmp_path):
+    path = tmp_path / "mytools.py"
+    weather = 'def weather(city: str) -> str:\n    """The weather.\n\n    Args:\n        city: where\n    """\n'
+    path.write_text(weather + '    return "sun"\n\n\ndef undocumented(x):\n    return x\n')
+    tools = ppo_llm.load_tools(("calculator", f"{path}:weather"))
+    assert list(tools) == ["calculator", "weather"] and tools["weather"]("Oslo") == "sun"
+    tok = compact_tokenizer()
+    with pytest.raises(SystemExit, match="error: --tools: .*: a tool is a function with type hints and an Args: doc"):
+        ppo_llm.check_tool_template(tok, ppo_llm.load_tools((f"{path}:undocumented",)), [tok.eos_token_id], "m")
+    with pytest.raises(SystemExit, match=r"error: --tools search: not one of \['calculator'\]"):
+        ppo_llm.load_tools(("search",))
+
+
+@pytest.mark.parametrize(
+    "template, specials, eos, error",
+    [
+        (None, (), "<eos>", "does not render tools: give --model one that does"),
+        (NO_TOOLS, (), "<eos>", "does not render tools"),
+        (
+            LLAMA3,
+            ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+            "<|eot_id|>",
+            "writes calls in a format not read here",
+        ),
+        (QWEN3, ("<|im_start|>", "<|im_end|>"), "<|im_end|>", "not prefix-preserving"),
+    ],
+)
+def test_a_chat_template_that_cannot_carry_tools_is_refused_in_one_line(template, specials, eos, error):
+    tok = tool_tokenizer(template, specials)
+    tools = {"calculator": ppo_llm.calculator}
+    with pytest.raises(SystemExit, match=error):
+        ppo_llm.check_tool_template(tok, tools, tok.convert_tokens_to_ids([eos]), "m")
+
+
+def test_a_tool_call_template_gets_hermes_response_template_anchored_at_the_assistant_header():
+    tok = tool_tokenizer(QWEN25, ["<|im_start|>", "<|im_end|>"])
+    ppo_llm.check_tool_template(tok, {"calculator": ppo_llm.calculator}, tok.convert_tokens_to_ids(["<|im_end|>"]), "m")
+    assert tok.response_template["start_anchor"] == "<|im_start|>assistant\n"
+    prompt = tok.apply_chat_template([{"role": "user", "content": "6*7"}], tokenize=False, add_generation_prompt=True)
+    turn = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call><|im_end|>'
+    ids, turn_ids = tok(prompt).input_ids, tok(turn).input_ids
+    (call,) = ppo_llm.tool_calls_in(tok, ids + turn_ids, len(turn_ids))
+    assert call["function"]["arguments"] == {"expression": "6*7"}
+
+
+def test_the_reward_reads_the_last_turn_and_a_response_ending_on_a_tool_result_scores_0():
+    tok = compact_tokenizer()
+    eos = tok.eos_token_id
+    call, result, answer = tok(CALL).input_ids + [eos], tok("\nR:42\nA:").input_ids, tok("42").input_ids + [eos]
+    responses = [call + result + answer, call + result, tok("42").input_ids + [eos]]  # the 2nd: cut off after it
+    masks = [[1.0] * len(call) + [0.0] * len(result) + [1.0] * len(answer), [1.0] * len(call) + [0.0] * len(result)]
+    masks.append([1.0] * 3)
+    inputs = tok(["6*7", "6*7", "6*7"], return_tensors="pt")
+    batch = ppo_llm.padded_batch(inputs, responses, masks, [True, False, True], tok.pad_token_id)
+    completions, transcripts = ppo_llm.decode_responses(tok, batch)
+    assert completions == ["42", "", "42"]  # the tool's 42 is never the policy's answer
+    assert transcripts[0] == CALL + "[tool: \nR:42\nA:]42" and transcripts[1] == CALL + "[tool: \nR:42\nA:]"
+    rows = [{"answer": "42"}] * 3
+    assert ppo_llm.load_reward_fn("arithmetic")(completions, rows, transcripts) == [1.0, 0.0, 1.0]
+    assert batch["attention_mask"][1, 3:].sum() == len(call + result) and batch["mask"][1].sum() == len(call)
+
+
+# ---- multi-turn runs: a tiny policy whose turns a patched generate() writes
+
+SCRIPT = {  # prompt -> its turns, each after the tool results so far; the answers are the products
+    "6*7": [CALL, "42"],  # a call, then the answer it read: right
+    "5*5": ["24"],  # a direct answer: wrong
+    "2*3": ['<tool_call>{"name": "calculator", "arguments": {</tool_call>', "6"],  # malformed: a failed call, then 6
+    "9*9": [CALL.replace("6*7", "9*9"), CALL.replace("6*7", "9*9")],  # a 2nd call, past --max-tool-calls 1: cut off
+}
+
+
+@pytest.fixture(scope="module")
+def calc(tmp_path_factory):
+    """A tiny random GPT-2 with the compact tool template, and the 4 scripted problems as train and test files."""
+    root = tmp_path_factory.mktemp("calc")
+    tok = compact_tokenizer()
+    torch.manual_seed(0)
+    config = tiny_config(tok)
+    config.n_positions = 256
+    GPT2LMHeadModel(config).save_pretrained(root / "policy")
+    tok.save_pretrained(root / "policy")
+    rows = "".join(json.dumps({"prompt": p, "answer": str(eval(p))}) + "\n" for p in SCRIPT)
+    (root / "train.jsonl").write_text(rows)
+    (root / "test.jsonl").write_text(rows)
+    return {"policy": str(root / "policy"), "train": str(root / "train.jsonl")}
+
+
+def scripted(monkeypatch):
+    """Every generate() afterwards writes each row's next scripted turn (then EOS), read from its context."""
+
+    def generate(self, input_ids=None, attention_mask=None, max_new_tokens=None, **kwargs):
+        tok = AutoTokenizer.from_pretrained(os.environ["SCRIPTED_TOKENIZER"])
+        turns = []
+        for ids in input_ids.tolist():
+            context = tok.decode(ids, skip_special_tokens=True)
+            problem = context.split(":")[1].split("\n")[0]
+            turn = tok(SCRIPT[problem][context.count("\nR:")]).input_ids + [tok.eos_token_id]
+            turns.append(turn[:max_new_tokens])
+        width = max(len(turn) for turn in turns)
+        new = torch.tensor([turn + [tok.pad_token_id] * (width - len(turn)) for turn in turns])
+        return torch.cat([input_ids, new.to(input_ids.device)], 1)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", generate)
+
+
+def tool_run(script, calc, tmp_path, monkeypatch, **kwargs):
+    monkeypatch.setenv("SCRIPTED_TOKENIZER", calc["policy"])
+    scripted(monkeypatch)
+    defaults = dict(
+        model=calc["policy"], dataset=calc["train"], tools=("calculator",), max_tool_calls=1, total_steps=2,
+        prompts_per_update=4, micro_batch_size=2, max_new_tokens=160, eval_every=2, sample_every=1,
+        num_samples=4, learning_rate=0.0, output_dir=str(tmp_path),
+    )  # fmt: skip
+    return script.main(script.Args(**(defaults | kwargs)))
+
+
+def test_ppo_with_tools_trains_on_the_policys_tokens_and_its_first_ratio_is_exactly_one(calc, tmp_path, monkeypatch):
+    run_dir = tool_run(ppo_llm, calc, tmp_path, monkeypatch, num_mini_batches=2, kl_coef=0.1)
+    metrics = untimed_metrics(run_dir)
+    for m in metrics[1:]:
+        # lr 0: the training forward reproduces the rollout's log-probs over the tool's tokens too
+        assert m["val/ratio"] == 1.0 and m["policy/approxkl_avg"] == 0.0 and m["objective/kl"] == 0.0
+        # calls: 6*7's, 2*3's malformed one, 9*9's first (its second is past --max-tool-calls, never run): 3 of 4
+        # responses' calls, 1 failed; turns 2 + 1 + 2 + 2; 6*7 and 2*3 right; 9*9 cut off, so 3 ended in EOS
+        assert m["tools/call_frequency"] == 0.75 and m["tools/failure_frequency"] == pytest.approx(1 / 3)
+        assert m["tools/mean_turns"] == 1.75 and m["objective/accuracy"] == 0.5 and m["val/num_eos_tokens"] == 3
+    for m in metrics[0], metrics[2]:  # evaluation runs the same loop
+        assert m["eval/accuracy"] == 0.5 and m["eval/tools/call_frequency"] == 0.75
+    samples = [json.loads(line) for line in open(os.path.join(run_dir, "samples.jsonl"))]
+    (six,) = [s for s in samples if s["update"] == 1 and s["prompt"].startswith("calculator:6*7")]
+    assert six["completion"] == CALL + "[tool: \nR:42\nA:]42"  # the tool's result marked as the tool's
+
+
+def test_grpo_with_tools_passes_the_whole_responses_to_reward_functions(calc, tmp_path, monkeypatch):
+    path = tmp_path / "mine.py"
+    path.write_text(
+        'def used_tool(completions, transcripts, **columns):\n    return [float("[tool:" in t) for t in transcripts]\n'
+    )
+    reward_fns = ("arithmetic", f"{path}:used_tool")
+    run_dir = tool_run(grpo_llm, calc, tmp_path, monkeypatch, num_generations=2, num_iterations=2, reward_fn=reward_fns)
+    for m in untimed_metrics(run_dir)[1:]:
+        assert m["importance_ratio/mean"] == 1.0  # the old log-probs recomputed: exactly the current ones at lr 0
+        assert m["tools/call_frequency"] == 0.75 and m["completions/clipped_ratio"] == 0.25  # 9*9 cut off
+        # 6*7 and 2*3 right; a tool's result in 6*7's, 2*3's (an error) and 9*9's (its first call's)
+        assert m["rewards/arithmetic/mean"] == 0.5 and m["rewards/used_tool/mean"] == 0.75
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+@pytest.mark.parametrize("spare", [0, -1])
+def test_a_result_that_fills_or_overflows_the_room_cuts_the_response_off(calc, tmp_path, monkeypatch, script, spare):
+    # --max-new-tokens: 6*7's call and its result (\nR:42\nA:) fit exactly (spare 0: appended, then no room for an
+    # answer, so the response ends on the tool's result), or do not (-1: not appended, it ends after the call); either
+    # way it is cut off (not ended), with no answer of its own: reward 0
+    tok = AutoTokenizer.from_pretrained(calc["policy"])
+    call, result = len(tok(CALL).input_ids) + 1, len(tok("\nR:42\nA:").input_ids)
+    kwargs = dict(max_new_tokens=call + result + spare, dataset=calc["train"], eval_every=0, total_steps=1)
+    if script is grpo_llm:
+        kwargs |= dict(num_generations=2)
+    run_dir = tool_run(script, calc, tmp_path, monkeypatch, **kwargs)
+    samples = [json.loads(line) for line in open(os.path.join(run_dir, "samples.jsonl"))]
+    (six,) = [s for s in samples if s["prompt"].startswith("calculator:6*7")]
+    assert six["completion"] == CALL + ("[tool: \nR:42\nA:]" if spare == 0 else "")
+    assert six.get("score", six.get("reward")) == 0.0
