@@ -34,6 +34,8 @@ Implementation details, cited "detail N":
     (INTELLECT-2): the unclipped ratio capped.
 13. --top-entropy-quantile q (Wang et al. 2025): the batch's top q of tokens by entropy alone carry the policy gradient
     and bonus; --off-policy-mask-threshold (DeepSeek-V3.2): completions with A < 0 far from pi_old leave it.
+14. Tools (--tools): a completion is turns, a tool's result appended as the chat template renders it; its tokens are
+    context, not actions (mask 0): in no loss or normaliser, in every length.
 
 Each variant is a few flags (docs/grpo_llm.md). Running it for real: any causal LM, chat templates, bf16 autocast on
 CUDA, LoRA, torchrun (FSDP2); nothing is lost when a run stops (checkpoint/, --resume).
@@ -1142,8 +1144,8 @@ def shard(model, bf16=False):
         if type(module).__name__ in blocks:
             fully_shard(module, mp_policy=mp_policy)
     fully_shard(model, mp_policy=mp_policy)
-    if hasattr(model, "generate"):  # a LoRA model's generate() runs the inner model's forward, not its own
-        register_fsdp_forward_method(model, "generate")
+    if hasattr(model, "peft_config"):  # LoRA's generate() runs the inner model's forward, not its own: FSDP's hooks
+        register_fsdp_forward_method(model, "generate")  # (a plain model's run in its forward, once a call)
     # transformers returns views (GPT-2's hidden states), which FSDP warns of; none is modified in place here
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
@@ -1185,7 +1187,7 @@ def frozen_copy(model, device, bf16):
 
 @contextlib.contextmanager
 def unsharded(model):
-    """Under torchrun, the model whole on every rank for a while: one all-gather a generate(), not one a token."""
+    """Under torchrun, the model whole on every rank for a while: one all-gather a rollout, not one a token."""
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
     for module in sharded:
         module.unshard()

@@ -30,6 +30,8 @@ Implementation details (after "The N+ Implementation Details of RLHF with PPO", 
 12. beta fixed, or adapted towards a target KL (Ziegler et al.'s proportional controller).
 13. A reward model's scores (of arbitrary scale) are whitened per batch; then an optional missing-EOS penalty (after,
     or whitening would rescale it, and remove it when no response ends) and an optional clip.
+14. Tools (--tools): a response is turns, a tool's result appended as the chat template renders it; its tokens are
+    context, not actions (mask 0): GAE skips them, the value bootstrapping from the policy's next token.
 
 Running it for real (docs/ppo_llm.md): any causal LM, chat templates, bf16 autocast on a GPU, LoRA, torchrun (FSDP2),
 resuming (checkpoint/, --resume); CleanRL's and TRL's names for ours: docs/ppo_llm.md.
@@ -1111,8 +1113,8 @@ def shard(model, bf16=False):
         if type(module).__name__ in blocks:
             fully_shard(module, mp_policy=mp_policy)
     fully_shard(model, mp_policy=mp_policy)
-    if hasattr(model, "generate"):  # a LoRA model's generate() runs the inner model's forward, not its own
-        register_fsdp_forward_method(model, "generate")
+    if hasattr(model, "peft_config"):  # LoRA's generate() runs the inner model's forward, not its own: FSDP's hooks
+        register_fsdp_forward_method(model, "generate")  # (a plain model's run in its forward, once a call)
     # transformers returns views (GPT-2's hidden states), which FSDP warns of; none is modified in place here
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
@@ -1154,7 +1156,7 @@ def frozen_copy(model, device, bf16):
 
 @contextlib.contextmanager
 def unsharded(model):
-    """Under torchrun, the model whole on every rank for a while: one all-gather a generate(), not one a token."""
+    """Under torchrun, the model whole on every rank for a while: one all-gather a rollout, not one a token."""
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
     for module in sharded:
         module.unshard()

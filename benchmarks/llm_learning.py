@@ -22,6 +22,10 @@ with their own data: local GSM8K-style files and the gsm8k reward function:
   trace_family.png, held-out accuracy, the mean length of right and of wrong completions, entropy and clip fraction
   against updates.
 
+The calculator task (assets/calc-sft on assets/calc/*.jsonl, assets/README.md), `--configs calc`: PPO and GRPO with
+`--tools calculator`, and each with a control whose every tool call fails: benchmarks/results/calc_learning.md and
+calc_learning.png, held-out accuracy and tool calls per response at the start, after 15 minutes and at the end.
+
 On a GPU (benchmarks/gpu.py runs it), `--configs gpu`: the README's first command, `ppo_llm.py`, for 100 updates:
 benchmarks/results/llm_learning_cuda.md, the arithmetic table's columns.
 
@@ -99,7 +103,16 @@ for name, variant in VARIANT.items():
 # The README's first command on a GPU (benchmarks/gpu.py), stopped at 100 of its 300 updates: the learning rate is
 # constant, so they are the default run's first 100, past the ~70 the CPU runs took to reach 90%.
 CONFIGS["gpu-ppo"] = ["ppo_llm.py", "--total-steps", "100"]
+# The calculator task (assets/calc-sft, assets/README.md) with each script's defaults, and its control: a tool of the
+# same name and description whose every call fails, so that what the runs gain comes from the tool's results.
+CALC = ["--model", "assets/calc-sft", "--dataset", "assets/calc/train.jsonl"]
+CALC_STEPS = {"ppo_llm.py": "150", "grpo_llm.py": "150"}
+for script, short in [("ppo_llm.py", "ppo"), ("grpo_llm.py", "grpo")]:
+    CONFIGS[f"calc-{short}"] = [script, *CALC, "--tools", "calculator", "--total-steps", CALC_STEPS[script]]
+    CONFIGS[f"calc-{short}-control"] = [script, *CALC, "--tools", "benchmarks/calc_control.py:calculator"]
+    CONFIGS[f"calc-{short}-control"] += ["--total-steps", CALC_STEPS[script]]
 GROUPS = {"arithmetic": ARITHMETIC, "trace": ["trace-ppo", "trace-grpo"], "trace-family": list(VARIANT)}
+GROUPS["calc"] = ["calc-ppo", "calc-grpo", "calc-ppo-control", "calc-grpo-control"]
 GROUPS["gpu"] = ["gpu-ppo"]
 TRACE_MINUTES = 15
 SHARED = "Seconds are wall clock, two runs at a time on 2 CPU cores shared with other work: they depend on its load."
@@ -131,7 +144,7 @@ CURVES = "llm_curves"  # out_dir/llm_curves/<configuration>.csv
 # the metrics the tables and figures read; a configuration's file has the columns its runs log
 KEYS = """update episode time/elapsed eval/accuracy eval/accuracy_stderr eval/mean_length_right eval/mean_length_wrong
 objective/kl kl objective/scores objective/accuracy completions/mean_length entropy clip_ratio/region_mean
-cispo_clip_ratio importance_ratio/mean""".split()
+cispo_clip_ratio importance_ratio/mean tools/call_frequency eval/tools/call_frequency""".split()
 
 
 def curves_path(out_dir, name):
@@ -390,6 +403,53 @@ def summarise_trace(args, data):
     fig.savefig(os.path.join(args.out_dir, "trace_learning.png"), dpi=80)
 
 
+def summarise_calc(args, data):
+    """calc_learning.md and calc_learning.png: PPO and GRPO with the calculator, and their controls (every call fails):
+    held-out accuracy and tool-call frequency at the start, after 15 minutes and at the end."""
+    seconds = 60 * TRACE_MINUTES
+    rows = [
+        f"| configuration | seeds | held-out accuracy, start | after {TRACE_MINUTES} min | end | held-out calls per "
+    ]
+    rows[0] += f"response, start | after {TRACE_MINUTES} min | end | updates in {TRACE_MINUTES} min |"
+    rows.append("|---|---|---|---|---|---|---|---|---|")
+    for name, runs in data.items():
+        accuracy, calls = (
+            [series(r, "eval/accuracy")[1] for r in runs],
+            [series(r, "eval/tools/call_frequency")[1] for r in runs],
+        )
+        rows.append(
+            f"| {name} (`{' '.join(CONFIGS[name][:1] + CONFIGS[name][1 + len(CALC) :])}`) | {len(runs)} | "
+            f"{stat([a[0] for a in accuracy], '.3f')} | {stat([at_time(r, seconds) for r in runs], '.3f')} | "
+            f"{stat([a[-1] for a in accuracy], '.3f')} | {stat([c[0] for c in calls], '.2f')} | "
+            f"{stat([at_time(r, seconds, 'eval/tools/call_frequency') for r in runs], '.2f')} | "
+            f"{stat([c[-1] for c in calls], '.2f')} | {stat([at_time(r, seconds, 'update') for r in runs], '.0f')} |"
+        )
+    rows.append(
+        f"\nEach is `python <script> {' '.join(CALC)}` and the flags named, the script's defaults otherwise; the "
+        f"control's tool (benchmarks/calc_control.py) has the calculator's name and description, and every call of it "
+        f"fails. Held-out: the 256 problems of assets/calc/test.jsonl sampled at temperature 1 through the tool loop, "
+        f"mean ± std over seeds; calls per response: `eval/tools/call_frequency`; after {TRACE_MINUTES} min: the last "
+        f"evaluation at or before `time/elapsed` = {seconds} s (the last one when a run ended sooner). {SHARED}"
+    )
+    table = "\n".join(rows)
+    print(table)
+    write_table("calc_learning.md", table, args.out_dir)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, runs in data.items():  # the evaluations' time/elapsed, averaged over seeds at each update
+        minutes = [series(r, "eval/accuracy", "time/elapsed")[0] / 60 for r in runs]
+        plot_band(axes[0], [(m, series(r, "eval/accuracy")[1]) for m, r in zip(minutes, runs)], name)
+        plot_band(axes[1], [(m, series(r, "eval/tools/call_frequency")[1]) for m, r in zip(minutes, runs)], name)
+    for ax, ylabel in zip(axes, ["held-out accuracy", "held-out tool calls per response"]):
+        ax.axvline(TRACE_MINUTES, color="gray", linestyle="--", linewidth=1)
+        ax.set_xlabel("minutes (time/elapsed)")
+        ax.set_ylabel(ylabel)
+    axes[0].legend()
+    fig.suptitle("The calculator task (assets/calc-sft), CPU, one thread a run: mean and min-max over seeds")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out_dir, "calc_learning.png"), dpi=80)
+
+
 def clip_key(run):
     """grpo_llm.py logs the hard clip's share as clip_ratio/region_mean, cispo's capped weights as cispo_clip_ratio."""
     return "cispo_clip_ratio" if any("cispo_clip_ratio" in m for m in run) else "clip_ratio/region_mean"
@@ -513,7 +573,7 @@ def main():
             f"written; run them first (python benchmarks/llm_learning.py --configs {' '.join(missing)})"
         )
     summaries = {"arithmetic": summarise_arithmetic, "trace": summarise_trace, "trace-family": summarise_family,
-                 "gpu": summarise_gpu}  # fmt: skip
+                 "gpu": summarise_gpu, "calc": summarise_calc}  # fmt: skip
     for group in groups:
         summaries[group](args, {name: load(args.out_dir, name) for name in GROUPS[group]})
 

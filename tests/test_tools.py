@@ -4,6 +4,8 @@ scripts on a tiny model whose turns a patched generate() writes."""
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -305,10 +307,14 @@ def calc(tmp_path_factory):
     return {"policy": str(root / "policy"), "train": str(root / "train.jsonl")}
 
 
-def scripted(monkeypatch):
-    """Every generate() afterwards writes each row's next scripted turn (then EOS), read from its context."""
+def scripted(monkeypatch, sample=False):
+    """Every generate() afterwards writes each row's next scripted turn (then EOS), read from its context; with
+    sample, after the real generate() has run (its FSDP gathers and synced_gpus' all-reduces, if any, with it)."""
+    real = transformers.GenerationMixin.generate
 
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens=None, **kwargs):
+        if sample:
+            real(self, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, **kwargs)
         tok = AutoTokenizer.from_pretrained(os.environ["SCRIPTED_TOKENIZER"])
         turns = []
         for ids in input_ids.tolist():
@@ -381,3 +387,39 @@ def test_a_result_that_fills_or_overflows_the_room_cuts_the_response_off(calc, t
     (six,) = [s for s in samples if s["prompt"].startswith("calculator:6*7")]
     assert six["completion"] == CALL + ("[tool: \nR:42\nA:]" if spare == 0 else "")
     assert six.get("score", six.get("reward")) == 0.0
+
+
+WRAPPER = """import os, runpy, sys
+import pytest
+sys.path[:0] = [{tests!r}, {root!r}]
+import test_tools
+test_tools.scripted(pytest.MonkeyPatch(), sample=True)
+script = sys.argv.pop(1)
+sys.argv[0] = script
+runpy.run_path(os.path.join({root!r}, script), run_name="__main__")
+"""
+
+
+def test_two_ranks_taking_different_numbers_of_turns_finish_and_resume(calc, tmp_path, monkeypatch):
+    # one prompt a rank an update, 4 prompts a pass: 5*5 (one turn) sits on one rank while the other takes two, in
+    # each pass; no collective inside the tool loop (the policy gathered once, generate() neither FSDP's registered
+    # method nor synced_gpus), so neither waits for the other. One process resumes the run
+    tests = os.path.dirname(os.path.abspath(__file__))
+    wrapper = tmp_path / "scripted.py"
+    wrapper.write_text(WRAPPER.format(tests=tests, root=os.path.dirname(tests)))
+    flags = ["--model", calc["policy"], "--dataset", calc["train"], "--tools", "calculator", "--max-tool-calls", "1"]
+    flags += ["--prompts-per-update", "2", "--num-mini-batches", "1", "--max-new-tokens", "160", "--eval-every", "2"]
+    torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node", "2"]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "SCRIPTED_TOKENIZER": calc["policy"]}
+    done = subprocess.run([*torchrun, str(wrapper), "ppo_llm.py", *flags, "--total-steps", "2", "--output-dir",
+                           str(tmp_path / "runs")], env=env, timeout=300, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    monkeypatch.setenv("SCRIPTED_TOKENIZER", calc["policy"])
+    scripted(monkeypatch)
+    assert ppo_llm.main(ppo_llm.parse_args(["--resume", str(run_dir), "--total-steps", "3"])) == str(run_dir)
+    metrics = untimed_metrics(run_dir)
+    assert [m["update"] for m in metrics] == [0, 1, 2, 3]
+    for m in metrics[1:]:  # 4 prompts over 2 updates: each pass has every call and turn of the script
+        assert m["tools/call_frequency"] in (0.5, 1.0) and "eval/accuracy" in metrics[2]
+    assert sum(m["tools/mean_turns"] for m in metrics[1:3]) == 1.75 * 2  # the pass: 2 + 1 + 2 + 2 turns over 4
