@@ -119,7 +119,7 @@ def test_gsm8k_and_format_rewards():
     assert gsm8k(["no number"], ["none either"]) == [0.0]  # two missing answers are not the same answer
     # --reward-fn NAME reads each row's answer
     rows = [{"answer": gold}, {"answer": "2"}]
-    assert ppo_llm.load_reward_fn("gsm8k")(["#### 1,234", "2.0"], rows) == [1.0, 1.0]
+    assert ppo_llm.load_reward_fn("gsm8k", 600)(["#### 1,234", "2.0"], rows) == [1.0, 1.0]
 
 
 # ---- the chat template -----------------------------------------------------------------------------------------
