@@ -1425,7 +1425,7 @@ def trained_state(models, optimizer):
 
 
 def crc32(path):
-    """zlib's CRC-32 of a file, through mmap (no copy: 3.5 GB/s a core, sha256 1.7): a flipped byte always alters it."""
+    """zlib's CRC-32 of a file, through mmap (no copy; 3x sha256's speed, docs/scaling.md): a flipped byte alters it."""
     import mmap  # here, as zlib: the checksums alone need them
     import zlib
 
