@@ -101,6 +101,7 @@ class Args:
     reward_model: str | None = None  # a sequence-classification reward model; it replaces --reward-fn as the reward
     reward_label: int | None = None  # the reward model's logit that is the score, if it has several
     reward_fn: tuple[str, ...] | None = None  # summed: arithmetic gsm8k format file.py:fn module:fn (unset: arithmetic)
+    reward_timeout: float = 600.0  # seconds a --reward-fn call may take (a judge, a sandbox); then the run stops
     reward_weights: tuple[float, ...] | None = None  # weight of each reward function (unset: 1 each)
     dataset: str = "assets/arith/train.jsonl"  # prompts: a .jsonl .json .csv .parquet file, or a hub dataset
     dataset_config: str | None = None  # hub dataset configuration (gsm8k: main)
@@ -392,7 +393,7 @@ def main(args: Args | None = None):
     G = args.num_generations
     batch_size = args.prompts_per_update // world * G  # this process's share of the completions
     micro_batch_size = min(args.micro_batch_size, batch_size)  # at most the batch
-    reward_fns = [load_reward_fn(name) for name in reward_fn_names(args)]  # a bad one fails here, before loading
+    reward_fns = [load_reward_fn(name, args.reward_timeout) for name in reward_fn_names(args)]  # fails before loading
     tools = load_tools(args.tools)  # {name: function}, as reward functions are loaded
     tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device, tools)  # rm_tokenizer None: our ids
     eval_problems = eval_rows(args, tokenizer, reward_fns, tools)
@@ -633,7 +634,7 @@ def import_function(spec, flag, known):
         raise SystemExit(f"error: {flag} {spec}: {choices}{why}") from None
 
 
-def load_reward_fn(spec):
+def load_reward_fn(spec, timeout):
     """--reward-fn as f(completions, rows, transcripts): REWARD_FNS[name], or file.py:fn / module:fn called as TRL
     calls one, with the whole responses as `transcripts` (their tool calls and results too)."""
     if spec in REWARD_FNS:
@@ -642,7 +643,8 @@ def load_reward_fn(spec):
 
     def user_fn(completions, rows, transcripts):
         columns = {key: [row["columns"][key] for row in rows] for key in rows[0]["columns"]}
-        values = list(fn(completions=completions, transcripts=transcripts, **columns))
+        with time_limit(timeout, f"--reward-fn {spec}"):  # --reward-timeout: a judge or sandbox that hangs
+            values = list(fn(completions=completions, transcripts=transcripts, **columns))
         if len(values) != len(completions):
             counts = f"{len(values)} numbers for {len(completions)} completions"
             raise SystemExit(f"error: --reward-fn {spec} returned {counts}")
@@ -798,6 +800,8 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids):
                 result = tools[name](**arguments)
             if not isinstance(result, str):
                 raise TypeError(f"the tool returned {type(result).__name__}, not str")
+        except Stopped:  # Ctrl-C or SIGTERM in the call: a stop, not a failure (the rollout ends at its next token)
+            result = {"error": "stopped"}
         except Exception as e:  # the tool's own errors, time_limit's TimedOut: the policy reads them
             result, failed = {"error": f"{type(e).__name__}: {e}"}, failed + 1
         messages.append({"role": "tool", "name": str(name), "content": str(result)})
@@ -1241,6 +1245,7 @@ def check_range(args, rule, names):
 
 def check_run(args, world):
     """Both scripts' checks: the run directory writable (nothing is created), the split, the processes, LoRA's flags."""
+    check_range(args, "> 0", "reward_timeout")
     flag, path = ("--resume", args.resume) if args.resume else ("--output-dir", args.output_dir)
     existing = os.path.abspath(path)
     while not os.path.exists(existing):  # where makedirs would start
@@ -1328,15 +1333,36 @@ def parse_args(argv=None):
     return args
 
 
-def open_run(args, given, rank, checkpoint):
-    """The run directory, the same on every rank; rank 0's args.json (the flags as given) and TensorBoard writer."""
-    names = [args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")]
+def own_run(args, rank):
+    """The run directory, the same on every rank, locked by rank 0 before anything in it is written (flock on `lock`,
+    which its owner's end frees, killed or not): a second process refuses, every rank together; no locks: a warning."""
+    run_dir = args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")
+    verdict = [run_dir, None]  # rank 0's run directory and refusal
+    if rank == 0:
+        import fcntl  # here: the lock alone needs it
+
+        os.makedirs(run_dir, exist_ok=True)
+        fd = os.open(os.path.join(run_dir, "lock"), os.O_RDWR | os.O_CREAT)
+        LOCK.callback(os.close, fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not lockf: any close of the file in the process drops it
+            os.ftruncate(fd, os.pwrite(fd, f"process {os.getpid()} on {os.uname().nodename}".encode(), 0))
+        except BlockingIOError:
+            verdict[1] = f"error: {run_dir} is in use by {os.pread(fd, 99, 0).decode()} (one process at a time)"
+        except OSError as e:
+            print(f"warning: {run_dir} is not locked ({reason(e)}): run one process at a time in it", file=sys.stderr)
     if dist.is_initialized():
-        dist.broadcast_object_list(names)
-    run_dir, resumed_update = names[0], checkpoint.get("update", 0)
+        dist.broadcast_object_list(verdict)
+    if verdict[1]:
+        raise SystemExit(verdict[1])
+    return verdict[0]
+
+
+def open_run(args, given, rank, checkpoint, run_dir):
+    """Rank 0's args.json (the flags as given) and TensorBoard writer, in the run directory that own_run locked."""
+    resumed_update = checkpoint.get("update", 0)
     if rank:
-        return run_dir, None
-    os.makedirs(run_dir, exist_ok=True)
+        return None
     if resumed_update:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
         for name in ["metrics.jsonl", "samples.jsonl"]:
             with open(os.path.join(run_dir, name)) as f:
@@ -1354,15 +1380,20 @@ def open_run(args, given, rank, checkpoint):
         saved["wandb_id"] = wandb.init(**settings).id
     with open(os.path.join(run_dir, "args.json"), "w") as f:
         json.dump(given | saved, f, indent=1)
-    return run_dir, SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
+    return SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
 
 
 def start_run(args, given, ranks, models, optimizer, tokenizer, tools=None):
     """(a resumed run's state ({} if new), its weights and AdamW's loaded; the prompts from there; run dir; writer)."""
-    resumed = load_checkpoint(args, models, optimizer)
     needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))
     rows = load_prompts(args, tokenizer, needs_answers=needs_answers, tools=tools)
-    run_dir, writer = open_run(args, given, ranks[0], resumed)
+    try:  # the run directory owned before its checkpoint is read, and freed again on a refusal
+        run_dir = own_run(args, ranks[0])
+        resumed = load_checkpoint(args, models, optimizer)
+        writer = open_run(args, given, ranks[0], resumed, run_dir)
+    except BaseException:
+        LOCK.close()
+        raise
     start = resumed.get("update", 0) * args.prompts_per_update
     return resumed, prompt_stream(rows, args.seed, start, *ranks), run_dir, writer
 
@@ -1420,12 +1451,12 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, too
     records = []  # each response's (score, length, tool calls, failed ones)
     for chunk in batches[rank::world]:
         batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk or batches[0]], args, autocast, None, tools)
+        completions, transcripts = decode_responses(tokenizer, batch)
+        scores = on_every_rank(lambda: reward_fn(completions, chunk, transcripts) if chunk else [])  # a timeout: all
         if chunk is None:
             continue
-        completions, transcripts = decode_responses(tokenizer, batch)
         lengths = batch["attention_mask"][:, batch["prompt_width"] :].sum(1).float().tolist()  # every token
-        counts = batch["tool_calls"].tolist(), batch["tool_failures"].tolist()
-        records += zip(reward_fn(completions, chunk, transcripts), lengths, *counts)
+        records += zip(scores, lengths, batch["tool_calls"].tolist(), batch["tool_failures"].tolist())
     if dist.is_initialized():  # every rank's
         every_rank = [None] * world
         dist.all_gather_object(every_rank, records)
@@ -1492,6 +1523,7 @@ def due(update, every, total_steps=None):
 
 STOP = []  # the signals received: Ctrl-C and SIGTERM (a preemption)
 SAVING = []  # not empty while a checkpoint is gathered and written
+LOCK = contextlib.ExitStack()  # the run directory's lock, held while this process owns the run: LOCK.close() frees it
 
 
 def on_signal(signum, frame):
@@ -1520,23 +1552,31 @@ def stop_if_signalled():
 
 
 class TimedOut(Exception):
-    """A call ran past its time limit (--tool-timeout); an Exception, so that on_every_rank stops every rank on it."""
+    """A call ran past --reward-timeout or --tool-timeout; an Exception, so that on_every_rank stops every rank."""
+
+
+class Stopped(Exception):
+    """Ctrl-C or SIGTERM during a call under time_limit: the run stops now, as on TimedOut; never a failed call."""
 
 
 @contextlib.contextmanager
 def time_limit(seconds, what):
-    """TimedOut(what) raised into the call once `seconds` pass (SIGALRM: the main thread's sleep, I/O or regex too)."""
+    """TimedOut(what) raised into the call past `seconds` (every second, should it catch it), Stopped on a signal."""
 
-    def on_alarm(signum, frame):
-        raise TimedOut(f"{what} ran past {seconds:g} s")
+    def stop_call(signum, frame):
+        if signum == signal.SIGALRM:
+            raise TimedOut(f"{what} ran past {seconds:g} s")
+        STOP.append(signum)  # the exit status: 128 + signum
+        raise Stopped(f"{signal.Signals(signum).name} during {what}")
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    previous = {signum: signal.signal(signum, stop_call) for signum in (signal.SIGALRM, signal.SIGINT, signal.SIGTERM)}
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class EveryRank(Exception):
@@ -1581,9 +1621,19 @@ def trained_state(models, optimizer):
     return {"models": weights, "optimizer": dsd.get_optimizer_state_dict(models, optimizer)}
 
 
+def crc32(path):
+    """zlib's CRC-32 of a file, through mmap (no copy; 3x sha256's speed, docs/scaling.md): a flipped byte alters it."""
+    import mmap  # here, as zlib: the checksums alone need them
+    import zlib
+
+    with open(path, "rb") as f:  # mmap refuses an empty file, whose CRC-32 is 0
+        return zlib.crc32(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if os.fstat(f.fileno()).st_size else 0
+
+
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
-    """checkpoint/, whole or not at all: every rank's shards (torch.distributed.checkpoint), policy/ and state.json go
-    in checkpoint.a or .b, the one the link `checkpoint` does not point to; then it does. SaveFailed on every rank."""
+    """checkpoint/, whole or not at all: every rank's shards (torch.distributed.checkpoint), policy/ (where the link
+    `policy` points), state.json and checksums.json (each file's CRC-32) go in checkpoint.a or .b, the one the link
+    `checkpoint` does not point to; then it does. SaveFailed on every rank."""
     SAVING.append(True)
     rank, link = dist.get_rank() if dist.is_initialized() else 0, os.path.join(run_dir, "checkpoint")
     slot, old = "checkpoint.a", "checkpoint.b"
@@ -1594,16 +1644,25 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
         if rank == 0:  # a failed save's, or a hard kill's (no rank writes before dcp.save's first collective)
             shutil.rmtree(path, ignore_errors=True)
         dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())
-        save_policy(os.path.join(run_dir, "policy"), models, tokenizer, merged)
+        save_policy(os.path.join(path, "policy"), models, tokenizer, merged)
         if rank == 0:
             with open(os.path.join(path, "state.json"), "w") as f:
                 json.dump(state, f)
                 f.flush()
                 os.fsync(f.fileno())  # on disk before the link points to it
+            names = [os.path.relpath(os.path.join(d, n), path) for d, _, ns in os.walk(path) for n in ns]
+            sums = {name: crc32(os.path.join(path, name)) for name in names}  # every rank's shards, in the page cache
+            with open(os.path.join(path, "checksums.json"), "w") as f:
+                json.dump(sums, f)
+                f.flush()
+                os.fsync(f.fileno())
             if os.path.lexists(link + ".tmp"):  # a hard kill's
                 os.remove(link + ".tmp")
             os.symlink(slot, link + ".tmp")
             os.replace(link + ".tmp", link)  # atomic
+            if not os.path.islink(os.path.join(run_dir, "policy")):  # a first save (or an earlier version's directory)
+                shutil.rmtree(os.path.join(run_dir, "policy"), ignore_errors=True)
+                os.symlink(os.path.join("checkpoint", "policy"), os.path.join(run_dir, "policy"))
             shutil.rmtree(os.path.join(run_dir, old), ignore_errors=True)
     except (Exception, dcp.CheckpointException) as e:  # a full disk, a file-size limit, a directory gone
         failed = e
@@ -1656,6 +1715,14 @@ def load_checkpoint(args, models, optimizer):
     try:  # none (a run killed before its first save), a damaged one, or one of other models or flags
         with open(os.path.join(path, "state.json")) as f:
             saved = json.load(f)
+        record = os.path.join(path, "checksums.json")
+        sums = json.load(open(record)) if os.path.isfile(record) else {}  # an earlier version's save wrote none
+        bad = [name for name in sorted(sums) if crc32(os.path.join(path, name)) != sums[name]]
+        if bad:  # nothing changed; the slot before this one is gone (each save deletes it), policy/ may be whole
+            whole = f"its policy/ is whole: --model {args.resume}/policy starts a new run from it"
+            if any(name.startswith("policy") for name in bad):
+                whole = "its policy/ is damaged too"
+            raise SystemExit(f"error: --resume {args.resume}: {path}/{bad[0]} is damaged (its CRC-32 differs); {whole}")
         names = {k for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith("models.")}
         if names != {f"models.{k}" for k in state["models"]}:
             raise KeyError(f"its weights are of {', '.join(sorted({k.split('.')[1] for k in names}))}, other names")
@@ -1702,7 +1769,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         elif saved is None:
             saved, go_on = "no checkpoint was written", "start the run again"
         cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
-        if not isinstance(cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit | None):
+        if not isinstance(cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit | Stopped | None):
             traceback.print_exception(cause)
         if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
             dist.barrier()
@@ -1719,9 +1786,12 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
             signal.signal(signum, handler)
         if writer is not None:
             writer.close()
+        LOCK.close()
     print(f"saved the policy to {run_dir}/policy")
     if args.track and writer is not None:
-        sys.modules["wandb"].finish()  # open_run imported it
+        import wandb  # open_run imported it
+
+        wandb.finish()
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ policy/ (save_pretrained), then exits. With LoRA only the adapters are trained, 
 This builds Llama-2-7B's shape (32 layers, hidden 4,096, MLP 11,008, vocabulary 32,000) with its base weights on
 the meta device (a save never writes them), puts grpo_llm.py's LoRA on it (--lora-r 16, every linear layer) in real
 memory, takes one AdamW step so that its moments exist, and times grpo_llm.save_checkpoint (the median of 5); the
-embedded default, trained in full, beside it.
+embedded default, trained in full, beside it. Within each save it also times the checksums (grpo_llm.crc32 on every
+file written, read back from the page cache): their share of the save, the median of the 5 shares.
 
     python benchmarks/save_time.py          # writes benchmarks/results/save_time.json and .md (and into docs/)
     python benchmarks/save_time.py --table  # measure nothing: save_time.md from save_time.json
@@ -57,20 +58,34 @@ def llama_7b_lora():
 
 
 def save_seconds(policy, tokenizer):
-    """(median seconds of grpo_llm.save_checkpoint over 5 saves, MB written, trained parameters)."""
+    """(median seconds of grpo_llm.save_checkpoint over 5 saves, median share of them its checksums took, MB written,
+    trained parameters)."""
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()  # AdamW's moments, as after the first update
-    times, models = [], torch.nn.ModuleDict({"policy": policy})
+    times, hashing, models = [], [], torch.nn.ModuleDict({"policy": policy})
+    crc32 = grpo_llm.crc32
+
+    def timed_crc32(path):
+        start = time.perf_counter()
+        crc = crc32(path)
+        hashing[-1] += time.perf_counter() - start
+        return crc
+
+    grpo_llm.crc32 = timed_crc32
     with tempfile.TemporaryDirectory() as run_dir:
         for _ in range(5):
+            hashing.append(0.0)
             start = time.perf_counter()
             grpo_llm.save_checkpoint(run_dir, models, optimizer, dict(update=1), tokenizer)
             times.append(time.perf_counter() - start)
-        written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(run_dir) for f in fs)
-    return sorted(times)[2], written / 2**20, sum(p.numel() for p in params)
+        slot = os.path.realpath(os.path.join(run_dir, "checkpoint"))  # what one save wrote
+        written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(slot) for f in fs)
+    grpo_llm.crc32 = crc32
+    shares = sorted(h / t for h, t in zip(hashing, times))
+    return sorted(times)[2], shares[2], written / 2**20, sum(p.numel() for p in params)
 
 
 def main():
@@ -84,8 +99,8 @@ def main():
             "Llama-2-7B shape, LoRA r 16 on every linear layer": llama_7b_lora()}  # fmt: skip
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "runs": {}}
     for name, model in runs.items():
-        seconds, mb, n = save_seconds(model, tokenizer)
-        result["runs"][name] = {"seconds": seconds, "mb": mb, "trained_parameters": n}
+        seconds, share, mb, n = save_seconds(model, tokenizer)
+        result["runs"][name] = {"seconds": seconds, "checksum_share": share, "mb": mb, "trained_parameters": n}
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(table(result))
@@ -93,12 +108,13 @@ def main():
 
 def table(result):
     """save_time.md from a result (into the docs through write_table)."""
-    rows = [f"| {name} | {r['trained_parameters'] / 1e6:.1f}M | {r['mb']:.1f} MB | {r['seconds']:.2f} s |"
-            for name, r in result["runs"].items()]  # fmt: skip
+    rows = [f"| {name} | {r['trained_parameters'] / 1e6:.1f}M | {r['mb']:.1f} MB | {r['seconds']:.2f} s | "
+            f"{r['checksum_share']:.0%} |" for name, r in result["runs"].items()]  # fmt: skip
     text = "\n".join([
         f"`python benchmarks/save_time.py` ({result['machine']}, local disk): grpo_llm.save_checkpoint (checkpoint/: "
-        "trained weights, AdamW, state; policy/: save_pretrained), the median of 5 saves:", "",
-        "| run | trained parameters | written | save |", "|---|---|---|---|", *rows,
+        "trained weights, AdamW, state; policy/: save_pretrained; checksums.json: the CRC-32 of each file), the median "
+        "of 5 saves, and the median share of a save that its checksums took:", "",
+        "| run | trained parameters | written | save | checksums |", "|---|---|---|---|---|", *rows,
     ])  # fmt: skip
     write_table("save_time.md", text, RESULTS)
     return text

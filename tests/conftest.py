@@ -1,5 +1,6 @@
 """Tiny models the tests build themselves: a character tokenizer, a GPT-2 policy and reward models."""
 
+import glob
 import json
 import os
 
@@ -113,3 +114,9 @@ def lm(head, logit_scale=None, softcap=None):
 
     config = types.SimpleNamespace(logit_scale=logit_scale, final_logit_softcapping=softcap)
     return types.SimpleNamespace(config=config, get_output_embeddings=lambda: head)
+
+
+def contents(directory):
+    """Every file under a directory, read: {path: bytes}, to compare a directory before and after."""
+    paths = glob.glob(os.path.join(directory, "**"), recursive=True)
+    return {path: open(path, "rb").read() for path in paths if os.path.isfile(path)}

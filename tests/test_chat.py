@@ -120,7 +120,7 @@ def test_gsm8k_and_format_rewards():
     # --reward-fn NAME reads each row's answer
     rows = [{"answer": gold}, {"answer": "2"}]
     completions = ["#### 1,234", "2.0"]  # without tools, each is its whole response (transcript) too
-    assert ppo_llm.load_reward_fn("gsm8k")(completions, rows, completions) == [1.0, 1.0]
+    assert ppo_llm.load_reward_fn("gsm8k", 600)(completions, rows, completions) == [1.0, 1.0]
 
 
 # ---- the chat template -----------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import saved_weights, untimed_metrics
+from conftest import contents, saved_weights, untimed_metrics
 from test_families import families  # noqa: F401 (a fixture)
 from torch.distributed.tensor import DTensor
 from transformers import AutoModel, AutoModelForCausalLM
@@ -297,6 +297,23 @@ def test_a_refusal_under_torchrun_is_one_line_once_and_torchruns_report_gives_it
     message = "error: 3 processes must divide --prompts-per-update"
     assert [line for line in p.stderr.splitlines() if line.startswith("error")] == [message]
     assert f"traceback : {message}" in p.stderr and "<N/A>" not in p.stderr
+
+
+def test_a_resume_beside_a_live_run_refuses_on_every_rank(tmp_path):
+    # this process owns a run directory, as a live run does; a 2-process torchrun --resume on it: rank 0 finds the
+    # lock taken, every rank refuses (rank 0 alone prints the line, which torchrun's report gives), nothing changes
+    flags = dict(total_steps=1, prompts_per_update=4, eval_every=0, sample_every=0, output_dir=str(tmp_path))
+    run_dir = ppo_llm.main(ppo_llm.Args(**flags))
+    ppo_llm.own_run(ppo_llm.Args(resume=run_dir), 0)
+    try:
+        files = contents(run_dir)
+        p = torchrun("ppo_llm.py", "--resume", run_dir, "--total-steps", "2", ok=False)
+        now = contents(run_dir)
+    finally:
+        ppo_llm.LOCK.close()
+    message = f"error: {run_dir} is in use by process {os.getpid()} on {os.uname().nodename} (one process at a time)"
+    assert [line for line in p.stderr.splitlines() if line.startswith("error")] == [message]
+    assert f"traceback : {message}" in p.stderr and now == files
 
 
 @pytest.mark.parametrize("script", [ppo_llm, grpo_llm])

@@ -213,7 +213,7 @@ def test_embedded_task_files():
     # the embedded task is two files of the general data path: 256 held-out problems, none of them in the training file
     tokenizer = AutoTokenizer.from_pretrained("assets/arith-sft")
     train = ppo_llm.load_prompts(ppo_llm.Args(), tokenizer, True)
-    arithmetic = [ppo_llm.load_reward_fn("arithmetic")]
+    arithmetic = [ppo_llm.load_reward_fn("arithmetic", 600)]
     test = ppo_llm.eval_rows(ppo_llm.Args(), tokenizer, arithmetic)  # test.jsonl beside train.jsonl, unasked
     assert len(test) == 256 and not {r["prompt"] for r in test} & {r["prompt"] for r in train}
     # 100 x 100 problems a+b with a, b in 0..99, less the 256 held out: 10,000 - 256 = 9,744
@@ -430,7 +430,7 @@ def test_evaluation_prompts_are_fixed_and_cut_as_in_training(tiny, tmp_path):
     # the evaluation draws the same prompts whatever --seed, from --eval-split FILE
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     args = [ppo_llm.Args(dataset=tiny["jsonl"], eval_split=tiny["jsonl"], eval_size=5, seed=s) for s in (1, 2)]
-    arithmetic = [ppo_llm.load_reward_fn("arithmetic")]
+    arithmetic = [ppo_llm.load_reward_fn("arithmetic", 600)]
     assert ppo_llm.eval_rows(args[0], tokenizer, arithmetic) == ppo_llm.eval_rows(args[1], tokenizer, arithmetic)
     # prompts longer than the context (32) lose their start in evaluation too, as in training (--max-prompt-length)
     long = tmp_path / "long.jsonl"
@@ -458,8 +458,8 @@ def test_resume_needs_a_readable_run(tiny, tmp_path):
         assert "\n" not in str(e.value)
     shards = os.path.join(run_dir, "checkpoint", "__0_0.distcp")
     with open(shards, "r+b") as f:
-        f.truncate(os.path.getsize(shards) // 2)  # a disk that filled up, a copy cut short
-    with pytest.raises(SystemExit, match=r"^error: --resume .*: checkpoint unreadable, or of other models \([^\n]*$"):
+        f.truncate(os.path.getsize(shards) // 2)  # a disk that filled up, a copy cut short: its checksum names it
+    with pytest.raises(SystemExit, match=r"^error: --resume .*: .*/checkpoint/__0_0.distcp is damaged \([^\n]*$"):
         ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir]))
     # a run of this script's earlier versions (one checkpoint.pt): one line says what to do
     os.remove(os.path.join(run_dir, "checkpoint"))

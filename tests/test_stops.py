@@ -14,7 +14,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import interrupt_generation, saved_update, untimed_metrics
+from conftest import contents, interrupt_generation, saved_update, saved_weights, untimed_metrics
 
 import grpo_llm
 import ppo_llm
@@ -376,3 +376,141 @@ def test_a_score_that_is_text_is_refused_as_none_is():
         first = f"(the first: {bad!r} for '13')"
         assert str(e.value) == f"error: {source} scored 1 of 3 completions with no finite number {first}"
     assert ppo_llm.finite_scores([1, np.float32(0.5), torch.tensor(2.0)], source, completions) == [1.0, 0.5, 2.0]
+
+
+def live_run(tiny, tmp_path, *flags, code=None):
+    """A PPO run in its own process (a script that runs `code` first, or ppo_llm.py) with a checkpoint every update,
+    started in tmp_path: its process."""
+    flags = ["--model", tiny["policy"], "--dataset", tiny["jsonl"], "--prompts-per-update", "8", "--micro-batch-size",
+             "4", "--max-new-tokens", "3", "--eval-every", "0", "--save-every", "1", "--output-dir", str(tmp_path),
+             *flags]  # fmt: skip
+    command = [sys.executable, "ppo_llm.py"] if code is None else [sys.executable, "-c", code]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([*command, *flags], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_a_run_directory_has_one_owner(tiny, tmp_path):
+    # a run that saves every update, and a second process's --resume on its directory (a requeued job whose first copy
+    # is alive): the second refuses in one line naming the owner, and the owner goes on unharmed (no update logged
+    # twice, none lost); its death, even kill -9, frees the directory: --resume goes on
+    owner = live_run(tiny, tmp_path, "--total-steps", "500")
+    for _ in range(3000):  # until a first checkpoint is there (five minutes at most, on a loaded machine)
+        time.sleep(0.1)
+        if glob.glob(str(tmp_path / "*" / "checkpoint" / "state.json")):
+            break
+    (run_dir,) = tmp_path.iterdir()
+    with pytest.raises(SystemExit) as e:
+        ppo_llm.main(ppo_llm.parse_args(["--resume", str(run_dir)]))
+    assert str(e.value) == f"error: {run_dir} is in use by process {owner.pid} on {os.uname().nodename} " + (
+        "(one process at a time)"
+    )
+    time.sleep(1)  # the owner's next save, had the refusal deleted its slot
+    assert owner.poll() is None, owner.stderr.read()[-2000:]  # alive
+    owner.kill()
+    owner.wait()
+    logged = [m["update"] for m in untimed_metrics(run_dir)]
+    assert logged == list(range(1, len(logged) + 1))
+    done = saved_update(run_dir)
+    ppo_llm.main(ppo_llm.parse_args(["--resume", str(run_dir), "--total-steps", str(done + 1)]))
+    assert [m["update"] for m in untimed_metrics(run_dir)] == list(range(1, done + 2))
+
+
+KILLED_IN_POLICY = """import os, signal, sys
+import transformers
+import ppo_llm
+
+real, calls = transformers.PreTrainedModel.save_pretrained, []
+
+
+def save_pretrained(self, where, **kwargs):
+    # the third model written (update 1's: policy, critic; update 2's: policy): half its weights, then kill -9
+    real(self, where, **kwargs)
+    calls.append(where)
+    if len(calls) == 3:
+        weights = os.path.join(where, "model.safetensors")
+        os.truncate(weights, os.path.getsize(weights) // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+transformers.PreTrainedModel.save_pretrained = save_pretrained
+ppo_llm.main(ppo_llm.parse_args(sys.argv[1:]))
+"""
+
+
+def test_a_kill_while_policy_is_written_leaves_the_previous_policy(tiny, tmp_path):
+    # kill -9 halfway through update 2's policy/model.safetensors: policy/ is update 1's, whole, as checkpoint/ is
+    # (both in the slot that the link `checkpoint` points to), and it loads, critic too
+    killed = live_run(tiny, tmp_path, "--total-steps", "2", code=KILLED_IN_POLICY)
+    assert killed.wait(timeout=300) == -signal.SIGKILL, killed.stderr.read()[-2000:]
+    (run_dir,) = tmp_path.iterdir()
+    assert saved_update(run_dir) == 1
+    policy = ppo_llm.AutoModelForCausalLM.from_pretrained(run_dir / "policy")
+    for key, value in saved_weights(run_dir, "policy").items():  # update 1's weights, as the checkpoint holds them
+        assert torch.equal(policy.state_dict()[key], value), key
+    ppo_llm.AutoModel.from_pretrained(run_dir / "policy" / "critic")
+
+
+def flip_byte(path):
+    """The byte in the middle of the file, inverted (a bit rot, a bad copy); again, it is back."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def test_a_flipped_byte_is_refused_by_name_and_an_untouched_checkpoint_resumes(tiny, tmp_path):
+    # a byte flipped in the checkpoint's shard: --resume refuses in one line naming the file, and says that policy/ is
+    # whole (as --model of a new run); flipped in policy/ too, that it is not; the directory is as it was. Flipped
+    # back, the resume goes on as today: two updates and a resume to three log what three in one go log
+    run_dir = run(ppo_llm, tiny, tmp_path / "split", total_steps=2)
+    before = contents(run_dir)
+    shard, weights = f"{run_dir}/checkpoint/__0_0.distcp", f"{run_dir}/checkpoint/policy/model.safetensors"
+    refusal = f"error: --resume {run_dir}: {run_dir}/checkpoint/__0_0.distcp is damaged (its CRC-32 differs); its"
+    whole = f"policy/ is whole: --model {run_dir}/policy starts a new run from it"
+    for flipped, policy in [([shard], whole), ([shard, weights], "policy/ is damaged too")]:
+        for path in flipped:
+            flip_byte(path)
+        with pytest.raises(SystemExit) as e:
+            ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--total-steps", "3"]))
+        assert str(e.value) == f"{refusal} {policy}"
+        for path in flipped:
+            flip_byte(path)
+    assert contents(run_dir) == before  # (the lock names its last owner: this process, as before)
+    ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--total-steps", "3"]))
+    assert untimed_metrics(run_dir) == untimed_metrics(run(ppo_llm, tiny, tmp_path / "whole"))
+
+
+SLOW = """import os, signal, threading, time
+
+calls = []
+
+
+def exact(completions, answer, **columns):
+    # the arithmetic reward, but the second call hangs (a judge that never answers), or is sent SIGTERM while it does
+    calls.append(1)
+    if len(calls) == 2 and {sigterm}:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    if len(calls) == 2:
+        time.sleep(30)
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+"""
+
+
+@pytest.mark.parametrize("script, sigterm", [(ppo_llm, False), (grpo_llm, False), (ppo_llm, True)])
+def test_a_reward_call_that_hangs_stops_at_its_timeout_or_a_signal(script, sigterm, tiny, tmp_path, capsys):
+    # update 2's reward call sleeps: past --reward-timeout 0.5 s, or at a SIGTERM during it (--reward-timeout 600), the
+    # run stops at once with the state after update 1 saved, in one line naming the function (exit 1, or 128 + 15)
+    (tmp_path / "slow.py").write_text(SLOW.format(sigterm=sigterm))
+    spec = f"{tmp_path / 'slow.py'}:exact"
+    timeout = 600 if sigterm else 0.5  # the signal comes 0.5 s into the call
+    with pytest.raises(SystemExit) as stop:
+        run(script, tiny, tmp_path / "runs", reward_fn=spec if script is ppo_llm else (spec,), reward_timeout=timeout)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    what = f"SIGTERM during --reward-fn {spec}" if sigterm else f"--reward-fn {spec} ran past 0.5 s"
+    assert stop.value.code == (128 + signal.SIGTERM if sigterm else 1)
+    assert capsys.readouterr().err.rstrip().splitlines()[-1] == (
+        f"stopped in update 2 ({what}); the state after update 1 is in {run_dir}/checkpoint: "
+        f"python {script.__name__}.py --resume {run_dir} goes on"
+    )
+    assert saved_update(run_dir) == 1

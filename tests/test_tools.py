@@ -4,8 +4,10 @@ scripts on a tiny model whose turns a patched generate() writes."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -277,7 +279,7 @@ def test_the_reward_reads_the_last_turn_and_a_response_ending_on_a_tool_result_s
     assert completions == ["42", "", "42"]  # the tool's 42 is never the policy's answer
     assert transcripts[0] == CALL + "[tool: \nR:42\nA:]42" and transcripts[1] == CALL + "[tool: \nR:42\nA:]"
     rows = [{"answer": "42"}] * 3
-    assert ppo_llm.load_reward_fn("arithmetic")(completions, rows, transcripts) == [1.0, 0.0, 1.0]
+    assert ppo_llm.load_reward_fn("arithmetic", 600)(completions, rows, transcripts) == [1.0, 0.0, 1.0]
     assert batch["attention_mask"][1, 3:].sum() == len(call + result) and batch["mask"][1].sum() == len(call)
 
 
@@ -423,3 +425,28 @@ def test_two_ranks_taking_different_numbers_of_turns_finish_and_resume(calc, tmp
     for m in metrics[1:]:  # 4 prompts over 2 updates: each pass has every call and turn of the script
         assert m["tools/call_frequency"] in (0.5, 1.0) and "eval/accuracy" in metrics[2]
     assert sum(m["tools/mean_turns"] for m in metrics[1:3]) == 1.75 * 2  # the pass: 2 + 1 + 2 + 2 turns over 4
+
+
+def test_a_stop_during_a_tool_call_is_no_failure():
+    # SIGTERM while a tool sleeps: the call ends at once, as a stop (STOP records it), not as the tool's failure
+    def slow(seconds: float) -> str:
+        """Sleeps.
+
+        Args:
+            seconds: how long
+        """
+        time.sleep(seconds)
+        return "woke"
+
+    tok = compact_tokenizer()
+    call = {"function": {"name": "slow", "arguments": {"seconds": 30}}}
+    timer = threading.Timer(0.5, os.kill, [os.getpid(), signal.SIGTERM])
+    started = time.perf_counter()
+    timer.start()
+    try:
+        ids, failed = ppo_llm.run_tools(tok, {"slow": slow}, [call], 60, [tok.eos_token_id])
+        assert ppo_llm.STOP == [signal.SIGTERM]
+    finally:
+        timer.cancel()
+        ppo_llm.STOP.clear()
+    assert failed == 0 and tok.decode(ids) == "\nR:{'error': 'stopped'}\nA:" and time.perf_counter() - started < 10
