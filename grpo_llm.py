@@ -289,30 +289,34 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None):
     eos_ids, B = policy.generation_config.eos_token_id, len(prompts)
     contexts = [ids[real.bool()].tolist() for ids, real in zip(inputs.input_ids, inputs.attention_mask)]
     responses, masks, ended, going = [[] for _ in prompts], [[] for _ in prompts], [False] * B, list(range(B))
-    tool_calls, tool_failures, turns = torch.zeros(3, B, dtype=torch.long)
+    starts, (tool_calls, tool_failures, tool_turns) = [0] * B, torch.zeros(3, B, dtype=torch.long)  # turns' starts
     policy.eval()
     with autocast, unsharded(policy):  # FSDP: one gather for every turn, no collective in them (ranks' turns differ)
-        while going:  # a turn: one generate() for the responses still going, each after its own ids so far
+        while going:  # one generate() for the responses still going, each after its own ids so far
             context = tokenizer.pad({"input_ids": [contexts[i] + responses[i] for i in going]}, return_tensors="pt")
-            room = args.max_new_tokens - min(len(responses[i]) for i in going)
+            room = args.max_new_tokens - max(len(responses[i]) for i in going)  # none past its room, nor the context
             out = policy.generate(
                 **context.to(policy.device), max_new_tokens=room, stopping_criteria=stop, synced_gpus=False
             )
             new, new_mask, _ = truncate_after_eos(out[:, context.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
             still_going = []
-            for i, turn, length in zip(going, new.tolist(), new_mask.sum(1).tolist()):
-                turn = turn[: min(length, args.max_new_tokens - len(responses[i]))]  # within the response's own room
-                responses[i], masks[i], turns[i] = responses[i] + turn, masks[i] + [1.0] * len(turn), turns[i] + 1
-                calls = tool_calls_in(tokenizer, contexts[i] + responses[i], len(turn)) if tools else []
-                ended[i] = turn[-1] in eos_ids and not calls  # a turn that calls a tool does not end the response
-                if calls and turn[-1] in eos_ids and turns[i] <= args.max_tool_calls:  # else a call cuts it off
+            for i, ids, length in zip(going, new.tolist(), new_mask.sum(1).tolist()):
+                responses[i], masks[i] = responses[i] + ids[:length], masks[i] + [1.0] * length
+                ended[i] = responses[i][-1] in eos_ids
+                if not ended[i] and length == room:  # the turn goes on (not at a stop, which ends it at once)
+                    still_going.append(i)
+                turn = len(responses[i]) - starts[i]
+                calls = tool_calls_in(tokenizer, contexts[i] + responses[i], turn) if tools and ended[i] else []
+                ended[i] = ended[i] and not calls  # a turn that calls a tool does not end the response
+                if calls and tool_turns[i] < args.max_tool_calls:  # else a call past them cuts it off
                     result, failed = run_tools(tokenizer, tools, calls, args.tool_timeout, eos_ids)  # the results' ids
                     tool_calls[i], tool_failures[i] = tool_calls[i] + len(calls), tool_failures[i] + failed
                     if len(responses[i]) + len(result) <= args.max_new_tokens:  # else they cut it off
                         responses[i], masks[i] = responses[i] + result, masks[i] + [0.0] * len(result)
+                        starts[i], tool_turns[i] = len(responses[i]), tool_turns[i] + 1
                         still_going.append(i)
-            going = [i for i in still_going if len(responses[i]) < args.max_new_tokens]  # room for a turn
-    counts = {"tool_calls": tool_calls, "tool_failures": tool_failures, "turns": turns}
+            going = [i for i in still_going if len(responses[i]) < args.max_new_tokens]  # room for a token
+    counts = {"tool_calls": tool_calls, "tool_failures": tool_failures, "turns": tool_turns + 1}
     return padded_batch(inputs, responses, masks, ended, tokenizer.pad_token_id) | counts
 
 
@@ -501,7 +505,6 @@ def check_args(args, world):
     check_range(args, ">= 2", "num_generations")  # the group is the baseline
     check_range(args, "> 0", "lora_alpha temperature max_grad_norm sapo_temperature_pos sapo_temperature_neg")
     check_range(args, "in (0, 1)", "epsilon")
-    check_range(args, "> 0", "tool_timeout")
     check_range(args, "in (0, 1]", "top_entropy_quantile")
     check_range(args, ">= 0", "epsilon_high delta")  # and the bounds below
     check_range(args, "finite", "reward_weights")
@@ -518,9 +521,8 @@ def check_args(args, world):
     if args.delta is not None and args.delta <= high:
         raise SystemExit(f"error: --delta must be > 1 + --epsilon-high (got {args.delta})")
     if args.off_policy_mask_threshold is not None and args.num_iterations == 1:  # old = current: it never acts
-        raise SystemExit(
-            "error: --off-policy-mask-threshold needs --num-iterations > 1 (at 1 no completion is off-policy)"
-        )
+        why = "needs --num-iterations > 1 (at 1 no completion is off-policy)"
+        raise SystemExit(f"error: --off-policy-mask-threshold {why}")
     if args.reward_fn == ():
         raise SystemExit("error: --reward-fn needs at least one reward function")
     if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
@@ -556,8 +558,7 @@ def global_quantile(values, q):
 
 
 def grpo_metrics(update, args, batch, names, scores, stats, losses, grad_norms, optimizer, clock):
-    """An update's metrics, TRL's GRPO names (docs/grpo_llm.md), over every rank (means, but for the extremes), and its
-    progress line."""
+    """An update's metrics, TRL's GRPO names (docs/grpo_llm.md), over every rank, and its progress line."""
     rewards, lengths = batch["rewards"], batch["attention_mask"][:, batch["prompt_width"] :].sum(1).float()
     metrics = {
         "update": update,
@@ -635,8 +636,7 @@ def import_function(spec, flag, known):
 
 
 def load_reward_fn(spec, timeout):
-    """--reward-fn as f(completions, rows, transcripts): REWARD_FNS[name], or file.py:fn / module:fn called as TRL
-    calls one, with the whole responses as `transcripts` (their tool calls and results too)."""
+    """--reward-fn as f(completions, rows, transcripts): REWARD_FNS[name], or file.py:fn / module:fn as TRL calls it."""
     if spec in REWARD_FNS:
         return lambda completions, rows, transcripts: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
     fn = import_function(spec, "--reward-fn", REWARD_FNS)
@@ -698,9 +698,8 @@ def padded_batch(inputs, responses, masks, ended, pad_token_id):
 
 
 def decode_responses(tokenizer, batch):
-    """(completions, transcripts): each response's last turn, its text after its last tool result (what the reward
-    functions score, so that a tool's output is never the policy's answer), and the whole response, each tool result
-    marked [tool: ...] (samples, and the reward functions' `transcripts`). Without tools the two are the same."""
+    """(completions, transcripts): each response's text after its last tool result (what the reward functions score: a
+    tool's output is never the answer), and the whole response, tool results as [tool: ...] (the same without tools)."""
     real, mask = batch["attention_mask"][:, batch["prompt_width"] :].bool(), batch["mask"].bool()
     completions, transcripts = [], []
     for ids, is_tool in zip(batch["responses"].tolist(), (real & ~mask).tolist()):  # the pad after it: not a tool's
@@ -712,6 +711,7 @@ def decode_responses(tokenizer, batch):
 
 
 ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+ARITHMETIC |= {ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg}
 
 
 def calculator(expression: str) -> str:
@@ -738,15 +738,13 @@ TOOLS = {"calculator": calculator}  # the built-in tools (--tools NAME); yours: 
 
 
 def load_tools(specs):
-    """--tools as {name: function}: TOOLS[spec], or file.py:fn / module:fn, a function with type hints and a docstring
-    whose Args: describe its arguments, as apply_chat_template(tools=) and TRL take them (check_tool_template)."""
+    """--tools as {name: function}: TOOLS[spec], or file.py:fn / module:fn with type hints and an Args: docstring."""
     return {tool.__name__: tool for tool in [import_function(spec, "--tools", TOOLS) for spec in specs]}
 
 
 def check_tool_template(tokenizer, tools, eos_ids, model):
     """With --tools, a chat template that describes them, prefix-preserving, and a response template that parses calls
-    (a <tool_call> template gets that JSON format, as TRL's add_response_schema, from its assistant header); else one
-    line."""
+    (a <tool_call> template gets JSON calls, as TRL's add_response_schema, from its assistant header); else one line."""
     user, flag = [{"role": "user", "content": "1"}], f"error: --tools: the chat template of --model {model}"
     options = [{}, {"tools": list(tools.values())}, {"add_generation_prompt": True}]
     try:  # transformers reads each tool's JSON schema from its type hints and docstring
@@ -756,25 +754,20 @@ def check_tool_template(tokenizer, tools, eos_ids, model):
     except Exception as e:  # transformers' DocstringParsingException: no docstring, type hint or Args: line
         raise SystemExit(f"error: --tools: {e}: a tool is a function with type hints and an Args: docstring") from None
     if described == plain:
-        raise SystemExit(
-            f"{flag} does not render tools: give --model one that does (Qwen2.5-Instruct; assets/calc-sft)"
-        )
+        why = "does not render tools: give --model one that does (Qwen2.5-Instruct; assets/calc-sft)"
+        raise SystemExit(f"{flag} {why}")
     if getattr(tokenizer, "response_template", None) is None:
         if "<tool_call>" not in tokenizer.chat_template:  # Llama 3.x's and Mistral's formats: not guessed at
             raise SystemExit(f"{flag} writes calls in a format not read here: <tool_call> JSON, or a response_template")
         calls = dict(open="<tool_call>", close="</tool_call>", content="json", repeats=True)
         calls["transform"] = {"type": "function", "function": "{content}"}  # parse_response's tool_calls
-        fields = {"content": {}, "tool_calls": calls}
-        tokenizer.response_template = {
-            "start_anchor": header.removeprefix(plain),
-            "fields": fields,
-        }  # each turn's start
+        start = header.removeprefix(plain)  # each turn's start: the assistant header
+        tokenizer.response_template = {"start_anchor": start, "fields": {"content": {}, "tool_calls": calls}}
     tool_result_ids(tokenizer, [{"role": "tool", "name": next(iter(tools)), "content": "1"}], eos_ids)
 
 
 def tool_calls_in(tokenizer, ids, turn_length):
-    """The tool calls of a response's last turn, ids[-turn_length:], read by the tokenizer's response template
-    (transformers' parse_response, the turn after its context: prefix=): [] if none, [None] if not valid JSON."""
+    """The tool calls of the last turn, ids[-turn_length:], by parse_response: [] if none, [None] if not valid JSON."""
     text, prefix = tokenizer.decode(ids[-turn_length:]), tokenizer.decode(ids[:-turn_length])
     try:
         return tokenizer.parse_response(text, prefix=prefix).get("tool_calls") or []
@@ -783,9 +776,8 @@ def tool_calls_in(tokenizer, ids, turn_length):
 
 
 def run_tools(tokenizer, tools, calls, timeout, eos_ids):
-    """The ids of the calls' tool messages (their results, str() of what each returns), and how many failed: a call
-    that is not JSON, names no tool, has arguments that are not an object, raises, returns no string or runs past
-    --tool-timeout gets {'error': ...} as its result (as TRL), which the policy reads; the run goes on."""
+    """The ids of the calls' tool messages (each result a str), and how many failed: a failed call (not JSON, no such
+    tool, an error, past --tool-timeout) gets {'error': ...} as its result (as TRL), which the policy reads."""
     messages, failed = [], 0
     for call in calls:
         name = None
@@ -823,8 +815,7 @@ def tool_result_ids(tokenizer, messages, eos_ids):
 
 
 def tool_metrics(batch):
-    """TRL's tools/call_frequency (calls per response) and tools/failure_frequency (failed calls per call, 0 without
-    calls), and tools/mean_turns (the policy's turns per response), over every rank."""
+    """TRL's tools/call_frequency (calls per response), tools/failure_frequency (failed per call), tools/mean_turns."""
     counts = [len(batch["turns"]), batch["tool_calls"].sum(), batch["tool_failures"].sum(), batch["turns"].sum()]
     n, calls, failures, turns = all_reduce(torch.tensor([float(c) for c in counts], dtype=torch.float64)).tolist()
     frequencies = {"tools/call_frequency": calls / n, "tools/failure_frequency": failures / max(calls, 1)}
@@ -867,9 +858,8 @@ def load_prompts(args, tokenizer, needs_answers, tools=None):
             if tokenizer.chat_template is None:
                 needs = "conversational prompts, --chat-template and --system-prompt need"
                 raise SystemExit(f"error: --model {args.model}: its tokenizer has no chat template, which {needs}")
-            text = tokenizer.apply_chat_template(
-                messages, list((tools or {}).values()) or None, tokenize=False, add_generation_prompt=True
-            )
+            functions = list((tools or {}).values()) or None  # the tools the template describes, if any
+            text = tokenizer.apply_chat_template(messages, functions, tokenize=False, add_generation_prompt=True)
         columns = {"prompts": prompt} | {k: v for k, v in row.items() if k != args.prompt_column}  # TRL's keywords
         rows.append({"prompt": text, "answer": answer, "messages": messages, "columns": columns})
     missing = [i for i, row in enumerate(rows, 1) if row["answer"] is None]
@@ -1107,8 +1097,7 @@ def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp3
     config, head = model.config, model.get_output_embeddings()
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     softcap = getattr(config, "final_logit_softcapping", None)
-    device_type = hidden.device.type
-    dtype = head.weight.dtype
+    device_type, dtype = hidden.device.type, head.weight.dtype
     if fp32:
         dtype = torch.float32
     elif torch.is_autocast_enabled(device_type):
@@ -1139,8 +1128,7 @@ def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp3
 
 
 def shard(model, bf16=False):
-    """FSDP2 (docs/scaling.md): each transformer block a unit, gathered for its forward and backward; the rest, root.
-    bf16: FSDP gathers bf16 copies of the fp32 shards, and reduces the gradients in fp32."""
+    """FSDP2 (docs/scaling.md): each transformer block a unit, gathered for its forward and backward; the rest, root."""
     mp_policy = MixedPrecisionPolicy(**(dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else {}))
     blocks = getattr(model, "_no_split_modules", None) or ()  # transformers' names of its blocks
     for module in model.modules():
@@ -1162,9 +1150,8 @@ def place(model, device, bf16=False):
     shard(model, bf16)
     if dist.get_rank():
         model.to_empty(device=device)
-    dsd.set_model_state_dict(
-        model, weights, options=dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    )
+    options = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    dsd.set_model_state_dict(model, weights, options=options)
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     return model
@@ -1218,8 +1205,7 @@ def prepare(args, trained):
         if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only (5.17: gradient_)
             enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
             enable({"use_reentrant": False})  # reentrant checkpointing can leave LoRA's adapters without a gradient
-    n_params = sum(p.numel() for p in trained[0].parameters())
-    if trained[0].device.type == "cpu" and n_params < 50e6:
+    if trained[0].device.type == "cpu" and sum(p.numel() for p in trained[0].parameters()) < 50e6:
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
@@ -1244,7 +1230,7 @@ def check_range(args, rule, names):
 
 def check_run(args, world):
     """Both scripts' checks: the run directory writable (nothing is created), the split, the processes, LoRA's flags."""
-    check_range(args, "> 0", "reward_timeout")
+    check_range(args, "> 0", "reward_timeout tool_timeout")
     flag, path = ("--resume", args.resume) if args.resume else ("--output-dir", args.output_dir)
     existing = os.path.abspath(path)
     while not os.path.exists(existing):  # where makedirs would start
@@ -1403,10 +1389,9 @@ def log(writer, metrics, line, samples=()):
         return
     print(f"{line}  {eval_line(metrics)}" if "eval/accuracy" in metrics else line)
     try:
-        with open(os.path.join(writer.log_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        with open(os.path.join(writer.log_dir, "samples.jsonl"), "a") as f:
-            f.writelines(json.dumps(sample) + "\n" for sample in samples)
+        for name, rows in [("metrics.jsonl", [metrics]), ("samples.jsonl", samples)]:
+            with open(os.path.join(writer.log_dir, name), "a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
     except OSError as e:  # a full disk, a directory gone
         raise SystemExit(f"error: {writer.log_dir}: the logs could not be written ({reason(e)})") from None
     for key in metrics.keys() - {"update"}:
@@ -1452,21 +1437,17 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, too
         batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk or batches[0]], args, autocast, None, tools)
         completions, transcripts = decode_responses(tokenizer, batch)
         scores = on_every_rank(lambda: reward_fn(completions, chunk, transcripts) if chunk else [])  # a timeout: all
-        if chunk is None:
-            continue
-        lengths = batch["attention_mask"][:, batch["prompt_width"] :].sum(1).float().tolist()  # every token
-        records += zip(scores, lengths, batch["tool_calls"].tolist(), batch["tool_failures"].tolist())
+        if chunk is not None:  # a repeat of the first batch is not counted
+            lengths = batch["attention_mask"][:, batch["prompt_width"] :].sum(1).float().tolist()  # every token
+            records += zip(scores, lengths, batch["tool_calls"].tolist(), batch["tool_failures"].tolist())
     if dist.is_initialized():  # every rank's
         every_rank = [None] * world
         dist.all_gather_object(every_rank, records)
         records = [record for rank_records in every_rank for record in rank_records]
     scores, lengths, calls, failures = zip(*records)
     scores, lengths = torch.tensor(scores, dtype=torch.float64), torch.tensor(lengths)
-    stderr = scores.std(correction=0).item() / len(scores) ** 0.5
-    metrics = {
-        "eval/accuracy": scores.mean().item(),
-        "eval/accuracy_stderr": stderr,
-    }
+    metrics = {"eval/accuracy": scores.mean().item()}
+    metrics["eval/accuracy_stderr"] = scores.std(correction=0).item() / len(scores) ** 0.5
     if tools:  # TRL's tools/ metrics (tool_metrics) of the held-out responses
         metrics["eval/tools/call_frequency"] = sum(calls) / len(calls)
         metrics["eval/tools/failure_frequency"] = sum(failures) / max(sum(calls), 1)
@@ -1712,8 +1693,7 @@ def load_checkpoint(args, models, optimizer):
         raise SystemExit(f"error: --resume {args.resume}: checkpoint.pt is of an earlier version of this script: {how}")
     state = trained_state(models, optimizer)
     try:  # none (a run killed before its first save), a damaged one, or one of other models or flags
-        with open(os.path.join(path, "state.json")) as f:
-            saved = json.load(f)
+        saved = json.load(open(os.path.join(path, "state.json")))
         record = os.path.join(path, "checksums.json")
         sums = json.load(open(record)) if os.path.isfile(record) else {}  # an earlier version's save wrote none
         bad = [name for name in sorted(sums) if crc32(os.path.join(path, name)) != sums[name]]
@@ -1732,8 +1712,7 @@ def load_checkpoint(args, models, optimizer):
         if run_model != args.model:
             why += f"; the run trained --model {run_model}, not --model {args.model}"
         raise SystemExit(f"error: --resume {args.resume}: checkpoint unreadable, or of other models ({why})") from None
-    options = dsd.StateDictOptions(strict=False)  # a LoRA base is not in it
-    dsd.set_model_state_dict(models, state["models"], options=options)
+    dsd.set_model_state_dict(models, state["models"], options=dsd.StateDictOptions(strict=False))  # no LoRA base in it
     dsd.set_optimizer_state_dict(models, optimizer, state["optimizer"])
     print(f"resuming after update {saved['update']} of the saved run")
     optimizer.param_groups[0]["lr"] = args.learning_rate  # a flag given on resuming wins

@@ -19,10 +19,10 @@ def definitions(module):
     source = inspect.getsource(module)
     out = {}
     for node in ast.parse(source).body:
-        names = (
-            [node.name] if hasattr(node, "name") else [t.id for t in getattr(node, "targets", []) if hasattr(t, "id")]
-        )
-        out |= {name: ast.get_source_segment(source, node) for name in names}
+        targets = getattr(node, "targets", []) + [getattr(node, "target", None)]  # x = ... and x |= ... (AugAssign)
+        names = [node.name] if hasattr(node, "name") else [t.id for t in targets if hasattr(t, "id")]
+        for name in names:  # a name built over several statements (RULES, ARITHMETIC): all of them
+            out[name] = out.get(name, "") + ast.get_source_segment(source, node)
     return out
 
 

@@ -300,7 +300,7 @@ def calc(tmp_path_factory):
     tok = compact_tokenizer()
     torch.manual_seed(0)
     config = tiny_config(tok)
-    config.n_positions = 256
+    config.n_positions = 180  # the prompts' 17 tokens and --max-new-tokens 160 fit, no more
     GPT2LMHeadModel(config).save_pretrained(root / "policy")
     tok.save_pretrained(root / "policy")
     rows = "".join(json.dumps({"prompt": p, "answer": str(eval(p))}) + "\n" for p in SCRIPT)
@@ -332,8 +332,10 @@ def scripted(monkeypatch, sample=False):
 
 
 def tool_run(script, calc, tmp_path, monkeypatch, **kwargs):
+    """main() on the scripted problems, each turn after the real generate() has run on the same context and room:
+    the model's positions would overflow if a turn's room were not the longest response's."""
     monkeypatch.setenv("SCRIPTED_TOKENIZER", calc["policy"])
-    scripted(monkeypatch)
+    scripted(monkeypatch, sample=True)
     defaults = dict(
         model=calc["policy"], dataset=calc["train"], tools=("calculator",), max_tool_calls=1, total_steps=2,
         prompts_per_update=4, micro_batch_size=2, max_new_tokens=160, eval_every=2, sample_every=1,
