@@ -106,7 +106,7 @@ CONFIGS["gpu-ppo"] = ["ppo_llm.py", "--total-steps", "100"]
 # The calculator task (assets/calc-sft, assets/README.md) with each script's defaults, and its control: a tool of the
 # same name and description whose every call fails, so that what the runs gain comes from the tool's results.
 CALC = ["--model", "assets/calc-sft", "--dataset", "assets/calc/train.jsonl"]
-CALC_STEPS = {"ppo_llm.py": "100", "grpo_llm.py": "150"}
+CALC_STEPS = {"ppo_llm.py": "50", "grpo_llm.py": "100"}
 for script, short in [("ppo_llm.py", "ppo"), ("grpo_llm.py", "grpo")]:
     CONFIGS[f"calc-{short}"] = [script, *CALC, "--tools", "calculator", "--total-steps", CALC_STEPS[script]]
     CONFIGS[f"calc-{short}-control"] = [script, *CALC, "--tools", "benchmarks/calc_control.py:calculator"]
