@@ -294,7 +294,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None):
     with autocast, unsharded(policy):  # FSDP: one gather for every turn, no collective in them (ranks' turns differ)
         while going:  # one generate() for the responses still going, each after its own ids so far
             context = tokenizer.pad({"input_ids": [contexts[i] + responses[i] for i in going]}, return_tensors="pt")
-            room = args.max_new_tokens - max(len(responses[i]) for i in going)  # none past its room, nor the context
+            room = args.max_new_tokens - max(len(responses[i]) for i in going)  # the longest's: within the context
             out = policy.generate(
                 **context.to(policy.device), max_new_tokens=room, stopping_criteria=stop, synced_gpus=False
             )
@@ -302,12 +302,12 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None):
             still_going = []
             for i, ids, length in zip(going, new.tolist(), new_mask.sum(1).tolist()):
                 responses[i], masks[i] = responses[i] + ids[:length], masks[i] + [1.0] * length
-                ended[i] = responses[i][-1] in eos_ids
-                if not ended[i] and length == room:  # the turn goes on (not at a stop, which ends it at once)
+                eos = responses[i][-1] in eos_ids  # the turn's end; else it goes on if it filled the room (not a stop)
+                if not eos and length == room:
                     still_going.append(i)
                 turn = len(responses[i]) - starts[i]
-                calls = tool_calls_in(tokenizer, contexts[i] + responses[i], turn) if tools and ended[i] else []
-                ended[i] = ended[i] and not calls  # a turn that calls a tool does not end the response
+                calls = tool_calls_in(tokenizer, contexts[i] + responses[i], turn) if tools and eos else []
+                ended[i] = eos and not calls  # a turn that calls a tool does not end the response
                 if calls and tool_turns[i] < args.max_tool_calls:  # else a call past them cuts it off
                     result, failed = run_tools(tokenizer, tools, calls, args.tool_timeout, eos_ids)  # the results' ids
                     tool_calls[i], tool_failures[i] = tool_calls[i] + len(calls), tool_failures[i] + failed
@@ -757,11 +757,13 @@ def check_tool_template(tokenizer, tools, eos_ids, model):
         why = "does not render tools: give --model one that does (Qwen2.5-Instruct; assets/calc-sft)"
         raise SystemExit(f"{flag} {why}")
     if getattr(tokenizer, "response_template", None) is None:
-        if "<tool_call>" not in tokenizer.chat_template:  # Llama 3.x's and Mistral's formats: not guessed at
+        if "<tool_call>" not in str(tokenizer.chat_template):  # Llama 3.x's and Mistral's formats: not guessed at
             raise SystemExit(f"{flag} writes calls in a format not read here: <tool_call> JSON, or a response_template")
         calls = dict(open="<tool_call>", close="</tool_call>", content="json", repeats=True)
         calls["transform"] = {"type": "function", "function": "{content}"}  # parse_response's tool_calls
         start = header.removeprefix(plain)  # each turn's start: the assistant header
+        if not start or not header.startswith(plain):  # nothing that marks where a turn starts
+            raise SystemExit(f"{flag} adds no assistant header to anchor calls at: give it a response_template")
         tokenizer.response_template = {"start_anchor": start, "fields": {"content": {}, "tool_calls": calls}}
     tool_result_ids(tokenizer, [{"role": "tool", "name": next(iter(tools)), "content": "1"}], eos_ids)
 
@@ -782,6 +784,8 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids):
     for call in calls:
         name = None
         try:  # a call without a name or arguments fails here, as one that names no tool
+            if STOP:  # a Ctrl-C or SIGTERM came: no more calls (the rollout ends at its next token)
+                raise Stopped("a stop was requested")
             if call is None:
                 raise ValueError("the call is not valid JSON")
             name, arguments = call["function"]["name"], call["function"].get("arguments", {})
@@ -793,7 +797,7 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids):
                 raise TypeError(f"the tool returned {type(result).__name__}, not str")
         except Stopped:  # Ctrl-C or SIGTERM in the call: a stop, not a failure (the rollout ends at its next token)
             result = {"error": "stopped"}
-        except Exception as e:  # the tool's own errors, time_limit's TimedOut: the policy reads them
+        except (Exception, SystemExit) as e:  # the tool's own errors (sys.exit too), TimedOut: the policy reads them
             result, failed = {"error": f"{type(e).__name__}: {e}"}, failed + 1
         messages.append({"role": "tool", "name": str(name), "content": str(result)})
     return tool_result_ids(tokenizer, messages, eos_ids), failed

@@ -184,12 +184,14 @@ def compute_gae(rewards, values, mask, gamma, lam):
     A_t = delta_t + gamma * lam * A_{t'}, returns = A + V, where t' is the next position where mask is 1: a tool's
     result (mask 0) is part of the next state, so V bootstraps from the policy's next token, and past the last one
     V_{t'} = A_{t'} = 0 (the episode ends there). Advantages and returns are 0 where mask is 0."""
-    advantages, last, next_value = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0]), 0.0
+    zero = torch.zeros_like(rewards[:, 0])
+    advantages, next_advantage, next_value = torch.zeros_like(rewards), zero, zero
     for t in reversed(range(rewards.shape[1])):
-        acts = mask[:, t].bool()  # else position t is skipped: last and next_value carry over it
-        last = torch.where(acts, rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * last, last)
+        acts = mask[:, t].bool()  # else position t is skipped: A_{t'} and V_{t'} carry over it
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = torch.where(acts, delta + gamma * lam * next_advantage, next_advantage)
         next_value = torch.where(acts, values[:, t], next_value)
-        advantages[:, t] = last * mask[:, t]
+        advantages[:, t] = next_advantage * mask[:, t]
     return advantages, (advantages + values) * mask
 
 
@@ -273,7 +275,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None):
     with autocast, unsharded(policy):  # FSDP: one gather for every turn, no collective in them (ranks' turns differ)
         while going:  # one generate() for the responses still going, each after its own ids so far
             context = tokenizer.pad({"input_ids": [contexts[i] + responses[i] for i in going]}, return_tensors="pt")
-            room = args.max_new_tokens - max(len(responses[i]) for i in going)  # none past its room, nor the context
+            room = args.max_new_tokens - max(len(responses[i]) for i in going)  # the longest's: within the context
             out = policy.generate(
                 **context.to(policy.device), max_new_tokens=room, stopping_criteria=stop, synced_gpus=False
             )
@@ -281,12 +283,12 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None):
             still_going = []
             for i, ids, length in zip(going, new.tolist(), new_mask.sum(1).tolist()):
                 responses[i], masks[i] = responses[i] + ids[:length], masks[i] + [1.0] * length
-                ended[i] = responses[i][-1] in eos_ids
-                if not ended[i] and length == room:  # the turn goes on (not at a stop, which ends it at once)
+                eos = responses[i][-1] in eos_ids  # the turn's end; else it goes on if it filled the room (not a stop)
+                if not eos and length == room:
                     still_going.append(i)
                 turn = len(responses[i]) - starts[i]
-                calls = tool_calls_in(tokenizer, contexts[i] + responses[i], turn) if tools and ended[i] else []
-                ended[i] = ended[i] and not calls  # a turn that calls a tool does not end the response
+                calls = tool_calls_in(tokenizer, contexts[i] + responses[i], turn) if tools and eos else []
+                ended[i] = eos and not calls  # a turn that calls a tool does not end the response
                 if calls and tool_turns[i] < args.max_tool_calls:  # else a call past them cuts it off
                     result, failed = run_tools(tokenizer, tools, calls, args.tool_timeout, eos_ids)  # the results' ids
                     tool_calls[i], tool_failures[i] = tool_calls[i] + len(calls), tool_failures[i] + failed
@@ -440,7 +442,7 @@ def main(args: Args | None = None):
                 with scoring(ref_policy, adapters_off=args.lora_r > 0), autocast:
                     out = [policy_forward(ref_policy, batch, mb, args)[1] for mb in micro_batches]
                 ref_logprobs = torch.cat(out)[order]
-            # 3. scores; per-token rewards: -beta * KL on every token, the normalised score on the last (details 3, 13)
+            # 3. scores; per-token rewards: -beta * KL on each token, the normalised score on the policy's last (3, 13)
             completions, transcripts = decode_responses(tokenizer, batch)  # the last turns; the whole responses
             fn_scores = reward_fn_scores(reward_fns, completions, rows, transcripts, device)  # (B, reward functions)
             if reward_model is None:
@@ -451,11 +453,11 @@ def main(args: Args | None = None):
             non_score_reward = -kl_coef * kl
             rewards = non_score_reward.clone()
             normalized = normalize_scores(scores, batch["ended"], whiten, args.missing_eos_penalty, args.score_clip)
-            rewards[torch.arange(batch_size, device=device), mask.shape[1] - 1 - mask.flip(1).argmax(1)] += normalized
+            rewards[torch.arange(batch_size, device=device), mask.cumsum(1).argmax(1)] += normalized
             if args.whiten_rewards:
                 rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
             clock.lap("scoring")
-            # 4. advantages: GAE over the response tokens, whitened once over the batch, not per minibatch (detail 9)
+            # 4. advantages: GAE over the policy's tokens, whitened once over the batch, not per minibatch (detail 9)
             advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)
             batch |= {"old_logprobs": old_logprobs, "values": values, "advantages": advantages, "returns": returns}
@@ -727,11 +729,13 @@ def check_tool_template(tokenizer, tools, eos_ids, model):
         why = "does not render tools: give --model one that does (Qwen2.5-Instruct; assets/calc-sft)"
         raise SystemExit(f"{flag} {why}")
     if getattr(tokenizer, "response_template", None) is None:
-        if "<tool_call>" not in tokenizer.chat_template:  # Llama 3.x's and Mistral's formats: not guessed at
+        if "<tool_call>" not in str(tokenizer.chat_template):  # Llama 3.x's and Mistral's formats: not guessed at
             raise SystemExit(f"{flag} writes calls in a format not read here: <tool_call> JSON, or a response_template")
         calls = dict(open="<tool_call>", close="</tool_call>", content="json", repeats=True)
         calls["transform"] = {"type": "function", "function": "{content}"}  # parse_response's tool_calls
         start = header.removeprefix(plain)  # each turn's start: the assistant header
+        if not start or not header.startswith(plain):  # nothing that marks where a turn starts
+            raise SystemExit(f"{flag} adds no assistant header to anchor calls at: give it a response_template")
         tokenizer.response_template = {"start_anchor": start, "fields": {"content": {}, "tool_calls": calls}}
     tool_result_ids(tokenizer, [{"role": "tool", "name": next(iter(tools)), "content": "1"}], eos_ids)
 
@@ -752,6 +756,8 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids):
     for call in calls:
         name = None
         try:  # a call without a name or arguments fails here, as one that names no tool
+            if STOP:  # a Ctrl-C or SIGTERM came: no more calls (the rollout ends at its next token)
+                raise Stopped("a stop was requested")
             if call is None:
                 raise ValueError("the call is not valid JSON")
             name, arguments = call["function"]["name"], call["function"].get("arguments", {})
@@ -763,7 +769,7 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids):
                 raise TypeError(f"the tool returned {type(result).__name__}, not str")
         except Stopped:  # Ctrl-C or SIGTERM in the call: a stop, not a failure (the rollout ends at its next token)
             result = {"error": "stopped"}
-        except Exception as e:  # the tool's own errors, time_limit's TimedOut: the policy reads them
+        except (Exception, SystemExit) as e:  # the tool's own errors (sys.exit too), TimedOut: the policy reads them
             result, failed = {"error": f"{type(e).__name__}: {e}"}, failed + 1
         messages.append({"role": "tool", "name": str(name), "content": str(result)})
     return tool_result_ids(tokenizer, messages, eos_ids), failed

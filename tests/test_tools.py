@@ -2,6 +2,7 @@
 templates (our own templates in Qwen2.5's, Qwen3's and Llama 3's forms, and a compact one), and multi-turn runs of both
 scripts on a tiny model whose turns a patched generate() writes."""
 
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import torch
 import transformers
 from conftest import char_tokenizer, tiny_config, untimed_metrics
 from tokenizers import AddedToken
-from transformers import AutoTokenizer, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 import grpo_llm
 import ppo_llm
@@ -57,6 +58,7 @@ LLAMA3 = (  # Llama 3.1's form: the call is a bare JSON object with "parameters"
     "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"
 )
 NO_TOOLS = "{% for message in messages %}{{ message.content }}{% endfor %}"  # a template that ignores tools=
+NO_HEADER = QWEN25.replace("{{ '<|im_start|>assistant\n' }}", "")  # no generation prompt: no turn's start to parse at
 
 
 def tool_tokenizer(template, specials=()):
@@ -82,6 +84,16 @@ def compact_tokenizer():
     tok = tool_tokenizer(COMPACT)
     tok.response_template = {"start_anchor": "\nA:", "fields": {"content": {}, "tool_calls": CALLS}}
     return tok
+
+
+def slow(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return "woke"
 
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
@@ -176,15 +188,6 @@ def test_calls_are_parsed_by_the_response_template_after_their_context():
 
 
 def test_every_kind_of_bad_call_is_an_error_result_and_counted():
-    def slow(seconds: float) -> str:
-        """Sleeps.
-
-        Args:
-            seconds: how long
-        """
-        time.sleep(seconds)
-        return "woke"
-
     def number() -> int:
         """Returns a number, not a string."""
         return 3
@@ -246,6 +249,7 @@ def test_load_tools_takes_the_builtin_and_your_functions(tmp_path):
             "writes calls in a format not read here",
         ),
         (QWEN3, ("<|im_start|>", "<|im_end|>"), "<|im_end|>", "not prefix-preserving"),
+        (NO_HEADER, ("<|im_start|>", "<|im_end|>"), "<|im_end|>", "adds no assistant header to anchor calls at"),
     ],
 )
 def test_a_chat_template_that_cannot_carry_tools_is_refused_in_one_line(template, specials, eos, error):
@@ -321,8 +325,8 @@ def scripted(monkeypatch, sample=False):
         turns = []
         for ids in input_ids.tolist():
             context = tok.decode(ids, skip_special_tokens=True)
-            problem = context.split(":")[1].split("\n")[0]
-            turn = tok(SCRIPT[problem][context.count("\nR:")]).input_ids + [tok.eos_token_id]
+            problem, written = context.split(":")[1].split("\n")[0], context.rsplit("\nA:", 1)[1]  # the turn so far
+            turn = tok(SCRIPT[problem][context.count("\nR:")][len(written) :]).input_ids + [tok.eos_token_id]
             turns.append(turn[:max_new_tokens])
         width = max(len(turn) for turn in turns)
         new = torch.tensor([turn + [tok.pad_token_id] * (width - len(turn)) for turn in turns])
@@ -345,7 +349,14 @@ def tool_run(script, calc, tmp_path, monkeypatch, **kwargs):
 
 
 def test_ppo_with_tools_trains_on_the_policys_tokens_and_its_first_ratio_is_exactly_one(calc, tmp_path, monkeypatch):
+    seen, real = [], ppo_llm.compute_gae
+    monkeypatch.setattr(ppo_llm, "compute_gae", lambda r, v, m, *a: seen.append((r, m)) or real(r, v, m, *a))
     run_dir = tool_run(ppo_llm, calc, tmp_path, monkeypatch, num_mini_batches=2, kl_coef=0.1)
+    for rewards, mask in seen:  # lr 0, so KL 0: a right answer's 1 alone, on its last policy token, after a hole
+        rows = [i for i in range(len(mask)) if mask[i].sum() < mask[i].nonzero().max() + 1 and rewards[i].any()]
+        assert len(rows) == 2  # 6*7's and 2*3's: a hole (the tool's result), then their right answer
+        for i in rows:
+            assert rewards[i].nonzero().item() == mask[i].nonzero().max().item() and rewards[i].sum() == 1.0
     metrics = untimed_metrics(run_dir)
     for m in metrics[1:]:
         # lr 0: the training forward reproduces the rollout's log-probs over the tool's tokens too
@@ -431,15 +442,6 @@ def test_two_ranks_taking_different_numbers_of_turns_finish_and_resume(calc, tmp
 
 def test_a_stop_during_a_tool_call_is_no_failure():
     # SIGTERM while a tool sleeps: the call ends at once, as a stop (STOP records it), not as the tool's failure
-    def slow(seconds: float) -> str:
-        """Sleeps.
-
-        Args:
-            seconds: how long
-        """
-        time.sleep(seconds)
-        return "woke"
-
     tok = compact_tokenizer()
     call = {"function": {"name": "slow", "arguments": {"seconds": 30}}}
     timer = threading.Timer(0.5, os.kill, [os.getpid(), signal.SIGTERM])
@@ -452,3 +454,26 @@ def test_a_stop_during_a_tool_call_is_no_failure():
         timer.cancel()
         ppo_llm.STOP.clear()
     assert failed == 0 and tok.decode(ids) == "\nR:{'error': 'stopped'}\nA:" and time.perf_counter() - started < 10
+
+
+def test_a_turn_longer_than_its_room_goes_on_in_the_next_generate(calc, monkeypatch):
+    # after the first turn 6*7's response is shorter than 2*3's (a call and its result, against a malformed call and
+    # the longer error): the second turn's room is the longest's, 2 tokens, so 6*7's answer, 42 and its EOS, takes two
+    # generate() calls; the turn is parsed whole, and no row runs past the model's 180 positions
+    monkeypatch.setenv("SCRIPTED_TOKENIZER", calc["policy"])
+    scripted(monkeypatch, sample=True)
+    calls, real = [], transformers.GenerationMixin.generate
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tok = AutoTokenizer.from_pretrained(calc["policy"], padding_side="left")
+    tools = {"calculator": ppo_llm.calculator}
+    first = [tok(SCRIPT[p][0]).input_ids + [tok.eos_token_id] for p in ["6*7", "2*3"]]
+    results = [ppo_llm.run_tools(tok, tools, ppo_llm.tool_calls_in(tok, ids, len(ids)), 1, [1])[0] for ids in first]
+    longest = max(len(ids) + len(result) for ids, result in zip(first, results))  # 2*3's
+    policy = AutoModelForCausalLM.from_pretrained(calc["policy"])
+    policy.generation_config.update(do_sample=True, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    args = ppo_llm.Args(max_new_tokens=longest + 2, max_tool_calls=1, tool_timeout=10.0)
+    prompts = [f"calculator:{p}\nA:" for p in ["6*7", "2*3"]]
+    batch = ppo_llm.rollout(policy, tok, prompts, args, contextlib.nullcontext(), None, tools)
+    completions, _ = ppo_llm.decode_responses(tok, batch)
+    assert completions == ["42", "6"] and batch["ended"].tolist() == [True, True] and len(calls) == 3
+    assert batch["tool_calls"].tolist() == [1, 1] and batch["tool_failures"].tolist() == [0, 1]
