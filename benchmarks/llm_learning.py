@@ -410,26 +410,27 @@ def summarise_calc(args, data):
     rows = [
         f"| configuration | seeds | held-out accuracy, start | after {TRACE_MINUTES} min | end | held-out calls per "
     ]
-    rows[0] += f"response, start | after {TRACE_MINUTES} min | end | updates in {TRACE_MINUTES} min |"
-    rows.append("|---|---|---|---|---|---|---|---|---|")
+    rows[0] += f"response, start | after {TRACE_MINUTES} min | end | minutes to 0.90 | updates in {TRACE_MINUTES} min |"
+    rows.append("|---|---|---|---|---|---|---|---|---|---|")
     for name, runs in data.items():
-        accuracy, calls = (
-            [series(r, "eval/accuracy")[1] for r in runs],
-            [series(r, "eval/tools/call_frequency")[1] for r in runs],
-        )
+        accuracy = [series(r, "eval/accuracy")[1] for r in runs]
+        calls = [series(r, "eval/tools/call_frequency")[1] for r in runs]
+        minutes = [first_reaching(r, "time/elapsed") / 60 for r in runs]
         rows.append(
             f"| {name} (`{' '.join(CONFIGS[name][:1] + CONFIGS[name][1 + len(CALC) :])}`) | {len(runs)} | "
             f"{stat([a[0] for a in accuracy], '.3f')} | {stat([at_time(r, seconds) for r in runs], '.3f')} | "
             f"{stat([a[-1] for a in accuracy], '.3f')} | {stat([c[0] for c in calls], '.2f')} | "
             f"{stat([at_time(r, seconds, 'eval/tools/call_frequency') for r in runs], '.2f')} | "
-            f"{stat([c[-1] for c in calls], '.2f')} | {stat([at_time(r, seconds, 'update') for r in runs], '.0f')} |"
+            f"{stat([c[-1] for c in calls], '.2f')} | {stat(minutes, '.1f')} | "
+            f"{stat([at_time(r, seconds, 'update') for r in runs], '.0f')} |"
         )
     rows.append(
         f"\nEach is `python <script> {' '.join(CALC)}` and the flags named, the script's defaults otherwise; the "
         f"control's tool (benchmarks/calc_control.py) has the calculator's name and description, and every call of it "
         f"fails. Held-out: the 256 problems of assets/calc/test.jsonl sampled at temperature 1 through the tool loop, "
         f"mean ± std over seeds; calls per response: `eval/tools/call_frequency`; after {TRACE_MINUTES} min: the last "
-        f"evaluation at or before `time/elapsed` = {seconds} s (the last one when a run ended sooner). {SHARED}"
+        f"evaluation at or before `time/elapsed` = {seconds} s (the last one when a run ended sooner); minutes to "
+        f"0.90: `time/elapsed` at the first evaluation >= 0.9. {SHARED}"
     )
     table = "\n".join(rows)
     print(table)

@@ -147,10 +147,12 @@ def test_the_committed_curves_rebuild_every_committed_learning_table_and_figure(
     its tables and figures byte for byte as committed: after it, git diff is empty."""
     llm_learning = importlib.import_module("llm_learning")
     shutil.copytree(os.path.join(RESULTS, "llm_curves"), tmp_path / "llm_curves")
-    groups = ["arithmetic", "trace", "trace-family"]
+    groups = ["arithmetic", "trace", "trace-family", "calc"]
     run_main(monkeypatch, llm_learning, ["--no-run", "--configs", *groups, "--out-dir", str(tmp_path)])
     written = sorted(path.name for path in tmp_path.iterdir() if path.is_file())
     assert written == [
+        "calc_learning.md",
+        "calc_learning.png",
         "llm_accuracy.png",
         "llm_learning.md",
         "llm_reward_hacking.png",
