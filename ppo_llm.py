@@ -148,6 +148,8 @@ class Args:
     eval_every: int = 10  # held-out accuracy every N updates (0: off)
     eval_split: str | None = None  # a split of --dataset, or a prompt file (unset: test.jsonl beside a train.jsonl)
     eval_size: int = 256  # distinct prompts drawn from --eval-split
+    eval_num_generations: int = 1  # samples of each held-out prompt; above 1, pass@k and maj@n too (docs: Evaluation)
+    eval_temperature: float | None = None  # evaluation's sampling temperature, 0: greedy (unset: --temperature)
     eval_only: bool = False  # print the accuracy of --model on the evaluation prompts and exit
     sample_every: int = 10  # print and store a few samples every N updates (0: off)
     num_samples: int = 3  # samples shown each time
@@ -253,14 +255,15 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
 
 
 @torch.no_grad()
-def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None):
+def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, **sampling):
     """Step 1: the prompts left-padded (detail 6), cut on the left to --max-prompt-length; a response sampled for each
-    from softmax(logits / temperature) (detail 4: the policy's generation_config, set by load_models), cut after its
-    first EOS (detail 2); with stop (generate()'s stopping_criteria), all at the next token once it says so. With
-    tools, in turns: a turn that ends in tool calls gets their results appended as tokens (the chat template's tool
-    messages), after which the policy writes its next turn. A response ends on a turn without a call; it is cut off
-    (not ended) by a call past --max-tool-calls, a result that does not fit, or --max-new-tokens, which counts every
-    token of the response. The ids the policy sampled are the ids it trains on, never re-tokenised. The batch:
+    from softmax(logits / temperature) (detail 4: the policy's generation_config, set by load_models; `sampling`, as
+    evaluation's greedy, overrides it), cut after its first EOS (detail 2); with stop (generate()'s stopping_criteria),
+    all at the next token once it says so. With tools, in turns: a turn that ends in tool calls gets their results
+    appended as tokens (the chat template's tool messages), after which the policy writes its next turn. A response ends
+    on a turn without a call; it is cut off (not ended) by a call past --max-tool-calls, a result that does not fit, or
+    --max-new-tokens, which counts every token of the response. The ids the policy sampled are the ids it trains on,
+    never re-tokenised. The batch:
         query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens (a tool's too)
         responses, mask                  (B, R)      the response tokens (pad after them), 1.0 on the policy's own
         ended                            (B,)        whether the response ended (its last turn in an EOS)
@@ -277,7 +280,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None):
             context = tokenizer.pad({"input_ids": [contexts[i] + responses[i] for i in going]}, return_tensors="pt")
             room = args.max_new_tokens - max(len(responses[i]) for i in going)  # the longest's: within the context
             out = policy.generate(
-                **context.to(policy.device), max_new_tokens=room, stopping_criteria=stop, synced_gpus=False
+                **context.to(policy.device), max_new_tokens=room, stopping_criteria=stop, synced_gpus=False, **sampling
             )
             new, new_mask, _ = truncate_after_eos(out[:, context.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
             still_going = []
@@ -501,9 +504,9 @@ def main(args: Args | None = None):
 def check_args(args, world):
     """Every flag out of range and every bad combination, one line each, before anything loads."""
     check_range(args, ">= 0", "save_every lora_r learning_rate weight_decay vf_coef ent_coef kl_coef ref_update_every")
-    check_range(args, ">= 0", "missing_eos_penalty eval_every sample_every num_samples max_tool_calls")
+    check_range(args, ">= 0", "missing_eos_penalty eval_every sample_every num_samples max_tool_calls eval_temperature")
     check_range(args, ">= 1", "max_new_tokens max_prompt_length total_steps prompts_per_update num_mini_batches")
-    check_range(args, ">= 1", "micro_batch_size num_ppo_epochs kl_horizon eval_size lora_alpha")
+    check_range(args, ">= 1", "micro_batch_size num_ppo_epochs kl_horizon eval_size lora_alpha eval_num_generations")
     check_range(args, "> 0", "temperature cliprange cliprange_value max_grad_norm target_kl kl_target score_clip")
     check_range(args, "in [0, 1]", "gamma lam")
     check_run(args, world)
@@ -538,6 +541,7 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
         "objective/non_score_reward": batch["non_score_reward"].sum(1).mean().item(),
         "objective/scores": scores.mean().item(),
         "val/num_eos_tokens": int(batch["ended"].sum().item()),
+        "completions/clipped_ratio": (~batch["ended"]).float().mean().item(),  # never ended: GRPO's (TRL's) name
         "val/mean_length": lengths.sum().item() / batch_size,  # every token, a tool's too
         "lr": optimizer.param_groups[0]["lr"],
     }
@@ -551,6 +555,7 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
     times, progress = clock.metrics(update, lengths.sum().item())
     ops = {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"}
     metrics = global_metrics(metrics | times, ops)
+    warn_truncated(metrics["completions/clipped_ratio"], args, ", less --missing-eos-penalty if set")
     line = f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
     line += f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
     return metrics, line + progress
@@ -1388,6 +1393,18 @@ def samples_to_log(args, update, rows, completions, **values):
     return samples
 
 
+TRUNCATED = []  # the shares of cut-off responses this run has warned of
+
+
+def warn_truncated(share, args, scoring):
+    """One line when at least half of an update's responses never ended, cut off at --max-new-tokens (a silent
+    failure: a cut answer scores as wrong), once a run and again only if the share grows; `scoring`: this script's."""
+    if share >= 0.5 and share > max(TRUNCATED, default=0):
+        TRUNCATED.append(share)
+        cut = f"--max-new-tokens {args.max_new_tokens}" + (" or --max-tool-calls" if args.tools else "")
+        print(f"warning: {share:.0%} of this update's responses hit {cut}, scored on their cut text{scoring}")
+
+
 def global_metrics(metrics, ops):
     """Each metric over every rank, in one gather: the ranks' mean (as many sequences each), or ops[key]'s ("max")."""
     if not dist.is_initialized():
@@ -1402,44 +1419,81 @@ def global_metrics(metrics, ops):
 
 
 def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, tools=None):
-    """Held-out accuracy (reward > 0) of rows sampled as in training, std / sqrt(n), mean lengths of right and wrong
-    (--eval-only: printed). Under torchrun each rank takes every world-th batch and runs as many rollouts as the others
-    (each gathers the policy): a rank short of a batch samples the first again, uncounted."""
+    """Held-out: n = --eval-num-generations samples of each prompt at --eval-temperature (0: greedy); a sample is right
+    when its reward is > 0. eval/accuracy is pass@1, the mean over the n, its standard error over the prompts (a
+    prompt's samples are not independent); with n > 1 eval/pass@k (k = 1, 2, 4, ... below n, and n) and eval/maj@n;
+    the mean lengths of right and wrong samples (--eval-only: a table). Under torchrun each rank takes every world-th
+    batch of the prompts x samples and runs as many rollouts as the others (each gathers the policy): a rank short of
+    a batch samples the first again, uncounted; each prompt is counted once."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+    n, temperature = args.eval_num_generations, args.eval_temperature
+    temperature = args.temperature if temperature is None else temperature
+    sampling = {"temperature": temperature} if temperature else {"do_sample": False}  # greedy (temperature 0 raises)
+    samples = range(len(rows) * n)  # sample s is of rows[s // n]
+    batches = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
     batches += [None] * (-len(batches) % world)
-    records = []  # each response's (score, length, tool calls, failed ones)
+    records = []  # each sample's (index, score, length, tool calls, failed ones, final answer)
     for chunk in batches[rank::world]:
-        batch = rollout(policy, tokenizer, [row["prompt"] for row in chunk or batches[0]], args, autocast, None, tools)
+        chunk_rows = [rows[s // n] for s in chunk or batches[0]]
+        batch = rollout(policy, tokenizer, [r["prompt"] for r in chunk_rows], args, autocast, None, tools, **sampling)
         completions, transcripts = decode_responses(tokenizer, batch)
-        scores = on_every_rank(lambda: reward_fn(completions, chunk, transcripts) if chunk else [])  # a timeout: all
+        scores = on_every_rank(lambda: reward_fn(completions, chunk_rows, transcripts) if chunk else [])  # all stop
         if chunk is not None:  # a repeat of the first batch is not counted
             lengths = batch["attention_mask"][:, batch["prompt_width"] :].sum(1).float().tolist()  # every token
-            records += zip(scores, lengths, batch["tool_calls"].tolist(), batch["tool_failures"].tolist())
+            counts = batch["tool_calls"].tolist(), batch["tool_failures"].tolist()
+            records += zip(chunk, scores, lengths, *counts, map(final_answer, completions))
     if dist.is_initialized():  # every rank's
         every_rank = [None] * world
         dist.all_gather_object(every_rank, records)
         records = [record for rank_records in every_rank for record in rank_records]
-    scores, lengths, calls, failures = zip(*records)
-    scores, lengths = torch.tensor(scores, dtype=torch.float64), torch.tensor(lengths)
-    metrics = {"eval/accuracy": scores.mean().item()}
-    metrics["eval/accuracy_stderr"] = scores.std(correction=0).item() / len(scores) ** 0.5
+    _, scores, lengths, calls, failures, answers = zip(*sorted(records, key=lambda record: record[0]))
+    right, lengths = torch.tensor(scores, dtype=torch.float64) > 0, torch.tensor(lengths)
+    accuracy = right.double().view(-1, n).mean(1)  # each prompt's: pass@1
+    metrics = {"eval/accuracy": accuracy.mean().item()}
+    metrics["eval/accuracy_stderr"] = accuracy.std(correction=0).item() / len(accuracy) ** 0.5
+    if n > 1:
+        for k in sorted({2**i for i in range(n.bit_length())} | {n}):
+            metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in right.view(-1, n).sum(1).tolist()) / len(rows)
+        references = [final_answer(row["answer"]) for row in rows]
+        if None not in references:  # a number to vote on: the embedded tasks', gsm8k's
+            votes = [majority_vote(answers[i * n : (i + 1) * n]) for i in range(len(rows))]
+            metrics[f"eval/maj@{n}"] = sum(map(operator.eq, votes, references)) / len(rows)
     if tools:  # TRL's tools/ metrics (tool_metrics) of the held-out responses
         metrics["eval/tools/call_frequency"] = sum(calls) / len(calls)
         metrics["eval/tools/failure_frequency"] = sum(failures) / max(sum(calls), 1)
-    for name, chosen in [("right", scores > 0), ("wrong", scores <= 0)]:
+    for name, chosen in [("right", right), ("wrong", ~right)]:
         if chosen.any():
             metrics[f"eval/mean_length_{name}"] = lengths[chosen].mean().item()
     if args.eval_only:
-        print(eval_line(metrics, n=len(rows)))
+        print(eval_table(metrics, len(rows), n, f"temperature {temperature:g}" if temperature else "greedy"))
     return metrics
 
 
-def eval_line(metrics, n=None):
-    """The accuracy ± its standard error; with n, the 95% bound on the gap between two evaluations of one policy."""
-    line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
+def pass_at_k(n, c, k):
+    """The unbiased estimate of pass@k (Chen et al. 2021), the chance that k samples hold a right one, from n samples
+    of which c are right: 1 - C(n - c, k) / C(n, k), the chance that k drawn from the n are all wrong taken from 1."""
+    return 1 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_vote(answers):
+    """maj@n's answer (self-consistency, Wang et al. 2023): the answer most of a prompt's samples state, a tie going to
+    the earliest sample's; a sample with no answer (None) does not vote, and with none at all there is none (None)."""
+    votes = [answer for answer in answers if answer is not None]
+    return max(votes, key=votes.count, default=None)
+
+
+def eval_line(metrics):
+    """The held-out accuracy ± its standard error."""
+    return f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
+
+
+def eval_table(metrics, prompts, n, sampled):
+    """--eval-only's table: the accuracy (pass@1) ± its standard error, the 95% bound on the gap between two
+    evaluations of one policy (1.96 sqrt(2) of it), then pass@k, maj@n, the tools' and the lengths' metrics."""
     bound = 1.96 * 2**0.5 * metrics["eval/accuracy_stderr"]
-    return line if n is None else f"{line} (n={n}; two evaluations of one policy differ by < {bound:.3f})"
+    lines = [f"{eval_line(metrics)} (pass@1; two evaluations of one policy differ by < {bound:.3f})"]
+    lines += [f"  {key.removeprefix('eval/'):<28}{value:.3f}" for key, value in list(metrics.items())[2:]]
+    return "\n".join([f"{prompts} held-out prompts, {n} sample{'s' * (n > 1)} each, {sampled}:"] + lines)
 
 
 class Stopwatch:
@@ -1700,6 +1754,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
     """main()'s loop inside the run's plumbing: Ctrl-C and SIGTERM stop it after the update; any exception saves
     run["state"] (every rank together) and says what is on disk and how to go on; the end closes logs and processes."""
     STOP.clear()
+    TRUNCATED.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     print(f"{run_dir}/checkpoint: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     try:

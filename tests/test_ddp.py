@@ -251,8 +251,14 @@ def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
     assert merged.num_parameters() == policy.num_parameters() - sum(v.numel() for v in saved.values())
     assert grpo_llm.main(grpo_llm.parse_args(["--resume", str(run_dir), "--total-steps", "3"])) == str(run_dir)
     assert [m["update"] for m in untimed_metrics(run_dir)] == [0, 1, 2, 3]  # two processes, then one
-    out = torchrun("ppo_llm.py", "--eval-only", "--eval-size", "20", "--prompts-per-update", "8").stdout
-    assert "held-out accuracy" in out and "(n=20;" in out  # --eval-only too
+    # --eval-only, 20 prompts x 4 greedy samples in batches of 3 a rank (27: rank 1 samples once more, uncounted): each
+    # prompt counted once, as in one process
+    evaluation = ["--eval-only", "--eval-size", "20", "--eval-num-generations", "4", "--eval-temperature", "0"]
+    out = torchrun("ppo_llm.py", *evaluation, "--prompts-per-update", "6", "--num-mini-batches", "1").stdout
+    one = ppo_llm.main(ppo_llm.parse_args([*evaluation, "--prompts-per-update", "4"]))
+    table = out[out.index("20 held-out prompts, 4 samples each, greedy:") :].splitlines()
+    assert table[0].endswith("greedy:") and f"held-out accuracy {one['eval/accuracy']:.3f}" in table[1]
+    assert [line.split() for line in table[2:]] == [[k.removeprefix("eval/"), f"{v:.3f}"] for k, v in one.items()][2:]
 
     ((split,),) = [list((tmp_path / "ppo").iterdir())]
     torchrun("ppo_llm.py", "--resume", split, "--total-steps", "3")

@@ -580,7 +580,7 @@ def test_eval_only_prints_accuracy_and_its_stderr_and_writes_nothing(tmp_path, c
     p, stderr = result["eval/accuracy"], result["eval/accuracy_stderr"]
     # the SFT model's sampled accuracy, 56.6% over its build's evaluation (assets/README), within 3 standard errors
     assert p == pytest.approx(0.566, abs=3 * 0.031) and stderr == pytest.approx((p * (1 - p) / 256) ** 0.5)
-    assert f"held-out accuracy {p:.3f} ± {stderr:.3f} (n=256; two evaluations of one policy differ by <" in (
+    assert f"held-out accuracy {p:.3f} ± {stderr:.3f} (pass@1; two evaluations of one policy differ by <" in (
         capsys.readouterr().out
     )
     assert not os.path.exists(tmp_path / "runs")

@@ -1,0 +1,83 @@
+"""Held-out evaluation in the papers' conventions: pass@k, maj@n, greedy, and the warning on cut-off responses."""
+
+import json
+import os
+
+import pytest
+
+import grpo_llm
+import ppo_llm
+
+
+@pytest.mark.parametrize("module", [ppo_llm, grpo_llm])
+def test_pass_at_k_by_hand(module):
+    # 1 - C(n - c, k) / C(n, k): the chance that k of the n samples, drawn without replacement, hold a right one
+    assert module.pass_at_k(4, 1, 2) == 1 - 3 / 6  # C(3, 2) = 3 of the C(4, 2) = 6 pairs miss the right one: 0.5
+    assert module.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # C(3, 2) = 3, C(5, 2) = 10: 0.7
+    assert module.pass_at_k(8, 2, 4) == pytest.approx(1 - 15 / 70)  # C(6, 4) = 15, C(8, 4) = 70: 0.7857
+    assert module.pass_at_k(10, 3, 1) == pytest.approx(0.3)  # k = 1: c / n
+    assert module.pass_at_k(4, 3, 2) == 1.0  # C(1, 2) = 0: every pair holds a right one
+    assert module.pass_at_k(8, 0, 8) == 0.0 and module.pass_at_k(8, 8, 1) == 1.0
+
+
+def test_majority_vote_ties_go_to_the_earliest_and_no_answer_does_not_vote():
+    vote = ppo_llm.majority_vote
+    assert vote([3.0, 4.0, 4.0, None, 3.0]) == 3.0  # 3 and 4 twice each: 3 came first
+    assert vote([4.0, None, None, None, 3.0, 3.0]) == 3.0  # three without an answer do not outvote two
+    assert vote([None, 5.0]) == 5.0 and vote([None, None]) is None and vote([]) is None
+
+
+def test_eval_only_greedy_gives_the_embedded_policys_quoted_accuracy(tmp_path, capsys):
+    # assets/README.md quotes the SFT policy at 96.1% greedy on its 256 held-out problems; greedy samples agree
+    args = ppo_llm.Args(eval_only=True, eval_temperature=0.0, eval_num_generations=2, output_dir=str(tmp_path / "r"))
+    result = ppo_llm.main(args)
+    assert result["eval/accuracy"] == pytest.approx(0.961, abs=result["eval/accuracy_stderr"])
+    assert result["eval/pass@1"] == result["eval/pass@2"] == result["eval/maj@2"] == result["eval/accuracy"]
+    out = capsys.readouterr().out
+    assert "256 held-out prompts, 2 samples each, greedy:" in out and "two evaluations of one policy differ" in out
+    assert not os.path.exists(tmp_path / "r")
+
+
+def test_pass_at_k_grows_with_k_and_maj_at_n_is_logged(tmp_path, capsys):
+    args = grpo_llm.Args(eval_only=True, eval_num_generations=8, eval_size=32, output_dir=str(tmp_path))
+    result = grpo_llm.main(args)
+    passes = [result[f"eval/pass@{k}"] for k in (1, 2, 4, 8)]
+    assert passes == sorted(passes) and passes[0] == pytest.approx(result["eval/accuracy"]) and passes[0] < passes[-1]
+    assert 0 <= result["eval/maj@8"] <= 1 and "eval/pass@3" not in result
+    # pass@1 is the mean over a prompt's 8 samples: 32 prompts x 8 samples, a whole number of them right
+    assert result["eval/accuracy"] * 256 == pytest.approx(round(result["eval/accuracy"] * 256))
+    out = capsys.readouterr().out
+    assert "32 held-out prompts, 8 samples each, temperature 1:" in out and "  maj@8  " in out
+
+
+def test_right_is_a_positive_reward_and_one_sample_keeps_the_keys(tmp_path):
+    # a graded reward (0.5 for every completion): each sample is right, the accuracy 1, not the mean score 0.5
+    (tmp_path / "half.py").write_text("def half(completions, **kw):\n    return [0.5] * len(completions)\n")
+    args = ppo_llm.Args(eval_only=True, eval_size=16, reward_fn=f"{tmp_path / 'half.py'}:half")
+    result = ppo_llm.main(args)
+    assert result["eval/accuracy"] == 1.0 and result["eval/accuracy_stderr"] == 0.0
+    assert set(result) == {"eval/accuracy", "eval/accuracy_stderr", "eval/mean_length_right"}  # no pass@k at n = 1
+
+
+def test_the_warning_on_cut_off_responses_once_and_again_as_it_grows(capsys):
+    args = ppo_llm.Args(max_new_tokens=8)
+    for share in [0.4, 0.6, 0.6, 0.5, 0.75, 0.7]:
+        ppo_llm.warn_truncated(share, args, ", less --missing-eos-penalty if set")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("%")[0] for line in lines] == ["warning: 60", "warning: 75"]
+    assert "hit --max-new-tokens 8, scored on their cut text, less --missing-eos-penalty if set" in lines[0]
+    ppo_llm.TRUNCATED.clear()
+
+
+@pytest.mark.parametrize("module, prompts", [(ppo_llm, 16), (grpo_llm, 2)])
+def test_a_too_short_max_new_tokens_is_named_and_the_share_logged(module, prompts, tmp_path, capsys):
+    # the embedded answers are 1 to 3 digits and an EOS: 2 tokens cut most of them off, 8 none
+    for max_new_tokens in [2, 8]:
+        output_dir = tmp_path / str(max_new_tokens)
+        common = dict(total_steps=1, eval_every=0, save_every=0, prompts_per_update=prompts, micro_batch_size=8)
+        module.main(module.Args(max_new_tokens=max_new_tokens, output_dir=str(output_dir), **common))
+        (run_dir,) = output_dir.iterdir()
+        share = json.loads((run_dir / "metrics.jsonl").read_text())["completions/clipped_ratio"]
+        assert share >= 0.5 if max_new_tokens == 2 else share == 0.0
+        warned = f"% of this update's responses hit --max-new-tokens {max_new_tokens}, scored on their cut text"
+        assert (warned in capsys.readouterr().out) == (max_new_tokens == 2)
