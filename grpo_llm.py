@@ -285,7 +285,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, *
     never re-tokenised. The batch:
         query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens (a tool's too)
         responses, mask                  (B, R)      the response tokens (pad after them), 1.0 on the policy's own
-        ended                            (B,)        whether the response ended (its last turn in an EOS)
+        ended, lengths                   (B,)        whether the response ended (its last turn in an EOS); its length
         tool_calls, tool_failures, turns (B,)        the response's tool calls, the failed ones, the policy's turns
         prompt_width                     Q"""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
@@ -442,7 +442,7 @@ def main(args: Args | None = None):
                 scores = reward_fn_scores(reward_fns, completions, rows, transcripts, device)  # (B, reward functions)
             else:
                 scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)[:, None]
-            lengths = batch["attention_mask"][:, batch["prompt_width"] :].sum(1)  # every token, a tool's too
+            lengths = batch["lengths"]  # every token, a tool's too
             overlong = overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer, args.overlong_penalty)
             rewards = scores @ reward_weights - overlong
             # 3. advantages relative to the group (detail 3); which completions the loss sees
@@ -562,7 +562,7 @@ def global_quantile(values, q):
 
 def grpo_metrics(update, args, batch, names, scores, stats, losses, grad_norms, optimizer, clock):
     """An update's metrics, TRL's GRPO names (docs/grpo_llm.md), over every rank, and its progress line."""
-    rewards, lengths = batch["rewards"], batch["attention_mask"][:, batch["prompt_width"] :].sum(1).float()
+    rewards, lengths = batch["rewards"], batch["lengths"].float()
     metrics = {
         "update": update,
         "episode": update * args.prompts_per_update * args.num_generations,
@@ -588,8 +588,7 @@ def grpo_metrics(update, args, batch, names, scores, stats, losses, grad_norms, 
     times, progress = clock.metrics(update, lengths.sum().item())
     ops = {"completions/min_length": "min", "completions/max_length": "max", "perf/peak_memory_mb": "max"}
     metrics = global_metrics(metrics | times, ops | {"perf/tokens_per_sec": "sum"})
-    scoring = "; --mask-truncated-completions drops them, --overlong-buffer penalises them"
-    warn_truncated(metrics["completions/clipped_ratio"], args, scoring)
+    warn_truncated(metrics["completions/clipped_ratio"], args, "; see --mask-truncated-completions, --overlong-buffer")
     line = f"update {update}/{args.total_steps}: reward {metrics['reward']:.3f}  "
     if "kl" in metrics:
         line += f"kl {metrics['kl']:.4f}  "
@@ -698,6 +697,7 @@ def padded_batch(inputs, responses, masks, ended, pad_token_id):
         "responses": responses,
         "mask": nn.utils.rnn.pad_sequence([torch.tensor(m) for m in masks], True).to(device),
         "ended": torch.tensor(ended, device=device),
+        "lengths": lengths.to(device),  # every token of the response, a tool's too
         "prompt_width": inputs.input_ids.shape[1],
     }
 
@@ -1467,9 +1467,8 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, too
         completions, transcripts = decode_responses(tokenizer, batch)
         scores = on_every_rank(lambda: reward_fn(completions, chunk_rows, transcripts) if chunk else [])  # all stop
         if chunk is not None:  # a repeat of the first batch is not counted
-            lengths = batch["attention_mask"][:, batch["prompt_width"] :].sum(1).float().tolist()  # every token
-            counts = batch["tool_calls"].tolist(), batch["tool_failures"].tolist()
-            records += zip(chunk, scores, lengths, *counts, map(final_answer, completions))
+            counts = batch["lengths"].float().tolist(), batch["tool_calls"].tolist(), batch["tool_failures"].tolist()
+            records += zip(chunk, scores, *counts, map(final_answer, completions))
     if dist.is_initialized():  # every rank's
         every_rank = [None] * world
         dist.all_gather_object(every_rank, records)

@@ -266,7 +266,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, *
     never re-tokenised. The batch:
         query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens (a tool's too)
         responses, mask                  (B, R)      the response tokens (pad after them), 1.0 on the policy's own
-        ended                            (B,)        whether the response ended (its last turn in an EOS)
+        ended, lengths                   (B,)        whether the response ended (its last turn in an EOS); its length
         tool_calls, tool_failures, turns (B,)        the response's tool calls, the failed ones, the policy's turns
         prompt_width                     Q"""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
@@ -529,7 +529,6 @@ def check_args(args, world):
 def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
     """An update's metrics, TRL's names (docs/ppo_llm.md), over every rank, and its progress line."""
     mask, batch_size, scores = batch["mask"], len(batch["mask"]), batch["scores"]
-    lengths = batch["attention_mask"][:, batch["prompt_width"] :].sum(1)
     if args.missing_eos_penalty is not None:  # TRL's objective/scores: the penalty taken, in the scores' units
         scores = scores - args.missing_eos_penalty * (~batch["ended"]).float()
     metrics = {
@@ -542,7 +541,7 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
         "objective/scores": scores.mean().item(),
         "val/num_eos_tokens": int(batch["ended"].sum().item()),
         "completions/clipped_ratio": (~batch["ended"]).float().mean().item(),  # never ended: GRPO's (TRL's) name
-        "val/mean_length": lengths.sum().item() / batch_size,  # every token, a tool's too
+        "val/mean_length": batch["lengths"].sum().item() / batch_size,  # every token, a tool's too
         "lr": optimizer.param_groups[0]["lr"],
     }
     for key in stats[0]:  # policy_loss's (policy/*, val/ratio), value_loss's (val/clipfrac_avg), the losses
@@ -552,7 +551,7 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
         metrics["objective/accuracy"] = batch["fn_scores"][:, 0].double().sum().item() / batch_size
     if args.tools:
         metrics |= tool_metrics(batch)
-    times, progress = clock.metrics(update, lengths.sum().item())
+    times, progress = clock.metrics(update, batch["lengths"].sum().item())
     ops = {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"}
     metrics = global_metrics(metrics | times, ops)
     warn_truncated(metrics["completions/clipped_ratio"], args, ", less --missing-eos-penalty if set")
@@ -670,6 +669,7 @@ def padded_batch(inputs, responses, masks, ended, pad_token_id):
         "responses": responses,
         "mask": nn.utils.rnn.pad_sequence([torch.tensor(m) for m in masks], True).to(device),
         "ended": torch.tensor(ended, device=device),
+        "lengths": lengths.to(device),  # every token of the response, a tool's too
         "prompt_width": inputs.input_ids.shape[1],
     }
 
@@ -1439,9 +1439,8 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, too
         completions, transcripts = decode_responses(tokenizer, batch)
         scores = on_every_rank(lambda: reward_fn(completions, chunk_rows, transcripts) if chunk else [])  # all stop
         if chunk is not None:  # a repeat of the first batch is not counted
-            lengths = batch["attention_mask"][:, batch["prompt_width"] :].sum(1).float().tolist()  # every token
-            counts = batch["tool_calls"].tolist(), batch["tool_failures"].tolist()
-            records += zip(chunk, scores, lengths, *counts, map(final_answer, completions))
+            counts = batch["lengths"].float().tolist(), batch["tool_calls"].tolist(), batch["tool_failures"].tolist()
+            records += zip(chunk, scores, *counts, map(final_answer, completions))
     if dist.is_initialized():  # every rank's
         every_rank = [None] * world
         dist.all_gather_object(every_rank, records)
