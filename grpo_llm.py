@@ -480,10 +480,8 @@ def main(args: Args | None = None):
             run["state"] = {"update": update}  # update done: a stop from here on resumes after it
             clock.lap("update")
             # TRY NOT TO MODIFY: 6. log (TRL's GRPO metric names), evaluate, show samples, save
-            batch |= {"rewards": rewards, "zero_std": zero_std}
-            metrics, line = grpo_metrics(
-                update, args, batch, names, scores, stats, losses, grad_norms, optimizer, clock
-            )
+            batch |= {"scores": scores, "rewards": rewards, "zero_std": zero_std}
+            metrics, line = grpo_metrics(update, args, batch, names, stats, losses, grad_norms, optimizer, clock)
             if eval_problems and due(update, args.eval_every, args.total_steps):
                 metrics |= evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
             values = dict(reward=rewards[::G], advantage=advantages[::G])  # one of each group
@@ -560,7 +558,7 @@ def global_quantile(values, q):
     return np.quantile(values.cpu().numpy(), q)
 
 
-def grpo_metrics(update, args, batch, names, scores, stats, losses, grad_norms, optimizer, clock):
+def grpo_metrics(update, args, batch, names, stats, losses, grad_norms, optimizer, clock):
     """An update's metrics, TRL's GRPO names (docs/grpo_llm.md), over every rank, and its progress line."""
     rewards, lengths = batch["rewards"], batch["lengths"].float()
     metrics = {
@@ -575,7 +573,7 @@ def grpo_metrics(update, args, batch, names, scores, stats, losses, grad_norms, 
         "completions/clipped_ratio": (~batch["ended"]).float().mean().item(),
         "learning_rate": optimizer.param_groups[0]["lr"],
     }
-    for name, reward in zip(names, scores.T):
+    for name, reward in zip(names, batch["scores"].T):
         metrics[f"rewards/{name}/mean"] = reward.mean().item()
         metrics[f"rewards/{name}/std"] = global_std(reward).item()
     if args.tools:
