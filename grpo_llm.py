@@ -178,9 +178,8 @@ def masked_mean(values, mask, axis=None):
 def kl_penalty(logprobs, ref_logprobs, estimator):
     """Per-token estimate of KL(pi || pi_ref) from the sampled token's r = logp - ref_logp (Schulman 2020):
     k1 = r (unbiased, can be < 0); k2 = r^2 / 2 (biased, low variance); k3 = exp(-r) - 1 + r (unbiased, >= 0)."""
-    log_ratio = logprobs - ref_logprobs
     estimates = {"k1": lambda r: r, "k2": lambda r: 0.5 * r**2, "k3": lambda r: torch.expm1(-r) + r}
-    return estimates[estimator](log_ratio)
+    return estimates[estimator](logprobs - ref_logprobs)
 
 
 def group_advantages(rewards, group_size, scale, leave_one_out=False):
@@ -1078,11 +1077,8 @@ def last_hidden_state(model, inputs):
     if model.get_output_embeddings() is None:  # a trunk (AutoModel): PPO's critic
         return model(**inputs, use_cache=False).last_hidden_state
     kept = []
-    hook = model.get_decoder().register_forward_hook(lambda module, args, out: kept.append(out.last_hidden_state))
-    try:
+    with model.get_decoder().register_forward_hook(lambda module, args, out: kept.append(out.last_hidden_state)):
         model(**inputs, use_cache=False, logits_to_keep=1)
-    finally:
-        hook.remove()
     return kept[0]
 
 
@@ -1124,11 +1120,10 @@ def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp3
 
     weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
     n = max(1, LM_HEAD_CHUNK // head.weight.shape[0])  # tokens per chunk
-    hidden, labels = hidden.reshape(B * T, -1), labels.reshape(B * T)
-    chunks = []
-    for i in range(0, B * T, n):
-        chunks.append(checkpoint(chunk, hidden[i : i + n], labels[i : i + n], weight, bias, use_reentrant=False))
-    return torch.cat([lp for lp, _ in chunks]).view(B, T), torch.cat([entropy for _, entropy in chunks]).view(B, T)
+    hidden, labels = hidden.reshape(B * T, -1).split(n), labels.reshape(B * T).split(n)
+    chunks = [checkpoint(chunk, h, y, weight, bias, use_reentrant=False) for h, y in zip(hidden, labels)]
+    logprobs, entropy = zip(*chunks)
+    return torch.cat(logprobs).view(B, T), torch.cat(entropy).view(B, T)
 
 
 def shard(model, bf16=False):
@@ -1206,9 +1201,8 @@ def prepare(args, trained):
     """Gradient checkpointing, torch's threads, and AdamW over the trained models' parameters: (params, optimizer)."""
     trained = [model for model in trained if model is not None]
     for model in trained:
-        if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only (5.17: gradient_)
-            enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
-            enable({"use_reentrant": False})  # reentrant checkpointing can leave LoRA's adapters without a gradient
+        if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only
+            model.activation_checkpointing_enable({"use_reentrant": False})  # reentrant can leave LoRA with no gradient
     if trained[0].device.type == "cpu" and sum(p.numel() for p in trained[0].parameters()) < 50e6:
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
@@ -1256,12 +1250,12 @@ def check_run(args, world):
             raise SystemExit(f"error: {message}")
 
 
-def all_reduce(x, op="sum"):
-    """The tensor x summed over the torchrun ranks (or their "min" or "max"); x itself in one process."""
+def all_reduce(x):
+    """The tensor x summed over the torchrun ranks; x itself in one process."""
     if not dist.is_initialized():
         return x
     y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
-    dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
+    dist.all_reduce(y)
     return y.to(x.device)
 
 
@@ -1644,8 +1638,7 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
                 os.remove(link + ".tmp")
             os.symlink(slot, link + ".tmp")
             os.replace(link + ".tmp", link)  # atomic
-            if not os.path.islink(os.path.join(run_dir, "policy")):  # a first save (or an earlier version's directory)
-                shutil.rmtree(os.path.join(run_dir, "policy"), ignore_errors=True)
+            if not os.path.islink(os.path.join(run_dir, "policy")):  # a first save
                 os.symlink(os.path.join("checkpoint", "policy"), os.path.join(run_dir, "policy"))
             shutil.rmtree(os.path.join(run_dir, old), ignore_errors=True)
     except (Exception, dcp.CheckpointException) as e:  # a full disk, a file-size limit, a directory gone
@@ -1692,14 +1685,10 @@ def load_checkpoint(args, models, optimizer):
     if not args.resume:
         return {}
     path = os.path.join(args.resume, "checkpoint")
-    if os.path.isfile(os.path.join(args.resume, "checkpoint.pt")) and not os.path.exists(path):
-        how = f"go on with the version that wrote it, or start a new run from its policy: --model {args.resume}/policy"
-        raise SystemExit(f"error: --resume {args.resume}: checkpoint.pt is of an earlier version of this script: {how}")
     state = trained_state(models, optimizer)
     try:  # none (a run killed before its first save), a damaged one, or one of other models or flags
         saved = json.load(open(os.path.join(path, "state.json")))
-        record = os.path.join(path, "checksums.json")
-        sums = json.load(open(record)) if os.path.isfile(record) else {}  # an earlier version's save wrote none
+        sums = json.load(open(os.path.join(path, "checksums.json")))
         bad = [name for name in sorted(sums) if crc32(os.path.join(path, name)) != sums[name]]
         if bad:  # nothing changed; the slot before this one is gone (each save deletes it), policy/ may be whole
             whole = f"its policy/ is whole: --model {args.resume}/policy starts a new run from it"
