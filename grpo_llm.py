@@ -45,10 +45,12 @@ import ast
 import contextlib
 import copy
 import datetime
+import fcntl
 import itertools
 import json
 import logging
 import math
+import mmap
 import operator
 import os
 import random
@@ -62,6 +64,7 @@ import tempfile
 import time
 import traceback
 import warnings
+import zlib
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
@@ -200,9 +203,8 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
 
 
 def overlong_penalty(lengths, max_new_tokens, buffer, penalty):
-    """DAPO's soft overlong punishment of each completion of L tokens (L (B,) -> (B,)): from 0 at L = max_new_tokens -
-    buffer to `penalty` at max_new_tokens, linearly: penalty * max(0, L - (max_new_tokens - buffer)) / buffer; none
-    when buffer is 0."""
+    """DAPO's soft overlong punishment of completions of L tokens (B,) -> (B,): penalty * max(0, L - (max_new_tokens -
+    buffer)) / buffer, from 0 at L = max_new_tokens - buffer to `penalty` at max_new_tokens; none when buffer is 0."""
     if buffer == 0:
         return torch.zeros_like(lengths, dtype=torch.float)
     return penalty * (lengths - (max_new_tokens - buffer)).clamp(min=0) / buffer
@@ -358,12 +360,9 @@ def accumulate_gradients(policy, batch, micro_batches, args, autocast):
         old_logprobs = logprobs.detach()  # --num-iterations 1: the current ones (detail 5)
         if args.num_iterations > 1:
             old_logprobs = batch["old_logprobs"][micro_batch]
-        ref_logprobs = None  # beta 0: no KL term
-        if args.beta:
-            ref_logprobs = batch["ref_logprobs"][micro_batch]
-        advantages, mask, entropy_mask = (
-            batch[key][micro_batch] for key in ["advantages", "loss_mask", "entropy_mask"]
-        )
+        ref_logprobs = batch["ref_logprobs"][micro_batch] if args.beta else None  # beta 0: no KL term
+        advantages, mask = batch["advantages"][micro_batch], batch["loss_mask"][micro_batch]
+        entropy_mask = batch["entropy_mask"][micro_batch]
         loss, micro_stats = grpo_loss(
             logprobs, old_logprobs, ref_logprobs, advantages, mask, batch_size, n_tokens, args, entropy_mask
         )
@@ -491,8 +490,7 @@ def main(args: Args | None = None):
 
 
 # SHARED WITH the other LLM script, after this script's own flag checks, metrics and loading; kept identical by
-# tests/test_shared.py (as is each function above that both define): rewards (to add one: REWARD_FNS, or --reward-fn
-# file.py:fn), prompts, models and their LM head, sharding and set-up, logging, evaluation, stops, checkpoints.
+# tests/test_shared.py, as is each function above that both define; a new reward: REWARD_FNS, or --reward-fn file.py:fn.
 
 
 def check_args(args, world):
@@ -982,7 +980,6 @@ def rm_text(rm_tokenizer, row, completion):
     return rm_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}], tokenize=False)
 
 
-@torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
     """Score of each sequence (B,) at its last real token: of the policy's ids when it reads them (rm_tokenizer None),
     else of rm_text in its own tokens, cut on the left."""
@@ -994,7 +991,7 @@ def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, ar
         texts = [rm_text(rm_tokenizer, row, completion) for row, completion in zip(rows, completions)]
         inputs = tokenize_texts(rm_tokenizer, texts, context).to(reward_model.device)
     logits, n = [], args.micro_batch_size
-    with unsharded(reward_model):
+    with scoring(reward_model):
         for i in range(0, len(completions), n):
             logits.append(reward_model(**{key: value[i : i + n] for key, value in inputs.items()}).logits)
     scores = torch.cat(logits)[:, args.reward_label or 0].float()
@@ -1322,8 +1319,6 @@ def own_run(args, rank):
     run_dir = args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")
     verdict = [run_dir, None]  # rank 0's run directory and refusal
     if rank == 0:
-        import fcntl  # here: the lock alone needs it
-
         os.makedirs(run_dir, exist_ok=True)
         fd = os.open(os.path.join(run_dir, "lock"), os.O_RDWR | os.O_CREAT)
         LOCK.callback(os.close, fd)
@@ -1601,9 +1596,6 @@ def trained_state(models, optimizer):
 
 def crc32(path):
     """zlib's CRC-32 of a file, through mmap (no copy; 3x sha256's speed, docs/scaling.md): a flipped byte alters it."""
-    import mmap  # here, as zlib: the checksums alone need them
-    import zlib
-
     with open(path, "rb") as f:  # mmap refuses an empty file, whose CRC-32 is 0
         return zlib.crc32(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if os.fstat(f.fileno()).st_size else 0
 
