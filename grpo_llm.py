@@ -348,8 +348,7 @@ def policy_forward(model, batch, micro_batch, args):
 
 
 def accumulate_gradients(policy, batch, micro_batches, args, autocast):
-    """Forward and backward of the whole batch, micro-batch by micro-batch, each its share of the batch's loss (detail
-    9); returns (the loss, each micro-batch's stats)."""
+    """Forward and backward of the batch in micro-batches, each its share of the loss (detail 9); (loss, stats)."""
     loss_mask, batch_size = batch["loss_mask"], len(batch["loss_mask"])
     bonus_mask = loss_mask * batch["entropy_mask"]  # the tokens of the policy gradient and entropy bonus (detail 13)
     stats, loss_sum = [], torch.zeros((), device=loss_mask.device)
@@ -357,9 +356,7 @@ def accumulate_gradients(policy, batch, micro_batches, args, autocast):
     for micro_batch in micro_batches:
         with autocast:
             _, logprobs, entropy = policy_forward(policy, batch, micro_batch, args)
-        old_logprobs = logprobs.detach()  # --num-iterations 1: the current ones (detail 5)
-        if args.num_iterations > 1:
-            old_logprobs = batch["old_logprobs"][micro_batch]
+        old_logprobs = batch["old_logprobs"][micro_batch] if args.num_iterations > 1 else logprobs.detach()  # detail 5
         ref_logprobs = batch["ref_logprobs"][micro_batch] if args.beta else None  # beta 0: no KL term
         advantages, mask = batch["advantages"][micro_batch], batch["loss_mask"][micro_batch]
         entropy_mask = batch["entropy_mask"][micro_batch]
@@ -545,8 +542,7 @@ def loss_stats(ratio, advantages, mask, kl, loss_type, epsilon, epsilon_high):
 
 
 def global_quantile(values, q):
-    """The q-quantile of every rank's values (the ranks hold different numbers of them), by numpy: torch.quantile
-    refuses more than 2^24 values."""
+    """The q-quantile of every rank's values (their counts differ), by numpy: torch.quantile refuses > 2^24 values."""
     if dist.is_initialized():
         every_rank = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank, values.cpu())
@@ -642,16 +638,15 @@ def load_reward_fn(spec, timeout):
         columns = {key: [row["columns"][key] for row in rows] for key in rows[0]["columns"]}
         with time_limit(timeout, f"--reward-fn {spec}"):  # --reward-timeout: a judge or sandbox that hangs
             values = list(fn(completions=completions, transcripts=transcripts, **columns))
-        if len(values) != len(completions):
-            counts = f"{len(values)} numbers for {len(completions)} completions"
-            raise SystemExit(f"error: --reward-fn {spec} returned {counts}")
         return finite_scores(values, f"--reward-fn {spec}", completions)
 
     return user_fn
 
 
 def finite_scores(values, source, completions):
-    """The scores as floats, or one line naming their source and the first completion with no finite number."""
+    """A float per completion, or one line naming their source and the miscount or the first with no finite number."""
+    if len(values) != len(completions):
+        raise SystemExit(f"error: {source} returned {len(values)} numbers for {len(completions)} completions")
     scores = []
     for value in values:
         try:  # None, a list, text (float() would read "1", but a score is a number): none
@@ -879,14 +874,12 @@ def prompt_stream(rows, seed, start, rank, world):
 
 def eval_rows(args, tokenizer, reward_fns, tools=None):
     """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None."""
-    if not reward_fns or not (args.eval_every or args.eval_only):
-        return None
     split, beside = args.eval_split, args.dataset.removesuffix("train.jsonl") + "test.jsonl"
     if split is None and args.dataset.endswith("train.jsonl") and os.path.isfile(beside):
         split = beside
     if split is None and args.eval_only:
         split = args.dataset_split
-    if split is None:
+    if split is None or not reward_fns or not (args.eval_every or args.eval_only):
         return None
     source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
     rows = load_prompts(Args(**asdict(args) | source), tokenizer, needs_answers=True, tools=tools)
@@ -981,8 +974,7 @@ def rm_text(rm_tokenizer, row, completion):
 
 
 def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
-    """Score of each sequence (B,) at its last real token: of the policy's ids when it reads them (rm_tokenizer None),
-    else of rm_text in its own tokens, cut on the left."""
+    """Each sequence's score (B,) at its last real token: of the policy's ids (rm_tokenizer None), else of rm_text's."""
     if rm_tokenizer is None:
         mask = batch["attention_mask"]
         inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))

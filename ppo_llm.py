@@ -198,9 +198,8 @@ def compute_gae(rewards, values, mask, gamma, lam):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_range):
-    """PPO's clipped surrogate: masked mean of max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps)), rho = exp(logprobs -
-    old_logprobs). Returns (loss, stats): clipfrac, the mean ratio, approxkl = mean (log rho)^2 / 2 (k2; CleanRL's
-    approx_kl is k3's mean)."""
+    """PPO's clipped surrogate, masked mean of max(-A rho, -A clip(rho, 1 - eps, 1 + eps)), rho = exp(logprobs -
+    old_logprobs); (loss, stats): clipfrac, the mean ratio, approxkl = mean (log rho)^2 / 2 (k2; CleanRL's is k3)."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     losses, clipped_losses = -advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range)
@@ -351,10 +350,8 @@ def accumulate_gradients(policy, critic, value_head, batch, micro_batches, args,
         pg_loss, pg_stats = policy_loss(logprobs, batch["old_logprobs"][micro_batch], advantages, mask, args.cliprange)
         old_values, returns = batch["values"][micro_batch], batch["returns"][micro_batch]
         vf_loss, vf_stats = value_loss(values, old_values, returns, mask, args.cliprange_value)
-        mean_entropy = masked_mean(entropy, mask)
-        loss = pg_loss + args.vf_coef * vf_loss
-        if args.ent_coef:  # only then does backward go through the entropy
-            loss = loss - args.ent_coef * mean_entropy
+        mean_entropy = masked_mean(entropy, mask)  # with a gradient only for an entropy bonus (--ent-coef)
+        loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * mean_entropy
         (loss * mask.sum() / n_tokens).backward()
         losses = {"loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "policy/entropy_avg": mean_entropy}
         stats.append(pg_stats | vf_stats | {key: value.detach() for key, value in losses.items()})
@@ -614,16 +611,15 @@ def load_reward_fn(spec, timeout):
         columns = {key: [row["columns"][key] for row in rows] for key in rows[0]["columns"]}
         with time_limit(timeout, f"--reward-fn {spec}"):  # --reward-timeout: a judge or sandbox that hangs
             values = list(fn(completions=completions, transcripts=transcripts, **columns))
-        if len(values) != len(completions):
-            counts = f"{len(values)} numbers for {len(completions)} completions"
-            raise SystemExit(f"error: --reward-fn {spec} returned {counts}")
         return finite_scores(values, f"--reward-fn {spec}", completions)
 
     return user_fn
 
 
 def finite_scores(values, source, completions):
-    """The scores as floats, or one line naming their source and the first completion with no finite number."""
+    """A float per completion, or one line naming their source and the miscount or the first with no finite number."""
+    if len(values) != len(completions):
+        raise SystemExit(f"error: {source} returned {len(values)} numbers for {len(completions)} completions")
     scores = []
     for value in values:
         try:  # None, a list, text (float() would read "1", but a score is a number): none
@@ -851,14 +847,12 @@ def prompt_stream(rows, seed, start, rank, world):
 
 def eval_rows(args, tokenizer, reward_fns, tools=None):
     """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None."""
-    if not reward_fns or not (args.eval_every or args.eval_only):
-        return None
     split, beside = args.eval_split, args.dataset.removesuffix("train.jsonl") + "test.jsonl"
     if split is None and args.dataset.endswith("train.jsonl") and os.path.isfile(beside):
         split = beside
     if split is None and args.eval_only:
         split = args.dataset_split
-    if split is None:
+    if split is None or not reward_fns or not (args.eval_every or args.eval_only):
         return None
     source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
     rows = load_prompts(Args(**asdict(args) | source), tokenizer, needs_answers=True, tools=tools)
@@ -953,8 +947,7 @@ def rm_text(rm_tokenizer, row, completion):
 
 
 def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
-    """Score of each sequence (B,) at its last real token: of the policy's ids when it reads them (rm_tokenizer None),
-    else of rm_text in its own tokens, cut on the left."""
+    """Each sequence's score (B,) at its last real token: of the policy's ids (rm_tokenizer None), else of rm_text's."""
     if rm_tokenizer is None:
         mask = batch["attention_mask"]
         inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
