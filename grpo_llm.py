@@ -1018,11 +1018,9 @@ def load_models(args, device, tools=None):
             add_pad_token(rm_tokenizer, [reward_model])
         reward_model = place(reward_model.eval().requires_grad_(False), device, bf16)
     add_pad_token(tokenizer, [policy], eos_ids)
-    # detail 4: a generation_config of our own, every field set, none left to the checkpoint's
-    policy.generation_config = transformers.GenerationConfig(
-        do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens
-    )
-    policy.generation_config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+    sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)  # detail 4: softmax(logits / T)
+    ends = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+    policy.generation_config = transformers.GenerationConfig(**sampling, **ends)  # all ours, none of the checkpoint's
     if tools:
         check_tool_template(tokenizer, tools, eos_ids, args.model)
     if args.lora_r:
