@@ -699,12 +699,10 @@ def calculator(expression: str) -> str:
     return str(value(ast.parse(expression.strip(), mode="eval").body))
 
 
-TOOLS = {"calculator": calculator}  # the built-in tools (--tools NAME); yours: --tools file.py:function
-
-
 def load_tools(specs):
-    """--tools as {name: function}: TOOLS[spec], or file.py:fn / module:fn with type hints and an Args: docstring."""
-    return {tool.__name__: tool for tool in [import_function(spec, "--tools", TOOLS) for spec in specs]}
+    """--tools as {name: function}: a built-in one, or file.py:fn / module:fn with type hints and an Args: docstring."""
+    built_in = {"calculator": calculator}  # --tools NAME
+    return {tool.__name__: tool for tool in [import_function(spec, "--tools", built_in) for spec in specs]}
 
 
 def check_tool_template(tokenizer, tools, eos_ids, model):
@@ -1137,7 +1135,7 @@ def frozen_copy(model, device, bf16):
 @contextlib.contextmanager
 def unsharded(model):
     """Under torchrun, the model whole on every rank for a while: one all-gather a rollout, not one a token."""
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for module in sharded:
         module.unshard()
         module.set_reshard_after_forward(False, recurse=False)
