@@ -14,8 +14,7 @@ Implementation details, cited "detail N":
    tokens after it are pad, masked out of every loss and statistic.
 3. Advantage = (reward - group mean) / (group std + 1e-4), or / the batch's std, or as is; one per completion, broadcast
    to its tokens; a group of equal rewards gets exactly 0. No value model, no GAE.
-4. Sampling is softmax(logits / temperature) alone (the checkpoint's generation_config is replaced), and log-probs
-   divide by the same temperature.
+4. Sampling and log-probs both use softmax(logits / temperature) alone (our generation_config, not the checkpoint's).
 5. At --num-iterations 1 the old log-probs are the current ones detached (rho = 1: no clip acts, the gradient is the
    policy gradient's with the group as baseline); above, they are recomputed after generation in the training's
    micro-batch shapes. The reference, the SFT policy in fp32 scored the same way, starts at KL 0.
