@@ -675,26 +675,24 @@ def decode_responses(tokenizer, batch):
     return completions, transcripts
 
 
-ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-ARITHMETIC |= {ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg}
-
-
 def calculator(expression: str) -> str:
     """Evaluates an arithmetic expression of numbers, + - * / // % ** and parentheses.
 
     Args:
         expression: the expression, as 37*85
     """
+    operators = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+    operators |= {ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg}
 
-    def value(node):  # through ast, never eval(): numbers and ARITHMETIC, bounded (9**9**9 is an error, not a hang)
+    def value(node):  # through ast, never eval(): numbers and the operators, bounded (9**9**9 is an error, not a hang)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
-        if type(getattr(node, "op", None)) not in ARITHMETIC:
+        if type(getattr(node, "op", None)) not in operators:
             raise ValueError(f"not arithmetic: {ast.unparse(node)}")
         operands = [value(node.operand)] if isinstance(node, ast.UnaryOp) else [value(node.left), value(node.right)]
         if not max(map(abs, operands)) <= 1e100 or isinstance(node.op, ast.Pow) and abs(operands[1]) > 100:
             raise ValueError("a number or an exponent too large")
-        return ARITHMETIC[type(node.op)](*operands)
+        return operators[type(node.op)](*operands)
 
     return str(value(ast.parse(expression.strip(), mode="eval").body))
 
