@@ -218,9 +218,7 @@ def value_loss(values, old_values, returns, mask, clip_range):
     clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
     losses, clipped_losses = (values - returns) ** 2, (clipped_values - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(losses, clipped_losses), mask)
-    with torch.no_grad():
-        stats = {"val/clipfrac_avg": masked_mean((clipped_losses > losses).float(), mask)}
-    return loss, stats
+    return loss, {"val/clipfrac_avg": masked_mean((clipped_losses > losses).float(), mask)}  # a comparison: no gradient
 
 
 def normalize_scores(scores, ended, whiten, missing_eos_penalty, clip):
