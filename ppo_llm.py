@@ -186,8 +186,7 @@ def compute_gae(rewards, values, mask, gamma, lam):
     A_t = delta_t + gamma * lam * A_{t'}, returns = A + V, where t' is the next position where mask is 1: a tool's
     result (mask 0) is part of the next state, so V bootstraps from the policy's next token, and past the last one
     V_{t'} = A_{t'} = 0 (the episode ends there). Advantages and returns are 0 where mask is 0."""
-    zero = torch.zeros_like(rewards[:, 0])
-    advantages, next_advantage, next_value = torch.zeros_like(rewards), zero, zero
+    advantages, next_advantage, next_value = torch.zeros_like(rewards), 0.0, 0.0
     for t in reversed(range(rewards.shape[1])):
         acts = mask[:, t].bool()  # else position t is skipped: A_{t'} and V_{t'} carry over it
         delta = rewards[:, t] + gamma * next_value - values[:, t]
