@@ -1046,7 +1046,6 @@ def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp3
     backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
     for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
     where F.linear runs it (autocast's dtype), the head cast to it once: its gradient summed over the chunks in it."""
-    B, T = labels.shape
     config, head = model.config, model.get_output_embeddings()
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -1073,10 +1072,10 @@ def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp3
 
     weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
     n = max(1, LM_HEAD_CHUNK // head.weight.shape[0])  # tokens per chunk
-    hidden, labels = hidden.reshape(B * T, -1).split(n), labels.reshape(B * T).split(n)
-    chunks = [checkpoint(chunk, h, y, weight, bias, use_reentrant=False) for h, y in zip(hidden, labels)]
+    hidden_chunks, label_chunks = hidden.flatten(0, 1).split(n), labels.flatten().split(n)  # (N, H), (N,) each
+    chunks = [checkpoint(chunk, h, y, weight, bias, use_reentrant=False) for h, y in zip(hidden_chunks, label_chunks)]
     logprobs, entropy = zip(*chunks)
-    return torch.cat(logprobs).view(B, T), torch.cat(entropy).view(B, T)
+    return torch.cat(logprobs).view_as(labels), torch.cat(entropy).view_as(labels)
 
 
 def shard(model, bf16=False):
