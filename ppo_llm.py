@@ -1576,9 +1576,8 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
                 f.flush()
                 os.fsync(f.fileno())  # on disk before the link points to it
             names = [os.path.relpath(os.path.join(d, n), path) for d, _, ns in os.walk(path) for n in ns]
-            sums = {name: crc32(os.path.join(path, name)) for name in names}  # every rank's shards, in the page cache
-            with open(os.path.join(path, "checksums.json"), "w") as f:
-                json.dump(sums, f)
+            with open(os.path.join(path, "checksums.json"), "w") as f:  # each file's CRC-32, every rank's shards too
+                json.dump({name: crc32(os.path.join(path, name)) for name in names}, f)
                 f.flush()
                 os.fsync(f.fileno())
             if os.path.lexists(link + ".tmp"):  # a hard kill's
