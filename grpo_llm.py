@@ -1320,9 +1320,8 @@ def own_run(args, rank):
     return verdict[0]
 
 
-def open_run(args, given, rank, checkpoint, run_dir):
+def open_run(args, given, rank, resumed_update, run_dir):
     """Rank 0's args.json (the flags as given) and TensorBoard writer, in the run directory that own_run locked."""
-    resumed_update = checkpoint.get("update", 0)
     if rank:
         return None
     if resumed_update:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
@@ -1352,7 +1351,7 @@ def start_run(args, given, ranks, models, optimizer, tokenizer, tools=None):
     try:  # the run directory owned before its checkpoint is read, and freed again on a refusal
         run_dir = own_run(args, ranks[0])
         resumed = load_checkpoint(args, models, optimizer)
-        writer = open_run(args, given, ranks[0], resumed, run_dir)
+        writer = open_run(args, given, ranks[0], resumed.get("update", 0), run_dir)
     except BaseException:
         LOCK.close()
         raise
