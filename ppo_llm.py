@@ -1164,17 +1164,16 @@ def prepare(args, trained):
 
 # TRY NOT TO MODIFY: set-up, seeding, the run directory, logging, evaluation
 
-RULES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2, "> 0": lambda x: x > 0}
-RULES |= {"in [0, 1]": lambda x: 0 <= x <= 1, "in (0, 1)": lambda x: 0 < x < 1, "in (0, 1]": lambda x: 0 < x <= 1}
-RULES |= {"finite": lambda x: True}  # what every rule asks of a number
-
 
 def check_range(args, rule, names):
-    """One line for the first flag of `names` that breaks RULES[rule]; unset (None) passes, NaN and inf do not."""
+    """One line for the first flag of `names` that breaks the rule; unset (None) passes, NaN and inf do not."""
+    rules = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2, "> 0": lambda x: x > 0}
+    rules |= {"in [0, 1]": lambda x: 0 <= x <= 1, "in (0, 1)": lambda x: 0 < x < 1, "in (0, 1]": lambda x: 0 < x <= 1}
+    rules |= {"finite": lambda x: True}  # what every rule asks of a number
     for name in names.split():
         value = getattr(args, name)
         values = value if isinstance(value, tuple) else (value,)
-        if value is not None and not all(math.isfinite(x) and RULES[rule](x) for x in values):
+        if value is not None and not all(math.isfinite(x) and rules[rule](x) for x in values):
             raise SystemExit(f"error: --{name.replace('_', '-')} must be {rule} (got {value})")
 
 
