@@ -41,10 +41,12 @@ import ast
 import contextlib
 import copy
 import datetime
+import fcntl
 import itertools
 import json
 import logging
 import math
+import mmap
 import operator
 import os
 import random
@@ -58,6 +60,7 @@ import tempfile
 import time
 import traceback
 import warnings
+import zlib
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
@@ -176,9 +179,8 @@ def masked_whiten(values, mask, shift_mean=True):
 def kl_penalty(logprobs, ref_logprobs, estimator):
     """Per-token estimate of KL(pi || pi_ref) from the sampled token's r = logp - ref_logp (Schulman 2020):
     k1 = r (unbiased, can be < 0); k2 = r^2 / 2 (biased, low variance); k3 = exp(-r) - 1 + r (unbiased, >= 0)."""
-    log_ratio = logprobs - ref_logprobs
     estimates = {"k1": lambda r: r, "k2": lambda r: 0.5 * r**2, "k3": lambda r: torch.expm1(-r) + r}
-    return estimates[estimator](log_ratio)
+    return estimates[estimator](logprobs - ref_logprobs)
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
@@ -186,8 +188,7 @@ def compute_gae(rewards, values, mask, gamma, lam):
     A_t = delta_t + gamma * lam * A_{t'}, returns = A + V, where t' is the next position where mask is 1: a tool's
     result (mask 0) is part of the next state, so V bootstraps from the policy's next token, and past the last one
     V_{t'} = A_{t'} = 0 (the episode ends there). Advantages and returns are 0 where mask is 0."""
-    zero = torch.zeros_like(rewards[:, 0])
-    advantages, next_advantage, next_value = torch.zeros_like(rewards), zero, zero
+    advantages, next_advantage, next_value = torch.zeros_like(rewards), 0.0, 0.0
     for t in reversed(range(rewards.shape[1])):
         acts = mask[:, t].bool()  # else position t is skipped: A_{t'} and V_{t'} carry over it
         delta = rewards[:, t] + gamma * next_value - values[:, t]
@@ -198,9 +199,8 @@ def compute_gae(rewards, values, mask, gamma, lam):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_range):
-    """PPO's clipped surrogate: masked mean of max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps)), rho = exp(logprobs -
-    old_logprobs). Returns (loss, stats): clipfrac, the mean ratio, approxkl = mean (log rho)^2 / 2 (k2; CleanRL's
-    approx_kl is k3's mean)."""
+    """PPO's clipped surrogate, masked mean of max(-A rho, -A clip(rho, 1 - eps, 1 + eps)), rho = exp(logprobs -
+    old_logprobs); (loss, stats): clipfrac, the mean ratio, approxkl = mean (log rho)^2 / 2 (k2; CleanRL's is k3)."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     losses, clipped_losses = -advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range)
@@ -219,9 +219,7 @@ def value_loss(values, old_values, returns, mask, clip_range):
     clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
     losses, clipped_losses = (values - returns) ** 2, (clipped_values - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(losses, clipped_losses), mask)
-    with torch.no_grad():
-        stats = {"val/clipfrac_avg": masked_mean((clipped_losses > losses).float(), mask)}
-    return loss, stats
+    return loss, {"val/clipfrac_avg": masked_mean((clipped_losses > losses).float(), mask)}  # a comparison: no gradient
 
 
 def normalize_scores(scores, ended, whiten, missing_eos_penalty, clip):
@@ -352,16 +350,10 @@ def accumulate_gradients(policy, critic, value_head, batch, micro_batches, args,
         pg_loss, pg_stats = policy_loss(logprobs, batch["old_logprobs"][micro_batch], advantages, mask, args.cliprange)
         old_values, returns = batch["values"][micro_batch], batch["returns"][micro_batch]
         vf_loss, vf_stats = value_loss(values, old_values, returns, mask, args.cliprange_value)
-        mean_entropy = masked_mean(entropy, mask)
-        loss = pg_loss + args.vf_coef * vf_loss
-        if args.ent_coef:  # only then does backward go through the entropy
-            loss = loss - args.ent_coef * mean_entropy
+        mean_entropy = masked_mean(entropy, mask)  # with a gradient only for an entropy bonus (--ent-coef)
+        loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * mean_entropy
         (loss * mask.sum() / n_tokens).backward()
-        losses = {
-            "loss/policy_avg": pg_loss,
-            "loss/value_avg": vf_loss,
-            "policy/entropy_avg": mean_entropy,
-        }
+        losses = {"loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "policy/entropy_avg": mean_entropy}
         stats.append(pg_stats | vf_stats | {key: value.detach() for key, value in losses.items()})
     return stats
 
@@ -497,8 +489,7 @@ def main(args: Args | None = None):
 
 
 # SHARED WITH the other LLM script, after this script's own flag checks, metrics and loading; kept identical by
-# tests/test_shared.py (as is each function above that both define): rewards (to add one: REWARD_FNS, or --reward-fn
-# file.py:fn), prompts, models and their LM head, sharding and set-up, logging, evaluation, stops, checkpoints.
+# tests/test_shared.py, as is each function above that both define; a new reward: REWARD_FNS, or --reward-fn file.py:fn.
 
 
 def check_args(args, world):
@@ -621,16 +612,15 @@ def load_reward_fn(spec, timeout):
         columns = {key: [row["columns"][key] for row in rows] for key in rows[0]["columns"]}
         with time_limit(timeout, f"--reward-fn {spec}"):  # --reward-timeout: a judge or sandbox that hangs
             values = list(fn(completions=completions, transcripts=transcripts, **columns))
-        if len(values) != len(completions):
-            counts = f"{len(values)} numbers for {len(completions)} completions"
-            raise SystemExit(f"error: --reward-fn {spec} returned {counts}")
         return finite_scores(values, f"--reward-fn {spec}", completions)
 
     return user_fn
 
 
 def finite_scores(values, source, completions):
-    """The scores as floats, or one line naming their source and the first completion with no finite number."""
+    """A float per completion, or one line naming their source and the miscount or the first with no finite number."""
+    if len(values) != len(completions):
+        raise SystemExit(f"error: {source} returned {len(values)} numbers for {len(completions)} completions")
     scores = []
     for value in values:
         try:  # None, a list, text (float() would read "1", but a score is a number): none
@@ -687,36 +677,32 @@ def decode_responses(tokenizer, batch):
     return completions, transcripts
 
 
-ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-ARITHMETIC |= {ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg}
-
-
 def calculator(expression: str) -> str:
     """Evaluates an arithmetic expression of numbers, + - * / // % ** and parentheses.
 
     Args:
         expression: the expression, as 37*85
     """
+    operators = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+    operators |= {ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg}
 
-    def value(node):  # through ast, never eval(): numbers and ARITHMETIC, bounded (9**9**9 is an error, not a hang)
+    def value(node):  # through ast, never eval(): numbers and the operators, bounded (9**9**9 is an error, not a hang)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
-        if type(getattr(node, "op", None)) not in ARITHMETIC:
+        if type(getattr(node, "op", None)) not in operators:
             raise ValueError(f"not arithmetic: {ast.unparse(node)}")
         operands = [value(node.operand)] if isinstance(node, ast.UnaryOp) else [value(node.left), value(node.right)]
         if not max(map(abs, operands)) <= 1e100 or isinstance(node.op, ast.Pow) and abs(operands[1]) > 100:
             raise ValueError("a number or an exponent too large")
-        return ARITHMETIC[type(node.op)](*operands)
+        return operators[type(node.op)](*operands)
 
     return str(value(ast.parse(expression.strip(), mode="eval").body))
 
 
-TOOLS = {"calculator": calculator}  # the built-in tools (--tools NAME); yours: --tools file.py:function
-
-
 def load_tools(specs):
-    """--tools as {name: function}: TOOLS[spec], or file.py:fn / module:fn with type hints and an Args: docstring."""
-    return {tool.__name__: tool for tool in [import_function(spec, "--tools", TOOLS) for spec in specs]}
+    """--tools as {name: function}: a built-in one, or file.py:fn / module:fn with type hints and an Args: docstring."""
+    built_in = {"calculator": calculator}  # --tools NAME
+    return {tool.__name__: tool for tool in [import_function(spec, "--tools", built_in) for spec in specs]}
 
 
 def check_tool_template(tokenizer, tools, eos_ids, model):
@@ -859,14 +845,12 @@ def prompt_stream(rows, seed, start, rank, world):
 
 def eval_rows(args, tokenizer, reward_fns, tools=None):
     """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None."""
-    if not reward_fns or not (args.eval_every or args.eval_only):
-        return None
     split, beside = args.eval_split, args.dataset.removesuffix("train.jsonl") + "test.jsonl"
     if split is None and args.dataset.endswith("train.jsonl") and os.path.isfile(beside):
         split = beside
     if split is None and args.eval_only:
         split = args.dataset_split
-    if split is None:
+    if split is None or not reward_fns or not (args.eval_every or args.eval_only):
         return None
     source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
     rows = load_prompts(Args(**asdict(args) | source), tokenizer, needs_answers=True, tools=tools)
@@ -960,10 +944,8 @@ def rm_text(rm_tokenizer, row, completion):
     return rm_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}], tokenize=False)
 
 
-@torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
-    """Score of each sequence (B,) at its last real token: of the policy's ids when it reads them (rm_tokenizer None),
-    else of rm_text in its own tokens, cut on the left."""
+    """Each sequence's score (B,) at its last real token: of the policy's ids (rm_tokenizer None), else of rm_text's."""
     if rm_tokenizer is None:
         mask = batch["attention_mask"]
         inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
@@ -972,7 +954,7 @@ def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, ar
         texts = [rm_text(rm_tokenizer, row, completion) for row, completion in zip(rows, completions)]
         inputs = tokenize_texts(rm_tokenizer, texts, context).to(reward_model.device)
     logits, n = [], args.micro_batch_size
-    with unsharded(reward_model):
+    with scoring(reward_model):
         for i in range(0, len(completions), n):
             logits.append(reward_model(**{key: value[i : i + n] for key, value in inputs.items()}).logits)
     scores = torch.cat(logits)[:, args.reward_label or 0].float()
@@ -1007,11 +989,9 @@ def load_models(args, device, tools=None):
             add_pad_token(rm_tokenizer, [reward_model])
         reward_model = place(reward_model.eval().requires_grad_(False), device, bf16)
     add_pad_token(tokenizer, [policy], eos_ids)
-    # detail 4: a generation_config of our own, every field set, none left to the checkpoint's
-    policy.generation_config = transformers.GenerationConfig(
-        do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens
-    )
-    policy.generation_config.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+    sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)  # detail 4: softmax(logits / T)
+    ends = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+    policy.generation_config = transformers.GenerationConfig(**sampling, **ends)  # all ours, none of the checkpoint's
     if tools:
         check_tool_template(tokenizer, tools, eos_ids, args.model)
     if args.lora_r:
@@ -1055,11 +1035,8 @@ def last_hidden_state(model, inputs):
     if model.get_output_embeddings() is None:  # a trunk (AutoModel): PPO's critic
         return model(**inputs, use_cache=False).last_hidden_state
     kept = []
-    hook = model.get_decoder().register_forward_hook(lambda module, args, out: kept.append(out.last_hidden_state))
-    try:
+    with model.get_decoder().register_forward_hook(lambda module, args, out: kept.append(out.last_hidden_state)):
         model(**inputs, use_cache=False, logits_to_keep=1)
-    finally:
-        hook.remove()
     return kept[0]
 
 
@@ -1074,7 +1051,6 @@ def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp3
     backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
     for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
     where F.linear runs it (autocast's dtype), the head cast to it once: its gradient summed over the chunks in it."""
-    B, T = labels.shape
     config, head = model.config, model.get_output_embeddings()
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -1101,11 +1077,10 @@ def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp3
 
     weight, bias = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
     n = max(1, LM_HEAD_CHUNK // head.weight.shape[0])  # tokens per chunk
-    hidden, labels = hidden.reshape(B * T, -1), labels.reshape(B * T)
-    chunks = []
-    for i in range(0, B * T, n):
-        chunks.append(checkpoint(chunk, hidden[i : i + n], labels[i : i + n], weight, bias, use_reentrant=False))
-    return torch.cat([lp for lp, _ in chunks]).view(B, T), torch.cat([entropy for _, entropy in chunks]).view(B, T)
+    hidden_chunks, label_chunks = hidden.flatten(0, 1).split(n), labels.flatten().split(n)  # (N, H), (N,) each
+    chunks = [checkpoint(chunk, h, y, weight, bias, use_reentrant=False) for h, y in zip(hidden_chunks, label_chunks)]
+    logprobs, entropy = zip(*chunks)
+    return torch.cat(logprobs).view_as(labels), torch.cat(entropy).view_as(labels)
 
 
 def shard(model, bf16=False):
@@ -1159,7 +1134,7 @@ def frozen_copy(model, device, bf16):
 @contextlib.contextmanager
 def unsharded(model):
     """Under torchrun, the model whole on every rank for a while: one all-gather a rollout, not one a token."""
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for module in sharded:
         module.unshard()
         module.set_reshard_after_forward(False, recurse=False)
@@ -1183,9 +1158,8 @@ def prepare(args, trained):
     """Gradient checkpointing, torch's threads, and AdamW over the trained models' parameters: (params, optimizer)."""
     trained = [model for model in trained if model is not None]
     for model in trained:
-        if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only (5.17: gradient_)
-            enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
-            enable({"use_reentrant": False})  # reentrant checkpointing can leave LoRA's adapters without a gradient
+        if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only
+            model.activation_checkpointing_enable({"use_reentrant": False})  # reentrant can leave LoRA with no gradient
     if trained[0].device.type == "cpu" and sum(p.numel() for p in trained[0].parameters()) < 50e6:
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
@@ -1195,17 +1169,16 @@ def prepare(args, trained):
 
 # TRY NOT TO MODIFY: set-up, seeding, the run directory, logging, evaluation
 
-RULES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2, "> 0": lambda x: x > 0}
-RULES |= {"in [0, 1]": lambda x: 0 <= x <= 1, "in (0, 1)": lambda x: 0 < x < 1, "in (0, 1]": lambda x: 0 < x <= 1}
-RULES |= {"finite": lambda x: True}  # what every rule asks of a number
-
 
 def check_range(args, rule, names):
-    """One line for the first flag of `names` that breaks RULES[rule]; unset (None) passes, NaN and inf do not."""
+    """One line for the first flag of `names` that breaks the rule; unset (None) passes, NaN and inf do not."""
+    rules = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2, "> 0": lambda x: x > 0}
+    rules |= {"in [0, 1]": lambda x: 0 <= x <= 1, "in (0, 1)": lambda x: 0 < x < 1, "in (0, 1]": lambda x: 0 < x <= 1}
+    rules |= {"finite": lambda x: True}  # what every rule asks of a number
     for name in names.split():
         value = getattr(args, name)
         values = value if isinstance(value, tuple) else (value,)
-        if value is not None and not all(math.isfinite(x) and RULES[rule](x) for x in values):
+        if value is not None and not all(math.isfinite(x) and rules[rule](x) for x in values):
             raise SystemExit(f"error: --{name.replace('_', '-')} must be {rule} (got {value})")
 
 
@@ -1233,12 +1206,12 @@ def check_run(args, world):
             raise SystemExit(f"error: {message}")
 
 
-def all_reduce(x, op="sum"):
-    """The tensor x summed over the torchrun ranks (or their "min" or "max"); x itself in one process."""
+def all_reduce(x):
+    """The tensor x summed over the torchrun ranks; x itself in one process."""
     if not dist.is_initialized():
         return x
     y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
-    dist.all_reduce(y, getattr(dist.ReduceOp, op.upper()))
+    dist.all_reduce(y)
     return y.to(x.device)
 
 
@@ -1305,8 +1278,6 @@ def own_run(args, rank):
     run_dir = args.resume or os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{int(time.time() * 1000)}")
     verdict = [run_dir, None]  # rank 0's run directory and refusal
     if rank == 0:
-        import fcntl  # here: the lock alone needs it
-
         os.makedirs(run_dir, exist_ok=True)
         fd = os.open(os.path.join(run_dir, "lock"), os.O_RDWR | os.O_CREAT)
         LOCK.callback(os.close, fd)
@@ -1324,9 +1295,8 @@ def own_run(args, rank):
     return verdict[0]
 
 
-def open_run(args, given, rank, checkpoint, run_dir):
+def open_run(args, given, rank, resumed_update, run_dir):
     """Rank 0's args.json (the flags as given) and TensorBoard writer, in the run directory that own_run locked."""
-    resumed_update = checkpoint.get("update", 0)
     if rank:
         return None
     if resumed_update:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
@@ -1356,7 +1326,7 @@ def start_run(args, given, ranks, models, optimizer, tokenizer, tools=None):
     try:  # the run directory owned before its checkpoint is read, and freed again on a refusal
         run_dir = own_run(args, ranks[0])
         resumed = load_checkpoint(args, models, optimizer)
-        writer = open_run(args, given, ranks[0], resumed, run_dir)
+        writer = open_run(args, given, ranks[0], resumed.get("update", 0), run_dir)
     except BaseException:
         LOCK.close()
         raise
@@ -1632,9 +1602,6 @@ def trained_state(models, optimizer):
 
 def crc32(path):
     """zlib's CRC-32 of a file, through mmap (no copy; 3x sha256's speed, docs/scaling.md): a flipped byte alters it."""
-    import mmap  # here, as zlib: the checksums alone need them
-    import zlib
-
     with open(path, "rb") as f:  # mmap refuses an empty file, whose CRC-32 is 0
         return zlib.crc32(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if os.fstat(f.fileno()).st_size else 0
 
@@ -1660,17 +1627,15 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
                 f.flush()
                 os.fsync(f.fileno())  # on disk before the link points to it
             names = [os.path.relpath(os.path.join(d, n), path) for d, _, ns in os.walk(path) for n in ns]
-            sums = {name: crc32(os.path.join(path, name)) for name in names}  # every rank's shards, in the page cache
-            with open(os.path.join(path, "checksums.json"), "w") as f:
-                json.dump(sums, f)
+            with open(os.path.join(path, "checksums.json"), "w") as f:  # each file's CRC-32, every rank's shards too
+                json.dump({name: crc32(os.path.join(path, name)) for name in names}, f)
                 f.flush()
                 os.fsync(f.fileno())
             if os.path.lexists(link + ".tmp"):  # a hard kill's
                 os.remove(link + ".tmp")
             os.symlink(slot, link + ".tmp")
             os.replace(link + ".tmp", link)  # atomic
-            if not os.path.islink(os.path.join(run_dir, "policy")):  # a first save (or an earlier version's directory)
-                shutil.rmtree(os.path.join(run_dir, "policy"), ignore_errors=True)
+            if not os.path.islink(os.path.join(run_dir, "policy")):  # a first save
                 os.symlink(os.path.join("checkpoint", "policy"), os.path.join(run_dir, "policy"))
             shutil.rmtree(os.path.join(run_dir, old), ignore_errors=True)
     except (Exception, dcp.CheckpointException) as e:  # a full disk, a file-size limit, a directory gone
@@ -1717,14 +1682,10 @@ def load_checkpoint(args, models, optimizer):
     if not args.resume:
         return {}
     path = os.path.join(args.resume, "checkpoint")
-    if os.path.isfile(os.path.join(args.resume, "checkpoint.pt")) and not os.path.exists(path):
-        how = f"go on with the version that wrote it, or start a new run from its policy: --model {args.resume}/policy"
-        raise SystemExit(f"error: --resume {args.resume}: checkpoint.pt is of an earlier version of this script: {how}")
     state = trained_state(models, optimizer)
     try:  # none (a run killed before its first save), a damaged one, or one of other models or flags
         saved = json.load(open(os.path.join(path, "state.json")))
-        record = os.path.join(path, "checksums.json")
-        sums = json.load(open(record)) if os.path.isfile(record) else {}  # an earlier version's save wrote none
+        sums = json.load(open(os.path.join(path, "checksums.json")))
         bad = [name for name in sorted(sums) if crc32(os.path.join(path, name)) != sums[name]]
         if bad:  # nothing changed; the slot before this one is gone (each save deletes it), policy/ may be whole
             whole = f"its policy/ is whole: --model {args.resume}/policy starts a new run from it"

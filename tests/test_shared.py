@@ -21,7 +21,7 @@ def definitions(module):
     for node in ast.parse(source).body:
         targets = getattr(node, "targets", []) + [getattr(node, "target", None)]  # x = ... and x |= ... (AugAssign)
         names = [node.name] if hasattr(node, "name") else [t.id for t in targets if hasattr(t, "id")]
-        for name in names:  # a name built over several statements (RULES, ARITHMETIC): all of them
+        for name in names:  # a name built over several statements (x = ..., then x |= ...): all of them
             out[name] = out.get(name, "") + ast.get_source_segment(source, node)
     return out
 
