@@ -255,13 +255,12 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
 @torch.no_grad()
 def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, **sampling):
     """Step 1: the prompts left-padded (detail 6), cut on the left to --max-prompt-length; a response sampled for each
-    from softmax(logits / temperature) (detail 4: the policy's generation_config, set by load_models; `sampling`, as
-    evaluation's greedy, overrides it), cut after its first EOS (detail 2); with stop (generate()'s stopping_criteria),
-    all at the next token once it says so. With tools, in turns: a turn that ends in tool calls gets their results
-    appended as tokens (the chat template's tool messages), after which the policy writes its next turn. A response ends
-    on a turn without a call; it is cut off (not ended) by a call past --max-tool-calls, a result that does not fit, or
-    --max-new-tokens, which counts every token of the response. The ids the policy sampled are the ids it trains on,
-    never re-tokenised. The batch:
+    from softmax(logits / temperature) (detail 4: the generation_config load_models sets, or evaluation's `sampling`),
+    cut after its first EOS (detail 2); with stop (generate()'s stopping_criteria), all at the next token once it says
+    so. With tools, in turns: a turn that ends in tool calls gets their results appended as tokens (the chat template's
+    tool messages), after which the policy writes its next turn. A response ends on a turn without a call; it is cut off
+    (not ended) by a call past --max-tool-calls, a result that does not fit, or --max-new-tokens, which counts every
+    token. The ids the policy sampled are the ids it trains on, never re-tokenised. The batch:
         query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens (a tool's too)
         responses, mask                  (B, R)      the response tokens (pad after them), 1.0 on the policy's own
         ended, lengths                   (B,)        whether the response ended (its last turn in an EOS); its length
@@ -402,8 +401,7 @@ def main(args: Args | None = None):
         ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
     params, optimizer = prepare(args, [policy, critic, value_head])
     models = {"policy": policy, "critic": critic, "value_head": value_head}  # what checkpoint/ and policy/ hold
-    if args.ref_update_every:  # else the reference is --model's
-        models["ref_policy"] = ref_policy
+    models["ref_policy"] = ref_policy if args.ref_update_every else None  # else the reference is --model's
     models = nn.ModuleDict({name: model for name, model in models.items() if model is not None})
     resumed, prompts, run_dir, writer = start_run(args, given, (rank, world), models, optimizer, tokenizer, tools)
     first_update, kl_coef = resumed.get("update", 0), resumed.get("kl_coef", args.kl_coef)
@@ -535,13 +533,11 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
         "val/mean_length": batch["lengths"].sum().item() / batch_size,  # every token, a tool's too
         "lr": optimizer.param_groups[0]["lr"],
     }
-    for key in stats[0]:  # policy_loss's (policy/*, val/ratio), value_loss's (val/clipfrac_avg), the losses
-        metrics[key] = torch.stack([s[key] for s in stats]).mean().item()
+    metrics |= {key: torch.stack([s[key] for s in stats]).mean().item() for key in stats[0]}  # losses, their stats
     metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
     if batch["fn_scores"].shape[1]:  # the reward function's verdict, beside a reward model when one is given
         metrics["objective/accuracy"] = batch["fn_scores"][:, 0].double().sum().item() / batch_size
-    if args.tools:
-        metrics |= tool_metrics(batch)
+    metrics |= tool_metrics(batch) if args.tools else {}
     times, progress = clock.metrics(update, batch["lengths"].sum().item())
     ops = {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"}
     metrics = global_metrics(metrics | times, ops)
@@ -1389,12 +1385,11 @@ def global_metrics(metrics, ops):
 
 
 def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, tools=None):
-    """Held-out: n = --eval-num-generations samples of each prompt at --eval-temperature (0: greedy); a sample is right
-    when its reward is > 0. eval/accuracy is pass@1, the mean over the n, its standard error over the prompts (a
-    prompt's samples are not independent); with n > 1 eval/pass@k (k = 1, 2, 4, ... below n, and n) and eval/maj@n;
-    the mean lengths of right and wrong samples (--eval-only: a table). Under torchrun each rank takes every world-th
-    batch of the prompts x samples and runs as many rollouts as the others (each gathers the policy): a rank short of
-    a batch samples the first again, uncounted; each prompt is counted once."""
+    """n = --eval-num-generations samples of each held-out prompt at --eval-temperature (0: greedy), right when their
+    reward is > 0: eval/accuracy, pass@1, the mean over the n, its standard error over the prompts (a prompt's samples
+    are not independent); above n = 1 eval/pass@k (k = 1, 2, 4, ... below n, and n) and eval/maj@n; the mean lengths of
+    right and wrong samples (--eval-only: a table). Under torchrun the ranks take every world-th batch of the prompts x
+    samples, as many each (one short of a batch samples the first again, uncounted): each prompt is counted once."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     n, temperature = args.eval_num_generations, args.eval_temperature
     temperature = args.temperature if temperature is None else temperature
@@ -1434,7 +1429,8 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, too
         if chosen.any():
             metrics[f"eval/mean_length_{name}"] = lengths[chosen].mean().item()
     if args.eval_only:
-        print(eval_table(metrics, len(rows), n, f"temperature {temperature:g}" if temperature else "greedy"))
+        sampled = f"temperature {temperature:g}" if temperature else "greedy"
+        print(eval_line(metrics, f"{len(rows)} held-out prompts, {n} sample{'s' * (n > 1)} each, {sampled}"))
     return metrics
 
 
@@ -1451,18 +1447,15 @@ def majority_vote(answers):
     return max(votes, key=votes.count, default=None)
 
 
-def eval_line(metrics):
-    """The held-out accuracy ± its standard error."""
-    return f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
-
-
-def eval_table(metrics, prompts, n, sampled):
-    """--eval-only's table: the accuracy (pass@1) ± its standard error, the 95% bound on the gap between two
-    evaluations of one policy (1.96 sqrt(2) of it), then pass@k, maj@n, the tools' and the lengths' metrics."""
+def eval_line(metrics, table=None):
+    """The held-out accuracy ± its standard error; with a table's title (--eval-only), the table: that line with the
+    95% bound on the gap between two evaluations of one policy (1.96 sqrt(2) SE), then pass@k, maj@n and the rest."""
+    line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
+    if table is None:
+        return line
     bound = 1.96 * 2**0.5 * metrics["eval/accuracy_stderr"]
-    lines = [f"{eval_line(metrics)} (pass@1; two evaluations of one policy differ by < {bound:.3f})"]
-    lines += [f"  {key.removeprefix('eval/'):<28}{value:.3f}" for key, value in list(metrics.items())[2:]]
-    return "\n".join([f"{prompts} held-out prompts, {n} sample{'s' * (n > 1)} each, {sampled}:"] + lines)
+    rows = [f"  {key.removeprefix('eval/'):<28}{value:.3f}" for key, value in list(metrics.items())[2:]]
+    return "\n".join([f"{table}:", f"{line} (pass@1; two evaluations of one policy differ by < {bound:.3f})", *rows])
 
 
 class Stopwatch:
@@ -1733,8 +1726,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
                 what += f"; {e}"
         go_on, path = f"python {os.path.basename(__file__)} --resume {run_dir} goes on", f"{run_dir}/checkpoint"
         if saved is None and os.path.exists(path):  # the last save that was written
-            with open(os.path.join(path, "state.json")) as f:
-                saved = f"{path} holds update {json.load(f)['update']}"
+            saved = f"{path} holds update {json.load(open(os.path.join(path, 'state.json')))['update']}"
         elif saved is None:
             saved, go_on = "no checkpoint was written", "start the run again"
         cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
