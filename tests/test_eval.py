@@ -57,23 +57,26 @@ def test_right_is_a_positive_reward_and_one_sample_keeps_the_keys(tmp_path):
     result = ppo_llm.main(args)
     assert result["eval/accuracy"] == 1.0 and result["eval/accuracy_stderr"] == 0.0
     assert set(result) == {"eval/accuracy", "eval/accuracy_stderr", "eval/mean_length_right"}  # no pass@k at n = 1
+    # 2 samples: pass@k, but no maj@2: a reward function of one's own has no answer that final_answer reads
+    result = ppo_llm.main(ppo_llm.Args(**vars(args) | dict(eval_num_generations=2)))
+    assert result["eval/pass@2"] == 1.0 and not any(key.startswith("eval/maj@") for key in result)
 
 
-def test_the_warning_on_cut_off_responses_once_and_again_as_it_grows(capsys):
+def test_the_warning_on_cut_off_responses_once_and_again_as_it_grows(capsys, monkeypatch):
+    monkeypatch.setattr(ppo_llm, "TRUNCATED", [])  # this run's
     args = ppo_llm.Args(max_new_tokens=8)
     for share in [0.4, 0.6, 0.6, 0.5, 0.75, 0.7]:
         ppo_llm.warn_truncated(share, args, ", less --missing-eos-penalty if set")
     lines = capsys.readouterr().out.splitlines()
     assert [line.split("%")[0] for line in lines] == ["warning: 60", "warning: 75"]
     assert "hit --max-new-tokens 8, scored on their cut text, less --missing-eos-penalty if set" in lines[0]
-    ppo_llm.TRUNCATED.clear()
 
 
 @pytest.mark.parametrize("module, prompts", [(ppo_llm, 16), (grpo_llm, 2)])
 def test_a_too_short_max_new_tokens_is_named_and_the_share_logged(module, prompts, tmp_path, capsys):
-    # the embedded answers are 1 to 3 digits and an EOS: 2 tokens cut most of them off, 8 none
-    for max_new_tokens in [2, 8]:
-        output_dir = tmp_path / str(max_new_tokens)
+    # the embedded answers are 1 to 3 digits and an EOS: 2 tokens cut most of them off, 8 none; each run warns anew
+    for i, max_new_tokens in enumerate([2, 8, 2]):
+        output_dir = tmp_path / str(i)
         common = dict(total_steps=1, eval_every=0, save_every=0, prompts_per_update=prompts, micro_batch_size=8)
         module.main(module.Args(max_new_tokens=max_new_tokens, output_dir=str(output_dir), **common))
         (run_dir,) = output_dir.iterdir()

@@ -336,7 +336,7 @@ def test_eval_only_on_a_dataset_and_eval_split_during_training(tiny, tmp_path, c
     args = grpo_llm.Args(model=tiny["policy"], dataset=tiny["jsonl"], reward_fn=("gsm8k",), max_new_tokens=4,
                          eval_only=True, output_dir=str(tmp_path / "runs"))  # fmt: skip
     result = grpo_llm.main(args)
-    assert "(n=20; two evaluations" in capsys.readouterr().out and not os.path.exists(tmp_path / "runs")
+    assert "20 held-out prompts, 1 sample each" in capsys.readouterr().out and not os.path.exists(tmp_path / "runs")
     assert set(result) == {"eval/accuracy", "eval/accuracy_stderr", "eval/mean_length_wrong"}  # nothing right
     # --eval-split FILE: the periodic evaluation of a prompt file; a local --dataset has no split to name
     _, records = run(
