@@ -6,6 +6,7 @@ import math
 import os
 import signal
 
+import huggingface_hub
 import pytest
 import torch
 import transformers
@@ -743,6 +744,7 @@ def test_the_embedded_default_runs_from_elsewhere_and_a_copy_says_what_to_give(t
     assert os.path.isabs(args.model) and os.path.isfile(os.path.join(args.model, "config.json"))
     assert os.path.isfile(args.dataset) and os.listdir(ppo_llm.main(args))
     monkeypatch.setattr(ppo_llm, "__file__", str(tmp_path / "ppo_llm.py"))  # the script alone, copied here
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as with no network, without its retries
     with pytest.raises(SystemExit) as e:
         ppo_llm.main(ppo_llm.parse_args(argv))
     assert str(e.value).startswith("error: --model assets/arith-sft is no directory")
