@@ -187,11 +187,12 @@ def test_calls_are_parsed_by_the_response_template_after_their_context():
     tok = compact_tokenizer()
     prompt = tok("calculator:6*7\nA:").input_ids
     turn = tok(CALL).input_ids + [tok.eos_token_id]
-    (call,) = ppo_llm.tool_calls_in(tok, prompt + turn, len(turn))
+    tools = {"calculator": ppo_llm.calculator}
+    (call,) = ppo_llm.tool_calls_in(tok, prompt + turn, len(turn), tools)
     assert call["function"] == {"name": "calculator", "arguments": {"expression": "6*7"}}
-    assert ppo_llm.tool_calls_in(tok, prompt + tok("42").input_ids, 2) == []  # an answer
+    assert ppo_llm.tool_calls_in(tok, prompt + tok("42").input_ids, 2, tools) == []  # an answer
     broken = tok('<tool_call>{"name": "calculator", "arguments": {</tool_call>').input_ids
-    assert ppo_llm.tool_calls_in(tok, prompt + broken, len(broken)) == [None]  # malformed JSON: one failed call
+    assert ppo_llm.tool_calls_in(tok, prompt + broken, len(broken), tools) == ["the call is not valid JSON"]
 
 
 def test_every_kind_of_bad_call_is_an_error_result_and_counted():
@@ -211,7 +212,7 @@ def test_every_kind_of_bad_call_is_an_error_result_and_counted():
     tools = {"calculator": ppo_llm.calculator, "slow": slow, "number": number, "broken": broken}
     calls = [
         {"function": {"name": "calculator", "arguments": {"expression": "6*7"}}},  # the one that works
-        None,  # not JSON
+        "the call is not valid JSON",  # tool_calls_in's failed call: its reason
         {"function": {"name": "search", "arguments": {}}},  # no such tool
         {"function": {"name": "calculator", "arguments": "6*7"}},  # arguments not an object
         {"function": {"name": "calculator", "arguments": {"expr": "6*7"}}},  # a wrong argument: TypeError
@@ -221,7 +222,7 @@ def test_every_kind_of_bad_call_is_an_error_result_and_counted():
         {"function": {"name": "calculator", "arguments": {"expression": "9**9**9"}}},
     ]
     started = time.perf_counter()
-    ids, failed = ppo_llm.run_tools(tok, tools, calls, 0.5, [tok.eos_token_id])
+    ids, failed = ppo_llm.run_tools(tok, tools, calls, 0.5, [tok.eos_token_id], 10_000)
     assert time.perf_counter() - started < 10  # the 30 s sleep was cut at 0.5 s
     assert failed == 8
     text = tok.decode(ids)
@@ -239,7 +240,7 @@ def test_load_tools_takes_the_builtin_and_your_functions(tmp_path):
     assert list(tools) == ["calculator", "weather"] and tools["weather"]("Oslo") == "sun"
     tok = compact_tokenizer()
     with pytest.raises(SystemExit, match="error: --tools: .*: a tool is a function with type hints and an Args: doc"):
-        ppo_llm.check_tool_template(tok, ppo_llm.load_tools((f"{path}:undocumented",)), [tok.eos_token_id], "m")
+        ppo_llm.setup_tool_parsing(tok, ppo_llm.load_tools((f"{path}:undocumented",)), [tok.eos_token_id], "m")
     with pytest.raises(SystemExit, match=r"error: --tools search: not one of \['calculator'\]"):
         ppo_llm.load_tools(("search",))
 
@@ -255,7 +256,7 @@ def test_load_tools_takes_the_builtin_and_your_functions(tmp_path):
             "<|eot_id|>",
             "writes calls in a format not read here",
         ),
-        (QWEN3, ("<|im_start|>", "<|im_end|>"), "<|im_end|>", "not prefix-preserving"),
+        (QWEN3, ("<|im_start|>", "<|im_end|>"), "<|im_end|>", "renders a turn otherwise once a tool message follows"),
         (NO_HEADER, ("<|im_start|>", "<|im_end|>"), "<|im_end|>", "adds no assistant header to anchor calls at"),
     ],
 )
@@ -263,17 +264,18 @@ def test_a_chat_template_that_cannot_carry_tools_is_refused_in_one_line(template
     tok = tool_tokenizer(template, specials)
     tools = {"calculator": ppo_llm.calculator}
     with pytest.raises(SystemExit, match=error):
-        ppo_llm.check_tool_template(tok, tools, tok.convert_tokens_to_ids([eos]), "m")
+        ppo_llm.setup_tool_parsing(tok, tools, tok.convert_tokens_to_ids([eos]), "m")
 
 
 def test_a_tool_call_template_gets_hermes_response_template_anchored_at_the_assistant_header():
     tok = tool_tokenizer(QWEN25, ["<|im_start|>", "<|im_end|>"])
-    ppo_llm.check_tool_template(tok, {"calculator": ppo_llm.calculator}, tok.convert_tokens_to_ids(["<|im_end|>"]), "m")
+    tools = {"calculator": ppo_llm.calculator}
+    ppo_llm.setup_tool_parsing(tok, tools, tok.convert_tokens_to_ids(["<|im_end|>"]), "m")
     assert tok.response_template["start_anchor"] == "<|im_start|>assistant\n"
     prompt = tok.apply_chat_template([{"role": "user", "content": "6*7"}], tokenize=False, add_generation_prompt=True)
     turn = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call><|im_end|>'
     ids, turn_ids = tok(prompt).input_ids, tok(turn).input_ids
-    (call,) = ppo_llm.tool_calls_in(tok, ids + turn_ids, len(turn_ids))
+    (call,) = ppo_llm.tool_calls_in(tok, ids + turn_ids, len(turn_ids), tools)
     assert call["function"]["arguments"] == {"expression": "6*7"}
 
 
@@ -286,6 +288,7 @@ def test_the_reward_reads_the_last_turn_and_a_response_ending_on_a_tool_result_s
     masks.append([1.0] * 3)
     inputs = tok(["6*7", "6*7", "6*7"], return_tensors="pt")
     batch = ppo_llm.padded_batch(inputs, responses, masks, [True, False, True], tok.pad_token_id)
+    batch["cut_on_call"] = torch.tensor([False, False, False])
     completions, transcripts = ppo_llm.decode_responses(tok, batch)
     assert completions == ["42", "", "42"]  # the tool's 42 is never the policy's answer
     assert transcripts[0] == CALL + "[tool: \nR:42\nA:]42" and transcripts[1] == CALL + "[tool: \nR:42\nA:]"
@@ -455,7 +458,7 @@ def test_a_stop_during_a_tool_call_is_no_failure():
     started = time.perf_counter()
     timer.start()
     try:
-        ids, failed = ppo_llm.run_tools(tok, {"slow": slow}, [call], 60, [tok.eos_token_id])
+        ids, failed = ppo_llm.run_tools(tok, {"slow": slow}, [call], 60, [tok.eos_token_id], 10_000)
         assert ppo_llm.STOP == [signal.SIGTERM]
     finally:
         timer.cancel()
@@ -474,7 +477,8 @@ def test_a_turn_longer_than_its_room_goes_on_in_the_next_generate(calc, monkeypa
     tok = AutoTokenizer.from_pretrained(calc["policy"], padding_side="left")
     tools = {"calculator": ppo_llm.calculator}
     first = [tok(SCRIPT[p][0]).input_ids + [tok.eos_token_id] for p in ["6*7", "2*3"]]
-    results = [ppo_llm.run_tools(tok, tools, ppo_llm.tool_calls_in(tok, ids, len(ids)), 1, [1])[0] for ids in first]
+    parsed = [ppo_llm.tool_calls_in(tok, ids, len(ids), tools) for ids in first]
+    results = [ppo_llm.run_tools(tok, tools, c, 1, [1], 10_000)[0] for c in parsed]
     longest = max(len(ids) + len(result) for ids, result in zip(first, results))  # 2*3's
     policy = AutoModelForCausalLM.from_pretrained(calc["policy"])
     policy.generation_config.update(do_sample=True, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
