@@ -436,12 +436,12 @@ def main(args: Args | None = None):
                     out = [policy_forward(ref_policy, batch, mb, args)[1] for mb in micro_batches]
                 ref_logprobs = torch.cat(out)[order]
             # 3. scores; per-token rewards: -beta * KL on each token, the normalised score on the policy's last (3, 13)
-            completions, transcripts = decode_responses(tokenizer, batch)  # the last turns; the whole responses
+            completions, transcripts, conversations = decode_responses(tokenizer, batch)  # see there
             fn_scores = reward_fn_scores(reward_fns, completions, rows, transcripts, device)  # (B, reward functions)
             if reward_model is None:
                 scores = fn_scores[:, 0]  # the reward function's
             else:
-                scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)
+                scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, conversations, args)
             kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator) * mask
             non_score_reward = -kl_coef * kl
             rewards = non_score_reward.clone()
@@ -529,7 +529,7 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
         "objective/non_score_reward": batch["non_score_reward"].sum(1).mean().item(),
         "objective/scores": scores.mean().item(),
         "val/num_eos_tokens": int(batch["ended"].sum().item()),
-        "completions/clipped_ratio": (~batch["ended"]).float().mean().item(),  # never ended: GRPO's (TRL's) name
+        "completions/clipped_ratio": (~batch["ended"] & ~batch["cut_on_call"]).float().mean().item(),  # no EOS: TRL's
         "val/mean_length": batch["lengths"].sum().item() / batch_size,  # every token, a tool's too
         "lr": optimizer.param_groups[0]["lr"],
     }
@@ -661,18 +661,21 @@ def padded_batch(inputs, responses, masks, ended, pad_token_id):
 
 
 def decode_responses(tokenizer, batch):
-    """(completions, transcripts): each response's text after its last tool result (what the reward functions score: a
-    tool's output is never the answer; "" for one cut off on a call, whose last operand is not its answer either), and
-    the whole response, tool results as [tool: ...] (the same without tools)."""
+    """(completions, transcripts, conversations): each response's text after its last tool result (what the reward
+    functions score: a tool's output is never the answer; "" for one cut off on a call, whose last operand is not its
+    answer either), the whole response, tool results as [tool: ...], and its turns as messages, the assistant's (its
+    calls in them) and the tools' (what a reward model with a tokenizer of its own reads; without tools one turn)."""
     real, mask = batch["attention_mask"][:, batch["prompt_width"] :].bool(), batch["mask"].bool()
-    completions, transcripts = [], []
+    completions, transcripts, conversations = [], [], []
     rows = zip(batch["responses"].tolist(), (real & ~mask).tolist(), batch["cut_on_call"].tolist())
     for ids, is_tool, cut_on_call in rows:  # the pad after a response: not a tool's
         parts = [(tool, [i for i, _ in part]) for tool, part in itertools.groupby(zip(ids, is_tool), lambda x: x[1])]
         texts = [tokenizer.decode(part, skip_special_tokens=True) for _, part in parts]
         completions.append("" if parts[-1][0] or cut_on_call else texts[-1])  # cut off on a call or its result: none
         transcripts.append("".join(f"[tool: {text}]" if tool else text for (tool, _), text in zip(parts, texts)))
-    return completions, transcripts
+        turns = [{"role": "tool" if tool else "assistant", "content": text} for (tool, _), text in zip(parts, texts)]
+        conversations.append(turns)
+    return completions, transcripts, conversations
 
 
 def calculator(expression: str) -> str:
@@ -823,11 +826,17 @@ def tool_result_ids(tokenizer, messages, eos_ids):
 
 
 def tool_metrics(batch):
-    """TRL's tools/call_frequency (calls per response), tools/failure_frequency (failed per call), tools/mean_turns."""
+    """TRL's tools/call_frequency (calls per response) and tools/failure_frequency (failed per call); ours: the policy's
+    turns, every token of a response (tools' too), the share cut off on a call (TRL counts those terminated)."""
     counts = [len(batch["turns"]), batch["tool_calls"].sum(), batch["tool_failures"].sum(), batch["turns"].sum()]
-    n, calls, failures, turns = all_reduce(torch.tensor([float(c) for c in counts], dtype=torch.float64)).tolist()
+    counts += [batch["lengths"].sum(), batch["cut_on_call"].sum()]
+    n, calls, failures, turns, tokens, cut = all_reduce(torch.tensor([float(c) for c in counts]).double()).tolist()
     frequencies = {"tools/call_frequency": calls / n, "tools/failure_frequency": failures / max(calls, 1)}
-    return frequencies | {"tools/mean_turns": turns / n}
+    return frequencies | {
+        "tools/mean_turns": turns / n,
+        "tools/mean_length": tokens / n,
+        "tools/cut_off_ratio": cut / n,
+    }
 
 
 def load_prompts(args, tokenizer, needs_answers, tools=None):
@@ -977,29 +986,30 @@ def tokenize_texts(tokenizer, texts, max_length):
     return tokenizer(texts, add_special_tokens=not has_bos, **options)
 
 
-def rm_text(rm_tokenizer, row, completion):
-    """What a reward model with a tokenizer of its own reads: the conversation through its own chat template, if any."""
+def rm_text(rm_tokenizer, row, turns):
+    """What a reward model with a tokenizer of its own reads: the whole conversation, the response's turns (messages)
+    after the prompt, through its own chat template, if any (as TRL's _calculate_rewards), else their texts."""
     if rm_tokenizer.chat_template is None:
-        return row["prompt"] + completion
+        return row["prompt"] + "".join(turn["content"] for turn in turns)
     messages = row["messages"] or [{"role": "user", "content": row["prompt"]}]
-    return rm_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}], tokenize=False)
+    return rm_tokenizer.apply_chat_template(messages + turns, tokenize=False)
 
 
-def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
+def reward_model_scores(reward_model, rm_tokenizer, batch, rows, conversations, args):
     """Each sequence's score (B,) at its last real token: of the policy's ids (rm_tokenizer None), else of rm_text's."""
     if rm_tokenizer is None:
         mask = batch["attention_mask"]
         inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
     else:
         context = min(rm_tokenizer.model_max_length, reward_model.config.max_position_embeddings)
-        texts = [rm_text(rm_tokenizer, row, completion) for row, completion in zip(rows, completions)]
+        texts = [rm_text(rm_tokenizer, row, turns) for row, turns in zip(rows, conversations)]
         inputs = tokenize_texts(rm_tokenizer, texts, context).to(reward_model.device)
     logits, n = [], args.micro_batch_size
     with scoring(reward_model):
-        for i in range(0, len(completions), n):
+        for i in range(0, len(conversations), n):
             logits.append(reward_model(**{key: value[i : i + n] for key, value in inputs.items()}).logits)
     scores = torch.cat(logits)[:, args.reward_label or 0].float()
-    on_every_rank(lambda: finite_scores(scores.tolist(), f"--reward-model {args.reward_model}", completions))
+    on_every_rank(lambda: finite_scores(scores.tolist(), f"--reward-model {args.reward_model}", conversations))
     return scores
 
 
@@ -1446,7 +1456,7 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, too
     for chunk in batches[rank::world]:
         chunk_rows = [rows[s // n] for s in chunk or batches[0]]
         batch = rollout(policy, tokenizer, [r["prompt"] for r in chunk_rows], args, autocast, None, tools, **sampling)
-        completions, transcripts = decode_responses(tokenizer, batch)
+        completions, transcripts, _ = decode_responses(tokenizer, batch)
         scores = on_every_rank(lambda: reward_fn(completions, chunk_rows, transcripts) if chunk else [])  # all stop
         if chunk is not None:  # a repeat of the first batch is not counted
             counts = batch["lengths"].float().tolist(), batch["tool_calls"].tolist(), batch["tool_failures"].tolist()

@@ -289,7 +289,7 @@ def test_the_reward_reads_the_last_turn_and_a_response_ending_on_a_tool_result_s
     inputs = tok(["6*7", "6*7", "6*7"], return_tensors="pt")
     batch = ppo_llm.padded_batch(inputs, responses, masks, [True, False, True], tok.pad_token_id)
     batch["cut_on_call"] = torch.tensor([False, False, False])
-    completions, transcripts = ppo_llm.decode_responses(tok, batch)
+    completions, transcripts, _ = ppo_llm.decode_responses(tok, batch)
     assert completions == ["42", "", "42"]  # the tool's 42 is never the policy's answer
     assert transcripts[0] == CALL + "[tool: \nR:42\nA:]42" and transcripts[1] == CALL + "[tool: \nR:42\nA:]"
     rows = [{"answer": "42"}] * 3
@@ -391,7 +391,8 @@ def test_grpo_with_tools_passes_the_whole_responses_to_reward_functions(calc, tm
     run_dir = tool_run(grpo_llm, calc, tmp_path, monkeypatch, num_generations=2, num_iterations=2, reward_fn=reward_fns)
     for m in untimed_metrics(run_dir)[1:]:
         assert m["importance_ratio/mean"] == 1.0  # the old log-probs recomputed: exactly the current ones at lr 0
-        assert m["tools/call_frequency"] == 0.75 and m["completions/clipped_ratio"] == 0.25  # 9*9 cut off
+        assert m["tools/call_frequency"] == 0.75 and m["tools/cut_off_ratio"] == 0.25  # 9*9 cut off on its call
+        assert m["completions/clipped_ratio"] == 0.0  # TRL's: every response ends in an EOS, 9*9's on its call
         # 6*7 and 2*3 right; a tool's result in 6*7's, 2*3's (an error) and 9*9's (its first call's)
         assert m["rewards/arithmetic/mean"] == 0.5 and m["rewards/used_tool/mean"] == 0.75
 
@@ -485,6 +486,6 @@ def test_a_turn_longer_than_its_room_goes_on_in_the_next_generate(calc, monkeypa
     args = ppo_llm.Args(max_new_tokens=longest + 2, max_tool_calls=1, tool_timeout=10.0)
     prompts = [f"calculator:{p}\nA:" for p in ["6*7", "2*3"]]
     batch = ppo_llm.rollout(policy, tok, prompts, args, contextlib.nullcontext(), None, tools)
-    completions, _ = ppo_llm.decode_responses(tok, batch)
+    completions, _, _ = ppo_llm.decode_responses(tok, batch)
     assert completions == ["42", "6"] and batch["ended"].tolist() == [True, True] and len(calls) == 3
     assert batch["tool_calls"].tolist() == [1, 1] and batch["tool_failures"].tolist() == [0, 1]
