@@ -201,3 +201,12 @@ def test_tiny_build_is_deterministic_and_loadable(tmp_path, capsys):
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "calc-sft")
     assert policy.config.n_positions == 128 and policy.generation_config.max_new_tokens == 24
     assert read_rows(tmp_path / "a" / "calc" / "test.jsonl") == read_rows(os.path.join(DATA_DIR, "test.jsonl"))
+
+
+def test_a_parsed_turn_is_an_assistant_message_as_trl_reads_it():
+    # TRL's tool loop appends the parsed turn to the conversation and reads its "role": the response template's
+    # defaults give it, as every TRL template's do (without them, TRL fails at the first call: KeyError 'role')
+    tok = AutoTokenizer.from_pretrained(SFT_DIR)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call><eos>'
+    parsed = tok.parse_response(call, prefix="calculator:6*7\nA:")
+    assert parsed["role"] == "assistant" and parsed["tool_calls"][0]["function"]["arguments"] == {"expression": "6*7"}
