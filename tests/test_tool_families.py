@@ -181,9 +181,9 @@ def test_two_calls_in_a_turn_of_a_one_call_family_are_a_failed_call():
     # Llama 3.1 renders one call a turn (its template raises on two). TRL's parser reads two in a turn as one malformed
     # call; a tokenizer's own response template (first, before TRL's) that reads "; " between calls gets a failed call
     tok, eos_ids = family("llama3_1")
-    calls = {"open_pattern": r'\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*', "close_pattern": r"\}(?:; (?=\{)|<\|eot_id\|>)",
-             "repeats": True, "content": "json", "transform": {"type": "function", "function": {"name": "{name}",
-             "arguments": "{content}"}}}  # fmt: skip
+    calls = {"open_pattern": r'\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*', "repeats": True, "content": "json"}
+    calls["close_pattern"] = r"\}(?:; (?=\{)|<\|eot_id\|>)"  # the call's own "}", before "; {" or the turn's end
+    calls["transform"] = {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}}
     start = "<|start_header_id|>assistant<|end_header_id|>\n\n"
     tok.response_template = {"start_anchor": start, "fields": {"tool_calls": calls, "content": {}}}
     ppo_llm.setup_tool_parsing(tok, TOOLS, eos_ids, "llama3_1")

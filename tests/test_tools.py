@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -489,3 +490,75 @@ def test_a_turn_longer_than_its_room_goes_on_in_the_next_generate(calc, monkeypa
     completions, _, _ = ppo_llm.decode_responses(tok, batch)
     assert completions == ["42", "6"] and batch["ended"].tolist() == [True, True] and len(calls) == 3
     assert batch["tool_calls"].tolist() == [1, 1] and batch["tool_failures"].tolist() == [0, 1]
+
+
+# ---- a call cut off, the reward model's text, the metrics' meanings
+
+
+def call_batch(tok, prompts, responses, ended, cut_on_call):
+    """padded_batch of compact-template responses, each a list of (text, the policy's or not) parts ("<eos>" at a
+    part's end: the EOS id), with rollout's counts (a call and a turn each)."""
+    ids, masks = [[] for _ in responses], [[] for _ in responses]
+    for i, parts in enumerate(responses):
+        for text, own in parts:
+            part = tok(text.removesuffix("<eos>")).input_ids
+            if text.endswith("<eos>"):
+                part.append(tok.eos_token_id)
+            ids[i], masks[i] = ids[i] + part, masks[i] + [float(own)] * len(part)
+    batch = ppo_llm.padded_batch(tok(prompts, padding=True, return_tensors="pt"), ids, masks, ended, tok.pad_token_id)
+    n = len(prompts)
+    counts = dict(cut_on_call=cut_on_call, tool_calls=[1] * n, tool_failures=[0] * n, turns=[1] * n)
+    return batch | {name: torch.tensor(v) for name, v in counts.items()}
+
+
+def test_a_response_cut_off_on_its_call_has_no_answer_and_abstains_from_the_vote():
+    # two samples cut off on their call of 1*3145 (past --max-tool-calls, or its result would not fit) and one that
+    # answers 7: the call's last operand, 3145, is no answer of theirs. Scored "" (gsm8k's reward: 0, not 1), they
+    # abstain, and maj@3 is 7 (it was 3145, two votes to one)
+    tok = compact_tokenizer()
+    cut = [(CALL.replace("6*7", "1*3145") + "<eos>", True)]
+    batch = call_batch(tok, ["q"] * 3, [cut, cut, [("7<eos>", True)]], [False, False, True], [True, True, False])
+    completions, transcripts, _ = ppo_llm.decode_responses(tok, batch)
+    assert completions == ["", "", "7"] and "1*3145" in transcripts[0]
+    rows = [{"answer": "#### 3145"}] * 3
+    assert ppo_llm.load_reward_fn("gsm8k", 600)(completions, rows, transcripts) == [0.0, 0.0, 0.0]
+    assert ppo_llm.majority_vote([ppo_llm.final_answer(c) for c in completions]) == 7.0
+
+
+def test_a_reward_model_reads_the_whole_conversation_whatever_its_tokenizer():
+    # a tool run and a direct answer with the same last turn, 42: one with its own tokenizer reads the assistant's call,
+    # the tool's message and the answer through its chat template; one with the policy's reads the ids, which hold them
+    tok, rm_tok = compact_tokenizer(), tool_tokenizer(QWEN25, ["<|im_start|>", "<|im_end|>"])
+    tool_run = [(CALL + "<eos>", True), ("\nR:42\nA:", False), ("42<eos>", True)]
+    batch = call_batch(tok, ["6*7", "6*7"], [tool_run, [("42<eos>", True)]], [True, True], [False, False])
+    completions, _, conversations = ppo_llm.decode_responses(tok, batch)
+    assert completions == ["42", "42"]
+    row = {"prompt": "6*7", "messages": None}
+    tool_text, direct_text = [ppo_llm.rm_text(rm_tok, row, turns) for turns in conversations]
+    assert direct_text == "<|im_start|>user\n6*7<|im_end|>\n<|im_start|>assistant\n42<|im_end|>\n"
+    assert tool_text == (
+        f"<|im_start|>user\n6*7<|im_end|>\n<|im_start|>assistant\n{CALL}<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n\nR:42\nA:\n</tool_response><|im_end|>\n<|im_start|>assistant\n42<|im_end|>\n"
+    )
+    assert ppo_llm.rm_text(char_tokenizer(["x"]), row, conversations[0]) == "6*7" + CALL + "\nR:42\nA:42"  # no template
+    real = batch["attention_mask"][:, batch["prompt_width"] :].sum(1)  # the policy's ids: the tool's tokens too
+    assert real.tolist() == [len(tok(CALL).input_ids) + 1 + 8 + 3, 3]
+
+
+def test_the_metrics_under_trls_names_mean_trls():
+    # one batch: a call (60 tokens and EOS: 61), its result "\nR:42\nA:" (8) and the answer 42<eos> (3); and a call cut
+    # off on it (61). TRL's completions/*_length count the policy's tokens: 61 + 3 = 64 and 61, mean 62.5; ours,
+    # tools/mean_length, every token: (72 + 61) / 2 = 66.5. TRL's clipped_ratio counts no EOS at the end: 0 (the cut
+    # off call ends in its EOS; TRL counts it terminated); tools/cut_off_ratio: 1 of 2
+    tok = compact_tokenizer()
+    tool_run = [(CALL + "<eos>", True), ("\nR:42\nA:", False), ("42<eos>", True)]
+    batch = call_batch(tok, ["6*7", "6*7"], [tool_run, [(CALL + "<eos>", True)]], [True, False], [False, True])
+    assert batch["lengths"].tolist() == [72, 61] and batch["mask"].sum(1).tolist() == [64.0, 61.0]
+    batch |= {"rewards": torch.zeros(2), "scores": torch.zeros(2, 1), "zero_std": torch.ones(2, dtype=torch.bool)}
+    args = grpo_llm.Args(num_generations=2, prompts_per_update=1, tools=("calculator",))
+    optimizer, clock = types.SimpleNamespace(param_groups=[{"lr": 0.0}]), types.SimpleNamespace()
+    clock.metrics = lambda update, tokens: ({"perf/tokens": tokens}, "")
+    m, _ = grpo_llm.grpo_metrics(1, args, batch, ["arithmetic"], [], [], [], optimizer, clock)
+    assert (m["completions/mean_length"], m["completions/min_length"], m["completions/max_length"]) == (62.5, 61, 64)
+    assert m["completions/clipped_ratio"] == 0.0 and m["tools/cut_off_ratio"] == 0.5
+    assert m["tools/mean_length"] == 66.5 and m["perf/tokens"] == 133 and m["tools/mean_turns"] == 1.0
