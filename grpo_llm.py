@@ -768,6 +768,7 @@ def setup_tool_parsing(tokenizer, tools, eos_ids, model):
     if getattr(tokenizer, "response_template", None) is None:
         raise SystemExit(f"{flag} writes calls in a format not read here: {fix}")
     if trl_templates and not trl_templates.is_chat_template_prefix_preserving(tokenizer):
+        tokenizer.family_chat_template = tokenizer.chat_template  # what save_policy saves
         with contextlib.suppress(ValueError):  # a family TRL has no training template of: refused just below
             tokenizer.chat_template = trl_templates.get_training_chat_template(tokenizer)
     tool_result_ids(tokenizer, [{"role": "tool", "name": next(iter(tools)), "content": "1"}], eos_ids)
@@ -1728,6 +1729,8 @@ def save_policy(path, models, tokenizer, merged=False):
     """policy/: save_pretrained of the policy (LoRA: the adapter; merged: the merged model in policy/merged), PPO's
     critic (policy/critic, value_head.pt: docs/ppo_llm.md); under torchrun gathered a model at a time into rank 0."""
     rank, failed = dist.get_rank() if dist.is_initialized() else 0, None
+    tokenizer = copy.copy(tokenizer)  # with its family's chat template, not the training one a tool run renders with
+    tokenizer.chat_template = getattr(tokenizer, "family_chat_template", tokenizer.chat_template)
     options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True)
     for name, model in models.items():  # every rank takes part in each gather, rank 0 too after a failure
         if name == "ref_policy":  # --model's, or a copy of the policy

@@ -12,9 +12,9 @@ import types
 import pytest
 import torch
 import trl  # noqa: I001  requirements-dev.txt pins the release whose templates these tests read: missing, they fail
-from conftest import char_tokenizer
+from conftest import char_tokenizer, tiny_config
 from tokenizers import AddedToken, Regex, pre_tokenizers
-from transformers import GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig, GPT2LMHeadModel
 
 import ppo_llm
 
@@ -195,3 +195,15 @@ def test_two_calls_in_a_turn_of_a_one_call_family_are_a_failed_call():
     assert calls == ["this model calls one tool a turn"]
     result, failed = ppo_llm.run_tools(tok, TOOLS, calls, 5.0, eos_ids, 10_000)
     assert failed == 1 and "ValueError: this model calls one tool a turn" in tok.decode(result)
+
+
+def test_qwen3_runs_with_trls_training_template_and_saves_its_own(tmp_path):
+    # the run renders prompts, tool messages and evaluation with TRL's prefix-preserving training template (it
+    # replaces the tokenizer's, in memory); the saved policy/ keeps the family's own
+    tok, eos_ids = family("qwen3")
+    own = tok.chat_template
+    ppo_llm.setup_tool_parsing(tok, TOOLS, eos_ids, "qwen3")
+    assert tok.chat_template == trl.chat_template_utils.qwen3_training_chat_template != own
+    ppo_llm.save_policy(str(tmp_path), {"policy": GPT2LMHeadModel(tiny_config(tok))}, tok)
+    assert AutoTokenizer.from_pretrained(tmp_path).chat_template == own
+    assert tok.chat_template == trl.chat_template_utils.qwen3_training_chat_template  # the run's, still
