@@ -1423,7 +1423,7 @@ def warn_truncated(share, args, scoring):
     failure: a cut answer scores as wrong), once a run and again only if the share grows; `scoring`: this script's."""
     if share >= 0.5 and share > max(TRUNCATED, default=0):
         TRUNCATED.append(share)
-        cut = f"--max-new-tokens {args.max_new_tokens}" + (" or --max-tool-calls" if args.tools else "")
+        cut = f"--max-new-tokens {args.max_new_tokens}"  # a response cut off on its call ends in an EOS: not counted
         print(f"warning: {share:.0%} of this update's responses hit {cut}, scored on their cut text{scoring}")
 
 
