@@ -743,7 +743,6 @@ def setup_tool_parsing(tokenizer, tools, eos_ids, model):
         tokenizer.family_chat_template = tokenizer.chat_template  # what save_policy saves
         with contextlib.suppress(ValueError):  # a family TRL has no training template of: refused just below
             tokenizer.chat_template = trl_templates.get_training_chat_template(tokenizer)
-    tool_result_ids(tokenizer, [{"role": "tool", "name": next(iter(tools)), "content": "1"}], eos_ids)
     probe = {"name": "probe", "description": "A probe.", "parameters": {"type": "object", "properties": {}}}
     probe["parameters"]["properties"]["n"] = {"type": "integer", "description": "a number"}
     for k in (1, 2):  # Llama 3.x's template raises on two calls in a turn; gpt-oss's ends the turn at the first
@@ -755,8 +754,10 @@ def setup_tool_parsing(tokenizer, tools, eos_ids, model):
             ids, start, end = rendered_turn(tokenizer, turn, eos_ids, [{"type": "function", "function": probe}])
             parsed = tool_calls_in(tokenizer, ids[:end], end - start, {"probe": probe})
         if parsed != calls and k == 1:
-            raise SystemExit(f"{flag}: a call of probe(n=7) did not parse back as rendered ({parsed}): {fix}")
+            why = f"a turn that calls probe(n=7), to its first end id, did not parse back as rendered ({parsed})"
+            raise SystemExit(f"{flag}: {why}: {fix}")
         tokenizer.one_call_a_turn = parsed != calls
+    tool_result_ids(tokenizer, [{"role": "tool", "name": next(iter(tools)), "content": "1"}], eos_ids)
 
 
 def tool_calls_in(tokenizer, ids, turn_length, tools):
@@ -782,7 +783,7 @@ def rendered_turn(tokenizer, turn, eos_ids, tools=None):
     header = tokenizer.apply_chat_template(user, tools=tools, add_generation_prompt=True, return_dict=False)
     ids = tokenizer.apply_chat_template(user + turn, tools=tools, add_generation_prompt=True, return_dict=False)
     start = next((j for j, (a, b) in enumerate(zip(header, ids)) if a != b), len(header))
-    end = next((j + 1 for j in range(start, len(ids)) if ids[j] in eos_ids), len(ids))
+    end = next((j + 1 for j in range(start, len(ids)) if ids[j] in eos_ids), None)  # None: no end id, refused
     return ids, start, end
 
 

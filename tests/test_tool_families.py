@@ -207,3 +207,12 @@ def test_qwen3_runs_with_trls_training_template_and_saves_its_own(tmp_path):
     ppo_llm.save_policy(str(tmp_path), {"policy": GPT2LMHeadModel(tiny_config(tok))}, tok)
     assert AutoTokenizer.from_pretrained(tmp_path).chat_template == own
     assert tok.chat_template == trl.chat_template_utils.qwen3_training_chat_template  # the run's, still
+
+
+def test_a_family_whose_turn_ends_in_no_end_id_is_refused(monkeypatch):
+    # GLM-4-MoE's call turn ends in <|observation|>: a checkpoint that does not list it among its end ids would write
+    # past its call, tool results of its own, until --max-new-tokens; the round trip finds no end and refuses
+    monkeypatch.setitem(ENDS, "glm4moe", ["<|user|>"])
+    tok, eos_ids = family("glm4moe")
+    with pytest.raises(SystemExit, match="a turn that calls probe.n=7., to its first end id, did not parse back"):
+        ppo_llm.setup_tool_parsing(tok, TOOLS, eos_ids, "glm4moe")
