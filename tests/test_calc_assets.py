@@ -112,8 +112,9 @@ def test_chat_template_renders_the_task(tok):
 
 
 def test_response_template_parses_the_call(tok):
-    assert tok.parse_response(CALL, prefix=PROMPT) == {"tool_calls": [{"type": "function", "function": CALL_MESSAGE}]}
-    assert tok.parse_response("3145", prefix=PROMPT + CALL + "<eos>" + TOOL) == {"content": "3145"}
+    calls = [{"type": "function", "function": CALL_MESSAGE}]
+    assert tok.parse_response(CALL, prefix=PROMPT) == {"role": "assistant", "tool_calls": calls}  # its defaults' role
+    assert tok.parse_response("3145", prefix=PROMPT + CALL + "<eos>" + TOOL) == {"role": "assistant", "content": "3145"}
 
 
 def test_demonstration_loss_mask_is_the_assistants_tokens(tok):
