@@ -62,13 +62,6 @@ NO_TOOLS = "{% for message in messages %}{{ message.content }}{% endfor %}"  # a
 NO_HEADER = QWEN25.replace("{{ '<|im_start|>assistant\n' }}", "")  # no generation prompt: no turn's start to parse at
 
 
-@pytest.fixture(autouse=True)
-def no_stop_yet():
-    """A stop recorded by an earlier test's run (STOP is the script's, kept past its end) would skip every call."""
-    ppo_llm.STOP.clear()
-    grpo_llm.STOP.clear()
-
-
 def tool_tokenizer(template, specials=()):
     """The tests' character tokenizer with a newline, <tool_call> / </tool_call> as single (not special) tokens, a
     chat template, and the template's turn markers as special tokens."""
