@@ -257,48 +257,48 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, *
     """Step 1: the prompts left-padded (detail 6), cut on the left to --max-prompt-length; a response sampled for each
     from softmax(logits / temperature) (detail 4: the generation_config load_models sets, or evaluation's `sampling`),
     cut after its first EOS (detail 2); with stop (generate()'s stopping_criteria), all at the next token once it says
-    so. With tools, in turns: a turn that ends in tool calls gets their results appended as tokens (the chat template's
-    tool messages), after which the policy writes its next turn. A response ends on a turn without a call; it is cut off
-    (not ended) by a call past --max-tool-calls, a result that does not fit, or --max-new-tokens, which counts every
-    token. The ids the policy sampled are the ids it trains on, never re-tokenised. The batch:
+    so. With tools, in turns: a turn's calls get their results (the chat template's tool messages), then the next turn.
+    A response ends on a turn without a call, or is cut off (done, not ended) by a stop, on its call (cut_on_call: past
+    --max-tool-calls, or the results do not fit) or at --max-new-tokens (all tokens); `going`: the rows not done. Batch:
         query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens (a tool's too)
         responses, mask                  (B, R)      the response tokens (pad after them), 1.0 on the policy's own
-        ended, lengths                   (B,)        whether the response ended (its last turn in an EOS); its length
-        tool_calls, tool_failures, turns (B,)        the response's tool calls, the failed ones, the policy's turns
-        prompt_width                     Q"""
+        ended, cut_on_call, lengths      (B,)        ended (a turn without a call), cut off on a call, the length
+        tool_calls, tool_failures, turns (B,)        the tool calls, the failed ones, the policy's turns"""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
-    eos_ids, B = policy.generation_config.eos_token_id, len(prompts)
+    eos_ids, B, going = policy.generation_config.eos_token_id, len(prompts), list(range(len(prompts)))
     contexts = [ids[real.bool()].tolist() for ids, real in zip(inputs.input_ids, inputs.attention_mask)]
-    responses, masks, ended, going = [[] for _ in prompts], [[] for _ in prompts], [False] * B, list(range(B))
-    starts, (tool_calls, tool_failures, tool_turns) = [0] * B, torch.zeros(3, B, dtype=torch.long)  # turns' starts
+    responses, masks, turn_starts, turns = [[] for _ in prompts], [[] for _ in prompts], [0] * B, [1] * B
+    ended, done, cut_on_call, tool_calls, tool_failures = [False] * B, [False] * B, [False] * B, [0] * B, [0] * B
+    sampling |= dict(stopping_criteria=stop, synced_gpus=False)  # FSDP: no collective in generate (ranks' turns differ)
     policy.eval()
-    with autocast, unsharded(policy):  # FSDP: one gather for every turn, no collective in them (ranks' turns differ)
-        while going:  # one generate() for the responses still going, each after its own ids so far
+    with autocast, unsharded(policy):  # FSDP: one gather for every turn
+        while going:  # one generate() for the rows going, each after its own ids, as many tokens as the longest's room
             context = tokenizer.pad({"input_ids": [contexts[i] + responses[i] for i in going]}, return_tensors="pt")
-            room = args.max_new_tokens - max(len(responses[i]) for i in going)  # the longest's: within the context
-            out = policy.generate(
-                **context.to(policy.device), max_new_tokens=room, stopping_criteria=stop, synced_gpus=False, **sampling
-            )
+            room = args.max_new_tokens - max(len(responses[i]) for i in going)
+            out = policy.generate(**context.to(policy.device), max_new_tokens=room, **sampling)
             new, new_mask, _ = truncate_after_eos(out[:, context.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
-            still_going = []
             for i, ids, length in zip(going, new.tolist(), new_mask.sum(1).tolist()):
                 responses[i], masks[i] = responses[i] + ids[:length], masks[i] + [1.0] * length
-                eos = responses[i][-1] in eos_ids  # the turn's end; else it goes on if it filled the room (not a stop)
-                if not eos and length == room:
-                    still_going.append(i)
-                turn = len(responses[i]) - starts[i]
-                calls = tool_calls_in(tokenizer, contexts[i] + responses[i], turn) if tools and eos else []
-                ended[i] = eos and not calls  # a turn that calls a tool does not end the response
-                if calls and tool_turns[i] < args.max_tool_calls:  # else a call past them cuts it off
-                    result, failed = run_tools(tokenizer, tools, calls, args.tool_timeout, eos_ids)  # the results' ids
+                turn_length, left = len(responses[i]) - turn_starts[i], args.max_new_tokens - len(responses[i])
+                turn_ended = responses[i][-1] in eos_ids
+                calls = tool_calls_in(tokenizer, contexts[i] + responses[i], turn_length, tools) if turn_ended else []
+                if not turn_ended:  # it filled the room: the turn goes on in the next generate(); else a stop came
+                    done[i] = length < room
+                elif not calls:  # a turn without a call: the response ended
+                    ended[i] = done[i] = True
+                elif turns[i] > args.max_tool_calls:  # cut off on its call: past --max-tool-calls
+                    cut_on_call[i] = done[i] = True
+                else:  # the calls' results, then the policy's next turn; cut off on its call if they do not fit
+                    result, failed = run_tools(tokenizer, tools, calls, args.tool_timeout, eos_ids, left)
                     tool_calls[i], tool_failures[i] = tool_calls[i] + len(calls), tool_failures[i] + failed
-                    if len(responses[i]) + len(result) <= args.max_new_tokens:  # else they cut it off
+                    cut_on_call[i] = done[i] = len(result) > left
+                    if not cut_on_call[i]:
                         responses[i], masks[i] = responses[i] + result, masks[i] + [0.0] * len(result)
-                        starts[i], tool_turns[i] = len(responses[i]), tool_turns[i] + 1
-                        still_going.append(i)
-            going = [i for i in still_going if len(responses[i]) < args.max_new_tokens]  # room for a token
-    counts = {"tool_calls": tool_calls, "tool_failures": tool_failures, "turns": tool_turns + 1}
-    return padded_batch(inputs, responses, masks, ended, tokenizer.pad_token_id) | counts
+                        turn_starts[i], turns[i] = len(responses[i]), turns[i] + 1
+            going = [i for i in going if not done[i] and len(responses[i]) < args.max_new_tokens]  # else no room left
+    batch = padded_batch(inputs, responses, masks, ended, tokenizer.pad_token_id)
+    counts = dict(cut_on_call=cut_on_call, tool_calls=tool_calls, tool_failures=tool_failures, turns=turns)
+    return batch | {name: torch.tensor(v, device=batch["ended"].device) for name, v in counts.items()}
 
 
 def position_ids(attention_mask):
@@ -436,12 +436,12 @@ def main(args: Args | None = None):
                     out = [policy_forward(ref_policy, batch, mb, args)[1] for mb in micro_batches]
                 ref_logprobs = torch.cat(out)[order]
             # 3. scores; per-token rewards: -beta * KL on each token, the normalised score on the policy's last (3, 13)
-            completions, transcripts = decode_responses(tokenizer, batch)  # the last turns; the whole responses
+            completions, transcripts, conversations = decode_responses(tokenizer, batch)  # see there
             fn_scores = reward_fn_scores(reward_fns, completions, rows, transcripts, device)  # (B, reward functions)
             if reward_model is None:
                 scores = fn_scores[:, 0]  # the reward function's
             else:
-                scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args)
+                scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, conversations, args)
             kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator) * mask
             non_score_reward = -kl_coef * kl
             rewards = non_score_reward.clone()
@@ -529,7 +529,7 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
         "objective/non_score_reward": batch["non_score_reward"].sum(1).mean().item(),
         "objective/scores": scores.mean().item(),
         "val/num_eos_tokens": int(batch["ended"].sum().item()),
-        "completions/clipped_ratio": (~batch["ended"]).float().mean().item(),  # never ended: GRPO's (TRL's) name
+        "completions/clipped_ratio": (~batch["ended"] & ~batch["cut_on_call"]).float().mean().item(),  # no EOS: TRL's
         "val/mean_length": batch["lengths"].sum().item() / batch_size,  # every token, a tool's too
         "lr": optimizer.param_groups[0]["lr"],
     }
@@ -661,16 +661,21 @@ def padded_batch(inputs, responses, masks, ended, pad_token_id):
 
 
 def decode_responses(tokenizer, batch):
-    """(completions, transcripts): each response's text after its last tool result (what the reward functions score: a
-    tool's output is never the answer), and the whole response, tool results as [tool: ...] (the same without tools)."""
+    """(completions, transcripts, conversations): each response's text after its last tool result (what the reward
+    functions score: a tool's output is never the answer; "" for one cut off on a call, whose last operand is not its
+    answer either), the whole response, tool results as [tool: ...], and its turns as messages, the assistant's (its
+    calls in them) and the tools' (what a reward model with a tokenizer of its own reads; without tools one turn)."""
     real, mask = batch["attention_mask"][:, batch["prompt_width"] :].bool(), batch["mask"].bool()
-    completions, transcripts = [], []
-    for ids, is_tool in zip(batch["responses"].tolist(), (real & ~mask).tolist()):  # the pad after it: not a tool's
+    completions, transcripts, conversations = [], [], []
+    rows = zip(batch["responses"].tolist(), (real & ~mask).tolist(), batch["cut_on_call"].tolist())
+    for ids, is_tool, cut_on_call in rows:  # the pad after a response: not a tool's
         parts = [(tool, [i for i, _ in part]) for tool, part in itertools.groupby(zip(ids, is_tool), lambda x: x[1])]
         texts = [tokenizer.decode(part, skip_special_tokens=True) for _, part in parts]
-        completions.append("" if parts[-1][0] else texts[-1])  # a response cut off on a tool's result: no answer
+        completions.append("" if parts[-1][0] or cut_on_call else texts[-1])  # cut off on a call or its result: none
         transcripts.append("".join(f"[tool: {text}]" if tool else text for (tool, _), text in zip(parts, texts)))
-    return completions, transcripts
+        turns = [{"role": "tool" if tool else "assistant", "content": text} for (tool, _), text in zip(parts, texts)]
+        conversations.append(turns)
+    return completions, transcripts, conversations
 
 
 def calculator(expression: str) -> str:
@@ -701,11 +706,14 @@ def load_tools(specs):
     return {tool.__name__: tool for tool in [import_function(spec, "--tools", built_in) for spec in specs]}
 
 
-def check_tool_template(tokenizer, tools, eos_ids, model):
-    """With --tools, a chat template that describes them, prefix-preserving, and a response template that parses calls
-    (a <tool_call> template gets JSON calls, as TRL's add_response_schema, from its assistant header); else one line."""
-    user, flag = [{"role": "user", "content": "1"}], f"error: --tools: the chat template of --model {model}"
-    options = [{}, {"tools": list(tools.values())}, {"add_generation_prompt": True}]
+def setup_tool_parsing(tokenizer, tools, eos_ids, model):
+    """With --tools: installs the parser of calls, tokenizer.response_template (the tokenizer's own, else TRL's for its
+    families, else <tool_call> JSON at the assistant header), and where the template is not prefix-preserving (Qwen3's)
+    TRL's training template as tokenizer.chat_template, for the run; else one line. A round trip decides: turns of one
+    and two calls of probe(n: int) rendered and parsed back to the same calls (one_call_a_turn: two are not)."""
+    user, fix = [{"role": "user", "content": "1"}], "install TRL (pip install trl) or give it a response_template"
+    flag, options = f"error: --tools: the chat template of --model {model}", [{}, {"tools": list(tools.values())}]
+    options.append({"add_generation_prompt": True})
     try:  # transformers reads each tool's JSON schema from its type hints and docstring
         plain, described, header = [tokenizer.apply_chat_template(user, tokenize=False, **o) for o in options]
     except ValueError as e:  # no chat template at all
@@ -715,28 +723,71 @@ def check_tool_template(tokenizer, tools, eos_ids, model):
     if described == plain:
         why = "does not render tools: give --model one that does (Qwen2.5-Instruct; assets/calc-sft)"
         raise SystemExit(f"{flag} {why}")
-    if getattr(tokenizer, "response_template", None) is None:
-        if "<tool_call>" not in str(tokenizer.chat_template):  # Llama 3.x's and Mistral's formats: not guessed at
-            raise SystemExit(f"{flag} writes calls in a format not read here: <tool_call> JSON, or a response_template")
+    try:
+        from trl import chat_template_utils as trl_templates  # optional: the formats of the families TRL knows
+    except ImportError:
+        trl_templates = None
+    if getattr(tokenizer, "response_template", None) is None and trl_templates:
+        with contextlib.suppress(ValueError):  # a family TRL does not know
+            trl_templates.add_response_schema(tokenizer)
+    if getattr(tokenizer, "response_template", None) is None and "<tool_call>" in str(tokenizer.chat_template):
         calls = dict(open="<tool_call>", close="</tool_call>", content="json", repeats=True)
         calls["transform"] = {"type": "function", "function": "{content}"}  # parse_response's tool_calls
         start = header.removeprefix(plain)  # each turn's start: the assistant header
         if not start or not header.startswith(plain):  # nothing that marks where a turn starts
             raise SystemExit(f"{flag} adds no assistant header to anchor calls at: give it a response_template")
         tokenizer.response_template = {"start_anchor": start, "fields": {"content": {}, "tool_calls": calls}}
+    if getattr(tokenizer, "response_template", None) is None:
+        raise SystemExit(f"{flag} writes calls in a format not read here: {fix}")
+    if trl_templates and not trl_templates.is_chat_template_prefix_preserving(tokenizer):
+        tokenizer.family_chat_template = tokenizer.chat_template  # what save_policy saves
+        with contextlib.suppress(ValueError):  # a family TRL has no training template of: refused just below
+            tokenizer.chat_template = trl_templates.get_training_chat_template(tokenizer)
+    probe = {"name": "probe", "description": "A probe.", "parameters": {"type": "object", "properties": {}}}
+    probe["parameters"]["properties"]["n"] = {"type": "integer", "description": "a number"}
+    for k in (1, 2):  # Llama 3.x's template raises on two calls in a turn; gpt-oss's ends the turn at the first
+        calls = [{"type": "function", "function": {"name": "probe", "arguments": {"n": 7 + i}}} for i in range(k)]
+        turn = [{"role": "assistant", "content": "", "tool_calls": calls}]
+        turn += [{"role": "tool", "name": "probe", "content": "1"}] * k
+        tokenizer.one_call_a_turn, parsed = False, None
+        with contextlib.suppress(Exception):
+            ids, start, end = rendered_turn(tokenizer, turn, eos_ids, [{"type": "function", "function": probe}])
+            parsed = tool_calls_in(tokenizer, ids[:end], end - start, {"probe": probe})
+        if parsed != calls and k == 1:
+            why = f"a turn that calls probe(n=7), to its first end id, did not parse back as rendered ({parsed})"
+            raise SystemExit(f"{flag}: {why}: {fix}")
+        tokenizer.one_call_a_turn = parsed != calls
     tool_result_ids(tokenizer, [{"role": "tool", "name": next(iter(tools)), "content": "1"}], eos_ids)
 
 
-def tool_calls_in(tokenizer, ids, turn_length):
-    """The tool calls of the last turn, ids[-turn_length:], by parse_response: [] if none, [None] if not valid JSON."""
+def tool_calls_in(tokenizer, ids, turn_length, tools):
+    """The tool calls of the last turn, ids[-turn_length:], by parse_response with the tools' JSON schemas (a=7 of an
+    XML-style template reaches add(a: int) as 7): [] if none; a failed call is the str of its reason (run_tools')."""
+    if not tools:  # a run without them
+        return []
     text, prefix = tokenizer.decode(ids[-turn_length:]), tokenizer.decode(ids[:-turn_length])
     try:
-        return tokenizer.parse_response(text, prefix=prefix).get("tool_calls") or []
+        calls = tokenizer.parse_response(text, prefix=prefix, tools=list(tools.values())).get("tool_calls") or []
     except ValueError:  # malformed JSON: a failed call
-        return [None]
+        return ["the call is not valid JSON"]
+    if len(calls) > 1 and getattr(tokenizer, "one_call_a_turn", False):  # the template renders one a turn
+        return ["this model calls one tool a turn"]
+    return calls
 
 
-def run_tools(tokenizer, tools, calls, timeout, eos_ids):
+def rendered_turn(tokenizer, turn, eos_ids, tools=None):
+    """user -> turn (an assistant's calls, tool messages) -> generation prompt, rendered: (ids, start, end), the
+    assistant's own tokens ids[start:end], from where the render leaves the generation prompt to the first end id
+    (Qwen's <|im_end|>, gpt-oss's <|call|>, GLM-4-MoE's <|observation|>: the model writes it)."""
+    user = [{"role": "user", "content": "1"}]
+    header = tokenizer.apply_chat_template(user, tools=tools, add_generation_prompt=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(user + turn, tools=tools, add_generation_prompt=True, return_dict=False)
+    start = next((j for j, (a, b) in enumerate(zip(header, ids)) if a != b), len(header))
+    end = next((j + 1 for j in range(start, len(ids)) if ids[j] in eos_ids), None)  # None: no end id, refused
+    return ids, start, end
+
+
+def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
     """The ids of the calls' tool messages (each result a str), and how many failed: a failed call (not JSON, no such
     tool, an error, past --tool-timeout) gets {'error': ...} as its result (as TRL), which the policy reads."""
     messages, failed = [], 0
@@ -745,8 +796,8 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids):
         try:  # a call without a name or arguments fails here, as one that names no tool
             if STOP:  # a Ctrl-C or SIGTERM came: no more calls (the rollout ends at its next token)
                 raise Stopped("a stop was requested")
-            if call is None:
-                raise ValueError("the call is not valid JSON")
+            if isinstance(call, str):  # tool_calls_in's failed call: its reason
+                raise ValueError(call)
             name, arguments = call["function"]["name"], call["function"].get("arguments", {})
             if name not in tools or not isinstance(arguments, dict):
                 raise ValueError(f"no tool {name!r}" if name not in tools else "the arguments are not a JSON object")
@@ -764,25 +815,30 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids):
 
 def tool_result_ids(tokenizer, messages, eos_ids):
     """The ids that tool messages add after an assistant turn, and the next turn's header (TRL's _get_tool_suffix_ids):
-    the chat template rendered with them and without, the shorter cut after its last EOS (Qwen2.5's '\\n' after
-    <|im_end|> is the template's, never sampled). One line if that is not a prefix of the longer."""
+    the render of the conversation after the assistant's turn ends (rendered_turn). One line if the turn renders
+    otherwise without them (not prefix-preserving, as Qwen3's)."""
     calls = [{"type": "function", "function": {"name": m["name"], "arguments": {}}} for m in messages]
-    before = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "", "tool_calls": calls}]
-    shorter = tokenizer.apply_chat_template(before, return_dict=False)
-    longer = tokenizer.apply_chat_template(before + messages, add_generation_prompt=True, return_dict=False)
-    cut = max([j + 1 for j, token in enumerate(shorter) if token in eos_ids], default=len(shorter))
-    if longer[:cut] != shorter[:cut]:  # Qwen3's writes an empty think block into the last assistant turn alone
-        why = "renders an assistant turn otherwise once a tool message follows: not prefix-preserving (as Qwen3's)"
+    turn = [{"role": "assistant", "content": "", "tool_calls": calls}]
+    ids, _, end = rendered_turn(tokenizer, turn + messages, eos_ids)
+    shorter = tokenizer.apply_chat_template([{"role": "user", "content": "1"}] + turn, return_dict=False)
+    if ids[: min(end, len(shorter))] != shorter[:end]:  # Qwen3's writes an empty think block into the last turn alone
+        why = "renders a turn otherwise once a tool message follows (Qwen3's: install TRL, for its training template)"
         raise SystemExit(f"error: --tools: the chat template of {tokenizer.name_or_path} {why}")
-    return longer[cut:]
+    return ids[end:]
 
 
 def tool_metrics(batch):
-    """TRL's tools/call_frequency (calls per response), tools/failure_frequency (failed per call), tools/mean_turns."""
+    """TRL's tools/call_frequency (calls per response) and tools/failure_frequency (failed per call); ours: the policy's
+    turns, every token of a response (tools' too), the share cut off on a call (TRL counts those terminated)."""
     counts = [len(batch["turns"]), batch["tool_calls"].sum(), batch["tool_failures"].sum(), batch["turns"].sum()]
-    n, calls, failures, turns = all_reduce(torch.tensor([float(c) for c in counts], dtype=torch.float64)).tolist()
+    counts += [batch["lengths"].sum(), batch["cut_on_call"].sum()]
+    n, calls, failures, turns, tokens, cut = all_reduce(torch.tensor([float(c) for c in counts]).double()).tolist()
     frequencies = {"tools/call_frequency": calls / n, "tools/failure_frequency": failures / max(calls, 1)}
-    return frequencies | {"tools/mean_turns": turns / n}
+    return frequencies | {
+        "tools/mean_turns": turns / n,
+        "tools/mean_length": tokens / n,
+        "tools/cut_off_ratio": cut / n,
+    }
 
 
 def load_prompts(args, tokenizer, needs_answers, tools=None):
@@ -932,29 +988,30 @@ def tokenize_texts(tokenizer, texts, max_length):
     return tokenizer(texts, add_special_tokens=not has_bos, **options)
 
 
-def rm_text(rm_tokenizer, row, completion):
-    """What a reward model with a tokenizer of its own reads: the conversation through its own chat template, if any."""
+def rm_text(rm_tokenizer, row, turns):
+    """What a reward model with a tokenizer of its own reads: the whole conversation, the response's turns (messages)
+    after the prompt, through its own chat template, if any (as TRL's _calculate_rewards), else their texts."""
     if rm_tokenizer.chat_template is None:
-        return row["prompt"] + completion
+        return row["prompt"] + "".join(turn["content"] for turn in turns)
     messages = row["messages"] or [{"role": "user", "content": row["prompt"]}]
-    return rm_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}], tokenize=False)
+    return rm_tokenizer.apply_chat_template(messages + turns, tokenize=False)
 
 
-def reward_model_scores(reward_model, rm_tokenizer, batch, rows, completions, args):
+def reward_model_scores(reward_model, rm_tokenizer, batch, rows, conversations, args):
     """Each sequence's score (B,) at its last real token: of the policy's ids (rm_tokenizer None), else of rm_text's."""
     if rm_tokenizer is None:
         mask = batch["attention_mask"]
         inputs = dict(input_ids=batch["query_responses"], attention_mask=mask, position_ids=position_ids(mask))
     else:
         context = min(rm_tokenizer.model_max_length, reward_model.config.max_position_embeddings)
-        texts = [rm_text(rm_tokenizer, row, completion) for row, completion in zip(rows, completions)]
+        texts = [rm_text(rm_tokenizer, row, turns) for row, turns in zip(rows, conversations)]
         inputs = tokenize_texts(rm_tokenizer, texts, context).to(reward_model.device)
     logits, n = [], args.micro_batch_size
     with scoring(reward_model):
-        for i in range(0, len(completions), n):
+        for i in range(0, len(conversations), n):
             logits.append(reward_model(**{key: value[i : i + n] for key, value in inputs.items()}).logits)
     scores = torch.cat(logits)[:, args.reward_label or 0].float()
-    on_every_rank(lambda: finite_scores(scores.tolist(), f"--reward-model {args.reward_model}", completions))
+    on_every_rank(lambda: finite_scores(scores.tolist(), f"--reward-model {args.reward_model}", conversations))
     return scores
 
 
@@ -989,7 +1046,7 @@ def load_models(args, device, tools=None):
     ends = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
     policy.generation_config = transformers.GenerationConfig(**sampling, **ends)  # all ours, none of the checkpoint's
     if tools:
-        check_tool_template(tokenizer, tools, eos_ids, args.model)
+        setup_tool_parsing(tokenizer, tools, eos_ids, args.model)
     if args.lora_r:
         policy = add_lora(policy, args)
     error = 0.0  # refuse a model whose logits the LM head does not reproduce: rank 0 holds the weights
@@ -1367,7 +1424,7 @@ def warn_truncated(share, args, scoring):
     failure: a cut answer scores as wrong), once a run and again only if the share grows; `scoring`: this script's."""
     if share >= 0.5 and share > max(TRUNCATED, default=0):
         TRUNCATED.append(share)
-        cut = f"--max-new-tokens {args.max_new_tokens}" + (" or --max-tool-calls" if args.tools else "")
+        cut = f"--max-new-tokens {args.max_new_tokens}"  # a response cut off on its call ends in an EOS: not counted
         print(f"warning: {share:.0%} of this update's responses hit {cut}, scored on their cut text{scoring}")
 
 
@@ -1401,7 +1458,7 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, too
     for chunk in batches[rank::world]:
         chunk_rows = [rows[s // n] for s in chunk or batches[0]]
         batch = rollout(policy, tokenizer, [r["prompt"] for r in chunk_rows], args, autocast, None, tools, **sampling)
-        completions, transcripts = decode_responses(tokenizer, batch)
+        completions, transcripts, _ = decode_responses(tokenizer, batch)
         scores = on_every_rank(lambda: reward_fn(completions, chunk_rows, transcripts) if chunk else [])  # all stop
         if chunk is not None:  # a repeat of the first batch is not counted
             counts = batch["lengths"].float().tolist(), batch["tool_calls"].tolist(), batch["tool_failures"].tolist()
@@ -1645,6 +1702,8 @@ def save_policy(path, models, tokenizer, merged=False):
     """policy/: save_pretrained of the policy (LoRA: the adapter; merged: the merged model in policy/merged), PPO's
     critic (policy/critic, value_head.pt: docs/ppo_llm.md); under torchrun gathered a model at a time into rank 0."""
     rank, failed = dist.get_rank() if dist.is_initialized() else 0, None
+    tokenizer = copy.copy(tokenizer)  # with its family's chat template, not the training one a tool run renders with
+    tokenizer.chat_template = getattr(tokenizer, "family_chat_template", tokenizer.chat_template)
     options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True)
     for name, model in models.items():  # every rank takes part in each gather, rank 0 too after a failure
         if name == "ref_policy":  # --model's, or a copy of the policy

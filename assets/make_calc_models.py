@@ -187,8 +187,10 @@ CHAT_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '\\nA:' }}{% endif %}"
 )
-# how tokenizer.parse_response reads a generated turn: its text is the content, each <tool_call>...</tool_call> a call
+# how tokenizer.parse_response reads a generated turn: its text is the content, each <tool_call>...</tool_call> a call;
+# the role its message gets (as every TRL response template: TRL's tool loop reads it)
 RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
     "start_anchor": "\nA:",
     "fields": {
         "content": {},

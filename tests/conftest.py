@@ -10,6 +10,16 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 
+@pytest.fixture(autouse=True)
+def no_stop_yet():
+    """A stop recorded by an earlier test's run (STOP is the script's, kept past its end) would skip every tool call."""
+    import grpo_llm
+    import ppo_llm
+
+    ppo_llm.STOP.clear()
+    grpo_llm.STOP.clear()
+
+
 def char_tokenizer(chars, pad="<pad>", eos="<eos>"):
     """A character-level tokenizer that AutoTokenizer loads: specials first, then one id per character."""
     vocab = {tok: i for i, tok in enumerate([pad, eos, "<unk>", *chars])}

@@ -112,8 +112,9 @@ def test_chat_template_renders_the_task(tok):
 
 
 def test_response_template_parses_the_call(tok):
-    assert tok.parse_response(CALL, prefix=PROMPT) == {"tool_calls": [{"type": "function", "function": CALL_MESSAGE}]}
-    assert tok.parse_response("3145", prefix=PROMPT + CALL + "<eos>" + TOOL) == {"content": "3145"}
+    calls = [{"type": "function", "function": CALL_MESSAGE}]
+    assert tok.parse_response(CALL, prefix=PROMPT) == {"role": "assistant", "tool_calls": calls}  # its defaults' role
+    assert tok.parse_response("3145", prefix=PROMPT + CALL + "<eos>" + TOOL) == {"role": "assistant", "content": "3145"}
 
 
 def test_demonstration_loss_mask_is_the_assistants_tokens(tok):
@@ -201,3 +202,12 @@ def test_tiny_build_is_deterministic_and_loadable(tmp_path, capsys):
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "calc-sft")
     assert policy.config.n_positions == 128 and policy.generation_config.max_new_tokens == 24
     assert read_rows(tmp_path / "a" / "calc" / "test.jsonl") == read_rows(os.path.join(DATA_DIR, "test.jsonl"))
+
+
+def test_a_parsed_turn_is_an_assistant_message_as_trl_reads_it():
+    # TRL's tool loop appends the parsed turn to the conversation and reads its "role": the response template's
+    # defaults give it, as every TRL template's do (without them, TRL fails at the first call: KeyError 'role')
+    tok = AutoTokenizer.from_pretrained(SFT_DIR)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call><eos>'
+    parsed = tok.parse_response(call, prefix="calculator:6*7\nA:")
+    assert parsed["role"] == "assistant" and parsed["tool_calls"][0]["function"]["arguments"] == {"expression": "6*7"}

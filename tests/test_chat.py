@@ -237,7 +237,9 @@ def test_reward_model_reads_the_whole_response(chat):
     rows = [{"prompt": "1" * 60 + "+1=", "messages": None}]
     r = {"query_responses": None, "attention_mask": None}  # the policy's ids: unused, the text is encoded again
     assert rm_tokenizer is not None  # a tokenizer of its own: it does not read the policy's ids
-    got = ppo_llm.reward_model_scores(reward_model, rm_tokenizer, r, rows, ["61"], args)
+    got = ppo_llm.reward_model_scores(
+        reward_model, rm_tokenizer, r, rows, [[{"role": "assistant", "content": "61"}]], args
+    )
     ids = rm_tokenizer(("1" * 60 + "+1=61")[-32:], return_tensors="pt").input_ids
     assert got.item() == pytest.approx(reward_model(input_ids=ids).logits[0, 0].item(), abs=1e-6)
 
@@ -266,9 +268,12 @@ def test_a_policy_without_a_pad_token_beside_a_reward_model_of_another_tokenizer
 def test_reward_model_with_its_own_chat_template():
     tok = chat_tokenizer()
     row = {"prompt": "<s><|user|>2+3=<|end|><|assistant|>", "messages": [{"role": "user", "content": "2+3="}]}
-    assert ppo_llm.rm_text(tok, row, "5") == "<s><|user|>2+3=<|end|><|assistant|>5<|end|>"
+    assert (
+        ppo_llm.rm_text(tok, row, [{"role": "assistant", "content": "5"}])
+        == "<s><|user|>2+3=<|end|><|assistant|>5<|end|>"
+    )
     tok.chat_template = None  # a reward model without a template reads the prompt as the policy saw it
-    assert ppo_llm.rm_text(tok, row, "5") == row["prompt"] + "5"
+    assert ppo_llm.rm_text(tok, row, [{"role": "assistant", "content": "5"}]) == row["prompt"] + "5"
 
 
 # ---- data ------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -59,13 +60,6 @@ LLAMA3 = (  # Llama 3.1's form: the call is a bare JSON object with "parameters"
 )
 NO_TOOLS = "{% for message in messages %}{{ message.content }}{% endfor %}"  # a template that ignores tools=
 NO_HEADER = QWEN25.replace("{{ '<|im_start|>assistant\n' }}", "")  # no generation prompt: no turn's start to parse at
-
-
-@pytest.fixture(autouse=True)
-def no_stop_yet():
-    """A stop recorded by an earlier test's run (STOP is the script's, kept past its end) would skip every call."""
-    ppo_llm.STOP.clear()
-    grpo_llm.STOP.clear()
 
 
 def tool_tokenizer(template, specials=()):
@@ -187,11 +181,12 @@ def test_calls_are_parsed_by_the_response_template_after_their_context():
     tok = compact_tokenizer()
     prompt = tok("calculator:6*7\nA:").input_ids
     turn = tok(CALL).input_ids + [tok.eos_token_id]
-    (call,) = ppo_llm.tool_calls_in(tok, prompt + turn, len(turn))
+    tools = {"calculator": ppo_llm.calculator}
+    (call,) = ppo_llm.tool_calls_in(tok, prompt + turn, len(turn), tools)
     assert call["function"] == {"name": "calculator", "arguments": {"expression": "6*7"}}
-    assert ppo_llm.tool_calls_in(tok, prompt + tok("42").input_ids, 2) == []  # an answer
+    assert ppo_llm.tool_calls_in(tok, prompt + tok("42").input_ids, 2, tools) == []  # an answer
     broken = tok('<tool_call>{"name": "calculator", "arguments": {</tool_call>').input_ids
-    assert ppo_llm.tool_calls_in(tok, prompt + broken, len(broken)) == [None]  # malformed JSON: one failed call
+    assert ppo_llm.tool_calls_in(tok, prompt + broken, len(broken), tools) == ["the call is not valid JSON"]
 
 
 def test_every_kind_of_bad_call_is_an_error_result_and_counted():
@@ -211,7 +206,7 @@ def test_every_kind_of_bad_call_is_an_error_result_and_counted():
     tools = {"calculator": ppo_llm.calculator, "slow": slow, "number": number, "broken": broken}
     calls = [
         {"function": {"name": "calculator", "arguments": {"expression": "6*7"}}},  # the one that works
-        None,  # not JSON
+        "the call is not valid JSON",  # tool_calls_in's failed call: its reason
         {"function": {"name": "search", "arguments": {}}},  # no such tool
         {"function": {"name": "calculator", "arguments": "6*7"}},  # arguments not an object
         {"function": {"name": "calculator", "arguments": {"expr": "6*7"}}},  # a wrong argument: TypeError
@@ -221,7 +216,7 @@ def test_every_kind_of_bad_call_is_an_error_result_and_counted():
         {"function": {"name": "calculator", "arguments": {"expression": "9**9**9"}}},
     ]
     started = time.perf_counter()
-    ids, failed = ppo_llm.run_tools(tok, tools, calls, 0.5, [tok.eos_token_id])
+    ids, failed = ppo_llm.run_tools(tok, tools, calls, 0.5, [tok.eos_token_id], 10_000)
     assert time.perf_counter() - started < 10  # the 30 s sleep was cut at 0.5 s
     assert failed == 8
     text = tok.decode(ids)
@@ -239,7 +234,7 @@ def test_load_tools_takes_the_builtin_and_your_functions(tmp_path):
     assert list(tools) == ["calculator", "weather"] and tools["weather"]("Oslo") == "sun"
     tok = compact_tokenizer()
     with pytest.raises(SystemExit, match="error: --tools: .*: a tool is a function with type hints and an Args: doc"):
-        ppo_llm.check_tool_template(tok, ppo_llm.load_tools((f"{path}:undocumented",)), [tok.eos_token_id], "m")
+        ppo_llm.setup_tool_parsing(tok, ppo_llm.load_tools((f"{path}:undocumented",)), [tok.eos_token_id], "m")
     with pytest.raises(SystemExit, match=r"error: --tools search: not one of \['calculator'\]"):
         ppo_llm.load_tools(("search",))
 
@@ -255,7 +250,7 @@ def test_load_tools_takes_the_builtin_and_your_functions(tmp_path):
             "<|eot_id|>",
             "writes calls in a format not read here",
         ),
-        (QWEN3, ("<|im_start|>", "<|im_end|>"), "<|im_end|>", "not prefix-preserving"),
+        (QWEN3, ("<|im_start|>", "<|im_end|>"), "<|im_end|>", "renders a turn otherwise once a tool message follows"),
         (NO_HEADER, ("<|im_start|>", "<|im_end|>"), "<|im_end|>", "adds no assistant header to anchor calls at"),
     ],
 )
@@ -263,17 +258,18 @@ def test_a_chat_template_that_cannot_carry_tools_is_refused_in_one_line(template
     tok = tool_tokenizer(template, specials)
     tools = {"calculator": ppo_llm.calculator}
     with pytest.raises(SystemExit, match=error):
-        ppo_llm.check_tool_template(tok, tools, tok.convert_tokens_to_ids([eos]), "m")
+        ppo_llm.setup_tool_parsing(tok, tools, tok.convert_tokens_to_ids([eos]), "m")
 
 
 def test_a_tool_call_template_gets_hermes_response_template_anchored_at_the_assistant_header():
     tok = tool_tokenizer(QWEN25, ["<|im_start|>", "<|im_end|>"])
-    ppo_llm.check_tool_template(tok, {"calculator": ppo_llm.calculator}, tok.convert_tokens_to_ids(["<|im_end|>"]), "m")
+    tools = {"calculator": ppo_llm.calculator}
+    ppo_llm.setup_tool_parsing(tok, tools, tok.convert_tokens_to_ids(["<|im_end|>"]), "m")
     assert tok.response_template["start_anchor"] == "<|im_start|>assistant\n"
     prompt = tok.apply_chat_template([{"role": "user", "content": "6*7"}], tokenize=False, add_generation_prompt=True)
     turn = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call><|im_end|>'
     ids, turn_ids = tok(prompt).input_ids, tok(turn).input_ids
-    (call,) = ppo_llm.tool_calls_in(tok, ids + turn_ids, len(turn_ids))
+    (call,) = ppo_llm.tool_calls_in(tok, ids + turn_ids, len(turn_ids), tools)
     assert call["function"]["arguments"] == {"expression": "6*7"}
 
 
@@ -286,7 +282,8 @@ def test_the_reward_reads_the_last_turn_and_a_response_ending_on_a_tool_result_s
     masks.append([1.0] * 3)
     inputs = tok(["6*7", "6*7", "6*7"], return_tensors="pt")
     batch = ppo_llm.padded_batch(inputs, responses, masks, [True, False, True], tok.pad_token_id)
-    completions, transcripts = ppo_llm.decode_responses(tok, batch)
+    batch["cut_on_call"] = torch.tensor([False, False, False])
+    completions, transcripts, _ = ppo_llm.decode_responses(tok, batch)
     assert completions == ["42", "", "42"]  # the tool's 42 is never the policy's answer
     assert transcripts[0] == CALL + "[tool: \nR:42\nA:]42" and transcripts[1] == CALL + "[tool: \nR:42\nA:]"
     rows = [{"answer": "42"}] * 3
@@ -388,7 +385,8 @@ def test_grpo_with_tools_passes_the_whole_responses_to_reward_functions(calc, tm
     run_dir = tool_run(grpo_llm, calc, tmp_path, monkeypatch, num_generations=2, num_iterations=2, reward_fn=reward_fns)
     for m in untimed_metrics(run_dir)[1:]:
         assert m["importance_ratio/mean"] == 1.0  # the old log-probs recomputed: exactly the current ones at lr 0
-        assert m["tools/call_frequency"] == 0.75 and m["completions/clipped_ratio"] == 0.25  # 9*9 cut off
+        assert m["tools/call_frequency"] == 0.75 and m["tools/cut_off_ratio"] == 0.25  # 9*9 cut off on its call
+        assert m["completions/clipped_ratio"] == 0.0  # TRL's: every response ends in an EOS, 9*9's on its call
         # 6*7 and 2*3 right; a tool's result in 6*7's, 2*3's (an error) and 9*9's (its first call's)
         assert m["rewards/arithmetic/mean"] == 0.5 and m["rewards/used_tool/mean"] == 0.75
 
@@ -455,7 +453,7 @@ def test_a_stop_during_a_tool_call_is_no_failure():
     started = time.perf_counter()
     timer.start()
     try:
-        ids, failed = ppo_llm.run_tools(tok, {"slow": slow}, [call], 60, [tok.eos_token_id])
+        ids, failed = ppo_llm.run_tools(tok, {"slow": slow}, [call], 60, [tok.eos_token_id], 10_000)
         assert ppo_llm.STOP == [signal.SIGTERM]
     finally:
         timer.cancel()
@@ -474,13 +472,86 @@ def test_a_turn_longer_than_its_room_goes_on_in_the_next_generate(calc, monkeypa
     tok = AutoTokenizer.from_pretrained(calc["policy"], padding_side="left")
     tools = {"calculator": ppo_llm.calculator}
     first = [tok(SCRIPT[p][0]).input_ids + [tok.eos_token_id] for p in ["6*7", "2*3"]]
-    results = [ppo_llm.run_tools(tok, tools, ppo_llm.tool_calls_in(tok, ids, len(ids)), 1, [1])[0] for ids in first]
+    parsed = [ppo_llm.tool_calls_in(tok, ids, len(ids), tools) for ids in first]
+    results = [ppo_llm.run_tools(tok, tools, c, 1, [1], 10_000)[0] for c in parsed]
     longest = max(len(ids) + len(result) for ids, result in zip(first, results))  # 2*3's
     policy = AutoModelForCausalLM.from_pretrained(calc["policy"])
     policy.generation_config.update(do_sample=True, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
     args = ppo_llm.Args(max_new_tokens=longest + 2, max_tool_calls=1, tool_timeout=10.0)
     prompts = [f"calculator:{p}\nA:" for p in ["6*7", "2*3"]]
     batch = ppo_llm.rollout(policy, tok, prompts, args, contextlib.nullcontext(), None, tools)
-    completions, _ = ppo_llm.decode_responses(tok, batch)
+    completions, _, _ = ppo_llm.decode_responses(tok, batch)
     assert completions == ["42", "6"] and batch["ended"].tolist() == [True, True] and len(calls) == 3
     assert batch["tool_calls"].tolist() == [1, 1] and batch["tool_failures"].tolist() == [0, 1]
+
+
+# ---- a call cut off, the reward model's text, the metrics' meanings
+
+
+def call_batch(tok, prompts, responses, ended, cut_on_call):
+    """padded_batch of compact-template responses, each a list of (text, the policy's or not) parts ("<eos>" at a
+    part's end: the EOS id), with rollout's counts (a call and a turn each)."""
+    ids, masks = [[] for _ in responses], [[] for _ in responses]
+    for i, parts in enumerate(responses):
+        for text, own in parts:
+            part = tok(text.removesuffix("<eos>")).input_ids
+            if text.endswith("<eos>"):
+                part.append(tok.eos_token_id)
+            ids[i], masks[i] = ids[i] + part, masks[i] + [float(own)] * len(part)
+    batch = ppo_llm.padded_batch(tok(prompts, padding=True, return_tensors="pt"), ids, masks, ended, tok.pad_token_id)
+    n = len(prompts)
+    counts = dict(cut_on_call=cut_on_call, tool_calls=[1] * n, tool_failures=[0] * n, turns=[1] * n)
+    return batch | {name: torch.tensor(v) for name, v in counts.items()}
+
+
+def test_a_response_cut_off_on_its_call_has_no_answer_and_abstains_from_the_vote():
+    # two samples cut off on their call of 1*3145 (past --max-tool-calls, or its result would not fit) and one that
+    # answers 7: the call's last operand, 3145, is no answer of theirs. Scored "" (gsm8k's reward: 0, not 1), they
+    # abstain, and maj@3 is 7 (it was 3145, two votes to one)
+    tok = compact_tokenizer()
+    cut = [(CALL.replace("6*7", "1*3145") + "<eos>", True)]
+    batch = call_batch(tok, ["q"] * 3, [cut, cut, [("7<eos>", True)]], [False, False, True], [True, True, False])
+    completions, transcripts, _ = ppo_llm.decode_responses(tok, batch)
+    assert completions == ["", "", "7"] and "1*3145" in transcripts[0]
+    rows = [{"answer": "#### 3145"}] * 3
+    assert ppo_llm.load_reward_fn("gsm8k", 600)(completions, rows, transcripts) == [0.0, 0.0, 0.0]
+    assert ppo_llm.majority_vote([ppo_llm.final_answer(c) for c in completions]) == 7.0
+
+
+def test_a_reward_model_reads_the_whole_conversation_whatever_its_tokenizer():
+    # a tool run and a direct answer with the same last turn, 42: one with its own tokenizer reads the assistant's call,
+    # the tool's message and the answer through its chat template; one with the policy's reads the ids, which hold them
+    tok, rm_tok = compact_tokenizer(), tool_tokenizer(QWEN25, ["<|im_start|>", "<|im_end|>"])
+    tool_run = [(CALL + "<eos>", True), ("\nR:42\nA:", False), ("42<eos>", True)]
+    batch = call_batch(tok, ["6*7", "6*7"], [tool_run, [("42<eos>", True)]], [True, True], [False, False])
+    completions, _, conversations = ppo_llm.decode_responses(tok, batch)
+    assert completions == ["42", "42"]
+    row = {"prompt": "6*7", "messages": None}
+    tool_text, direct_text = [ppo_llm.rm_text(rm_tok, row, turns) for turns in conversations]
+    assert direct_text == "<|im_start|>user\n6*7<|im_end|>\n<|im_start|>assistant\n42<|im_end|>\n"
+    assert tool_text == (
+        f"<|im_start|>user\n6*7<|im_end|>\n<|im_start|>assistant\n{CALL}<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n\nR:42\nA:\n</tool_response><|im_end|>\n<|im_start|>assistant\n42<|im_end|>\n"
+    )
+    assert ppo_llm.rm_text(char_tokenizer(["x"]), row, conversations[0]) == "6*7" + CALL + "\nR:42\nA:42"  # no template
+    real = batch["attention_mask"][:, batch["prompt_width"] :].sum(1)  # the policy's ids: the tool's tokens too
+    assert real.tolist() == [len(tok(CALL).input_ids) + 1 + 8 + 3, 3]
+
+
+def test_the_metrics_under_trls_names_mean_trls():
+    # one batch: a call (60 tokens and EOS: 61), its result "\nR:42\nA:" (8) and the answer 42<eos> (3); and a call cut
+    # off on it (61). TRL's completions/*_length count the policy's tokens: 61 + 3 = 64 and 61, mean 62.5; ours,
+    # tools/mean_length, every token: (72 + 61) / 2 = 66.5. TRL's clipped_ratio counts no EOS at the end: 0 (the cut
+    # off call ends in its EOS; TRL counts it terminated); tools/cut_off_ratio: 1 of 2
+    tok = compact_tokenizer()
+    tool_run = [(CALL + "<eos>", True), ("\nR:42\nA:", False), ("42<eos>", True)]
+    batch = call_batch(tok, ["6*7", "6*7"], [tool_run, [(CALL + "<eos>", True)]], [True, False], [False, True])
+    assert batch["lengths"].tolist() == [72, 61] and batch["mask"].sum(1).tolist() == [64.0, 61.0]
+    batch |= {"rewards": torch.zeros(2), "scores": torch.zeros(2, 1), "zero_std": torch.ones(2, dtype=torch.bool)}
+    args = grpo_llm.Args(num_generations=2, prompts_per_update=1, tools=("calculator",))
+    optimizer, clock = types.SimpleNamespace(param_groups=[{"lr": 0.0}]), types.SimpleNamespace()
+    clock.metrics = lambda update, tokens: ({"perf/tokens": tokens}, "")
+    m, _ = grpo_llm.grpo_metrics(1, args, batch, ["arithmetic"], [], [], [], optimizer, clock)
+    assert (m["completions/mean_length"], m["completions/min_length"], m["completions/max_length"]) == (62.5, 61, 64)
+    assert m["completions/clipped_ratio"] == 0.0 and m["tools/cut_off_ratio"] == 0.5
+    assert m["tools/mean_length"] == 66.5 and m["perf/tokens"] == 133 and m["tools/mean_turns"] == 1.0
