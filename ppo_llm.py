@@ -1805,8 +1805,9 @@ def stoppable():
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     signum = int(all_reduce(torch.tensor(float(STOP[0] if STOP else 0)), dist.ReduceOp.MAX).item())
-    if signum:  # one line (rank 0 alone prints), then every rank ends, as in guarded()
+    if signum:  # one line (rank 0 alone prints); each rank ends so, deaf to torchrun's SIGTERM once one has ended
         print(f"stopped ({signal.Signals(signum).name}) during the evaluation: no accuracy to print")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if dist.is_initialized():
             dist.destroy_process_group()
         raise SystemExit(128 + signum)

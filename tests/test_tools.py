@@ -628,14 +628,15 @@ def test_a_stop_in_evaluation_ends_it_after_the_batch_and_logs_no_evaluation(cal
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_stop_in_eval_only_ends_at_once_with_one_line_and_128_plus_the_signal(calc, tmp_path, processes):
-    # SIGINT (Ctrl-C) in rank 0's first tool call of --eval-only, 4 prompts x 2 samples in batches of 2 a rank: every
-    # rank ends after its batch with 130, rank 0 printing one line and no table (the other rank was not signalled)
+    # SIGINT (Ctrl-C) in rank 0's first tool call of --eval-only, 4 prompts x 2 samples in batches of 4 (2 a rank):
+    # every rank ends after its first batch with 130, rank 0 printing one line and no table (rank 1 had no signal)
     tests = os.path.dirname(os.path.abspath(__file__))
     (tmp_path / "mytools.py").write_text(SIGNALLING.format(call=1, signal="SIGINT"))
     wrapper = tmp_path / "scripted.py"
     wrapper.write_text(WRAPPER.format(tests=tests, root=os.path.dirname(tests)))
     flags = ["--model", calc["policy"], "--dataset", calc["train"], "--tools", f"{tmp_path / 'mytools.py'}:calculator"]
-    flags += ["--eval-only", "--eval-num-generations", "2", "--prompts-per-update", "2", "--max-new-tokens", "160"]
+    flags += ["--eval-only", "--eval-num-generations", "2", "--prompts-per-update", "4", "--num-mini-batches", "1"]
+    flags += ["--max-new-tokens", "160"]
     launch = [sys.executable]
     if processes == 2:
         launch = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node", "2"]
