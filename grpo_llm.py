@@ -1426,10 +1426,9 @@ def global_metrics(metrics, ops):
 def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, tools=None):
     """n = --eval-num-generations samples of each held-out prompt at --eval-temperature (0: greedy), right when their
     reward is > 0: eval/accuracy, pass@1, the mean over the n, its standard error over the prompts (a prompt's samples
-    are not independent); above n = 1 eval/pass@k (k = 1, 2, ... below n, and n), eval/maj@n; the share cut off (with
-    tools: at a call); right and wrong samples' lengths (--eval-only: a table). Under torchrun ranks take every world-th
-    batch of prompts x samples, as many each (one short of a batch repeats the first, uncounted): each prompt counted
-    once. A stop ends it after the batch on every rank: {}."""
+    are not independent); above n = 1 eval/pass@k (k = 1, 2, ... below n, and n), eval/maj@n; the shares cut off (with
+    tools: at a call); right and wrong lengths (--eval-only: a table). Under torchrun ranks take every world-th batch of
+    prompts x samples, as many each (one short repeats the first, uncounted). A stop: {}, after the batch, all ranks."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     n, temperature = args.eval_num_generations, args.eval_temperature
     temperature = args.temperature if temperature is None else temperature
@@ -1737,8 +1736,7 @@ def load_checkpoint(args, models, optimizer):
     """--resume's checkpoint/ state ({} if none): each rank reads its own shards, whatever the number of processes."""
     if not args.resume:
         return {}
-    path = os.path.join(args.resume, "checkpoint")
-    state = trained_state(models, optimizer)
+    path, state = os.path.join(args.resume, "checkpoint"), trained_state(models, optimizer)
     try:  # none (a run killed before its first save), a damaged one, or one of other models or flags
         saved = json.load(open(os.path.join(path, "state.json")))
         sums = json.load(open(os.path.join(path, "checksums.json")))
@@ -1827,18 +1825,14 @@ def stoppable():
     """--eval-only's stops: evaluate() ends after the batch, every rank exits with 128 + signal, rank 0 says so."""
     STOP.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
+    yield  # an error ends the process
     signum = int(all_reduce(torch.tensor(float(STOP[0] if STOP else 0)), dist.ReduceOp.MAX).item())
-    if signum:  # one line (rank 0 alone prints); each rank ends so, deaf to torchrun's SIGTERM once one has ended
-        print(f"stopped ({signal.Signals(signum).name}) during the evaluation: no accuracy to print")
+    if signum:  # one line (rank 0 alone prints); every rank exits so, deaf to torchrun's SIGTERM once one has
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        raise SystemExit(128 + signum)
+        print(f"stopped ({signal.Signals(signum).name}) during the evaluation: no accuracy to print", flush=True)
+        os._exit(128 + signum)  # as clean_exit(): no race with gloo's threads
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 @contextlib.contextmanager
