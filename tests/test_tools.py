@@ -534,21 +534,30 @@ NOT_UTF8 = '''import os
 
 
 def calculator(expression: str) -> str:
-    """The calculator, its result after a byte that is not UTF-8 (as a subprocess's output, os.fsdecode'd).
+    """The calculator, its result after a byte that is not UTF-8 (as a subprocess's output, os.fsdecode'd); 9*9's
+    result is one that the chat template refuses.
 
     Args:
         expression: the expression
     """
+    if expression == "9*9":
+        return "REFUSED"
     return os.fsdecode(b"\\xff") + str(eval(expression))
 '''
 
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_run_whose_tool_returns_bytes_that_are_not_utf8_goes_on(calc, tmp_path, processes):
-    # the scripted problems with a calculator whose results start with a lone surrogate: the run finishes, in one
-    # process and under torchrun, and the policy read ? in its place
+    # the scripted problems with a calculator whose results start with a lone surrogate, and a chat template that
+    # refuses 9*9's result: the run finishes, in one process and under torchrun; the policy read ? in place of the
+    # surrogate, and the refused result is a failed call (2*3's malformed call and 9*9's of the 3 calls)
     tests = os.path.dirname(os.path.abspath(__file__))
     (tmp_path / "mytools.py").write_text(NOT_UTF8)
+    tok = AutoTokenizer.from_pretrained(calc["policy"])
+    tok.chat_template = REFUSING
+    tok.save_pretrained(tmp_path / "policy")
+    AutoModelForCausalLM.from_pretrained(calc["policy"]).save_pretrained(tmp_path / "policy")
+    calc = calc | {"policy": str(tmp_path / "policy")}
     wrapper = tmp_path / "scripted.py"
     wrapper.write_text(WRAPPER.format(tests=tests, root=os.path.dirname(tests)))
     flags = ["--model", calc["policy"], "--dataset", calc["train"], "--tools", f"{tmp_path / 'mytools.py'}:calculator"]
@@ -572,8 +581,11 @@ def test_a_run_whose_tool_returns_bytes_that_are_not_utf8_goes_on(calc, tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     samples = [json.loads(line) for line in open(run_dir / "samples.jsonl")]
-    (six,) = [s for s in samples if s["prompt"].startswith("calculator:6*7")]
-    assert six["completion"] == CALL + "[tool: \nR:?42\nA:]42"
+    completions = "".join(s["completion"] for s in samples)  # under torchrun rank 0's prompts alone
+    if processes == 1:
+        assert CALL + "[tool: \nR:?42\nA:]42" in completions and "{'error': 'TemplateError: refused'}" in completions
+    (metrics,) = untimed_metrics(run_dir)
+    assert metrics["tools/failure_frequency"] == pytest.approx(2 / 3)
 
 
 SIGNALLING = '''import os, signal
