@@ -1643,11 +1643,6 @@ def trained_state(models, optimizer):
     return {"models": weights, "optimizer": dsd.get_optimizer_state_dict(models, optimizer)}
 
 
-def reader(name, world):
-    """The rank that writes a checkpoint's file and verifies it on resuming: __s_i.distcp's s (mod world), else 0."""
-    return int(name[2:].split("_")[0]) % world if name.startswith("__") else 0
-
-
 def crc32(path):
     """zlib's CRC-32 of a file, through mmap (no copy; 3x sha256's speed, docs/scaling.md): a flipped byte alters it."""
     with open(path, "rb") as f:  # mmap refuses an empty file, whose CRC-32 is 0
@@ -1671,7 +1666,8 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
         dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())
         save_policy(os.path.join(path, "policy"), models, tokenizer, merged)
         names = [os.path.relpath(os.path.join(d, n), path) for d, _, ns in os.walk(path) for n in ns]
-        sums = {name: crc32(os.path.join(path, name)) for name in names if reader(name, world) == rank}  # its own
+        mine = [n for n in names if n.startswith(f"__{rank}_") or (rank == 0 and not n.startswith("__"))]  # written
+        sums = {name: crc32(os.path.join(path, name)) for name in mine}  # by this rank: its shards, rank 0 the rest
     except (Exception, dcp.CheckpointException) as e:  # a full disk, a file-size limit, a directory gone
         failed = e
     every = [sums] * world  # one gather: each rank's checksums, None where it failed
@@ -1742,7 +1738,8 @@ def load_checkpoint(args, models, optimizer):
         sums = json.load(open(os.path.join(path, "checksums.json")))
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         names = sorted(sums, key=lambda name: (name.startswith("policy/"), name))  # policy/ last
-        mine = [reader(name, world) == rank and crc32(os.path.join(path, name)) != sums[name] for name in names]
+        readers = [int(n[2:].split("_")[0]) % world if n.startswith("__") else 0 for n in names]  # shard __s_0: s's
+        mine = [r == rank and crc32(os.path.join(path, name)) != sums[name] for r, name in zip(readers, names)]
         bad = [name for name, b in zip(names, all_reduce(torch.tensor(mine, dtype=torch.float64)).tolist()) if b]
         whole = f"its policy/ is whole: --model {args.resume}/policy starts a new run from it"
         if bad and bad[-1].startswith("policy/"):  # resuming never reads it: a warning, and the next save replaces it
