@@ -1633,19 +1633,19 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
         slot, old = old, slot
     path, failed, sums = os.path.join(run_dir, slot), None, None
     try:
-        if rank == 0:  # a failed save's, or a hard kill's (no rank writes before dcp.save's first collective)
-            shutil.rmtree(path, ignore_errors=True)
-        dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())
-        save_policy(os.path.join(path, "policy"), models, tokenizer, merged)
-        names = [os.path.relpath(os.path.join(d, n), path) for d, _, ns in os.walk(path) for n in ns]
-        mine = [n for n in names if n.startswith(f"__{rank}_") or (rank == 0 and not n.startswith("__"))]  # written
-        sums = {name: crc32(os.path.join(path, name)) for name in mine}  # by this rank: its shards, rank 0 the rest
-    except (Exception, dcp.CheckpointException) as e:  # a full disk, a file-size limit, a directory gone
-        failed = e
-    every = [sums] * world  # one gather: each rank's checksums, None where it failed
-    if dist.is_initialized():
-        dist.all_gather_object(every, sums)
-    try:
+        try:  # every rank reaches the gather below, whatever fails here
+            if rank == 0:  # a failed save's, or a hard kill's (no rank writes before dcp.save's first collective)
+                shutil.rmtree(path, ignore_errors=True)
+            dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())
+            save_policy(os.path.join(path, "policy"), models, tokenizer, merged)
+            names = [os.path.relpath(os.path.join(d, n), path) for d, _, ns in os.walk(path) for n in ns]
+            mine = [n for n in names if n.startswith(f"__{rank}_") or (rank == 0 and not n.startswith("__"))]  # written
+            sums = {name: crc32(os.path.join(path, name)) for name in mine}  # by this rank: its shards, rank 0 the rest
+        except (Exception, dcp.CheckpointException) as e:  # a full disk, a file-size limit, a directory gone
+            failed = e
+        every = [sums] * world  # one gather: each rank's checksums, None where it failed
+        if dist.is_initialized():
+            dist.all_gather_object(every, sums)
         if rank == 0 and None not in every:  # state.json, then checksums.json with its CRC-32 too
             sums = {name: crc for part in every for name, crc in part.items()}
             for name, value in [("state.json", state), ("checksums.json", sums)]:
