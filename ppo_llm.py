@@ -291,7 +291,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, *
                 else:  # the calls' results, then the policy's next turn; cut off on its call if they do not fit
                     result, failed = run_tools(tokenizer, tools, calls, args.tool_timeout, eos_ids, left)
                     tool_calls[i], tool_failures[i] = tool_calls[i] + len(calls), tool_failures[i] + failed
-                    cut_on_call[i] = done[i] = len(result) > left
+                    cut_on_call[i] = done[i] = result is None or len(result) > left
                     if not cut_on_call[i]:
                         responses[i], masks[i] = responses[i] + result, masks[i] + [0.0] * len(result)
                         turn_starts[i], turns[i] = len(responses[i]), turns[i] + 1
@@ -393,8 +393,9 @@ def main(args: Args | None = None):
     tools = load_tools(args.tools)  # {name: function}, as reward functions are loaded
     tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device, tools)  # rm_tokenizer None: our ids
     eval_problems = eval_rows(args, tokenizer, reward_fns, tools)
-    if args.eval_only:  # no training, no run directory
-        return evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
+    if args.eval_only:  # no training, no run directory; a stop ends it after a batch, with one line
+        with stoppable():
+            return evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
     critic, value_head = build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer)
     ref_policy = None  # beta 0 without --kl-target: no KL penalty, no reference
     if args.kl_coef or args.kl_target:
@@ -411,6 +412,7 @@ def main(args: Args | None = None):
     with guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         if eval_problems and not resumed:  # the initial policy, at update 0
             initial = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
+            stop_if_signalled()  # a stopped evaluation ({}) is not logged
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
             run["update"] = update
@@ -697,7 +699,10 @@ def calculator(expression: str) -> str:
             raise ValueError("a number or an exponent too large")
         return operators[type(node.op)](*operands)
 
-    return str(value(ast.parse(expression.strip(), mode="eval").body))
+    result = value(ast.parse(expression.strip(), mode="eval").body)
+    if isinstance(result, complex) or abs(result) == math.inf:  # (-8)**0.5, 1e308*10: no real number
+        raise ValueError(f"not a real number: {result}")
+    return str(result)
 
 
 def load_tools(specs):
@@ -788,8 +793,9 @@ def rendered_turn(tokenizer, turn, eos_ids, tools=None):
 
 
 def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
-    """The ids of the calls' tool messages (each result a str), and how many failed: a failed call (not JSON, no such
-    tool, an error, past --tool-timeout) gets {'error': ...} as its result (as TRL), which the policy reads."""
+    """The ids of the calls' tool messages (each result an encodable str), and how many failed: a failed call (not JSON,
+    no such tool, an error, past --tool-timeout, not rendered) gets {'error': ...} as its result (as TRL), which the
+    policy reads. None after a stop, or for a result longer than `room` of the vocabulary's longest tokens (unread)."""
     messages, failed = [], 0
     for call in calls:
         name = None
@@ -805,11 +811,15 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
                 result = tools[name](**arguments)
             if not isinstance(result, str):
                 raise TypeError(f"the tool returned {type(result).__name__}, not str")
-        except Stopped:  # Ctrl-C or SIGTERM in the call: a stop, not a failure (the rollout ends at its next token)
-            result = {"error": "stopped"}
+            result = result.encode("utf-8", "replace").decode()  # lone surrogates (os.fsdecode's) become ?
+            if len(result) > room and len(result) > room * max(map(len, tokenizer.get_vocab())):  # 1st: no vocab read
+                return None, failed
+            tool_result_ids(tokenizer, [{"role": "tool", "name": name, "content": result}], eos_ids)  # renders
+        except Stopped:  # Ctrl-C or SIGTERM in the call: a stop, not a failure, and no result reaches the policy
+            return None, failed
         except (Exception, SystemExit) as e:  # the tool's own errors (sys.exit too), TimedOut: the policy reads them
             result, failed = {"error": f"{type(e).__name__}: {e}"}, failed + 1
-        messages.append({"role": "tool", "name": str(name), "content": str(result)})
+        messages.append({"role": "tool", "name": str(name).encode("utf-8", "replace").decode(), "content": str(result)})
     return tool_result_ids(tokenizer, messages, eos_ids), failed
 
 
@@ -1259,12 +1269,12 @@ def check_run(args, world):
             raise SystemExit(f"error: {message}")
 
 
-def all_reduce(x):
-    """The tensor x summed over the torchrun ranks; x itself in one process."""
+def all_reduce(x, op=dist.ReduceOp.SUM):
+    """The tensor x summed (or op's: its max) over the torchrun ranks; x itself in one process."""
     if not dist.is_initialized():
         return x
     y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
-    dist.all_reduce(y)
+    dist.all_reduce(y, op)
     return y.to(x.device)
 
 
@@ -1444,9 +1454,9 @@ def global_metrics(metrics, ops):
 def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, tools=None):
     """n = --eval-num-generations samples of each held-out prompt at --eval-temperature (0: greedy), right when their
     reward is > 0: eval/accuracy, pass@1, the mean over the n, its standard error over the prompts (a prompt's samples
-    are not independent); above n = 1 eval/pass@k (k = 1, 2, 4, ... below n, and n) and eval/maj@n; the mean lengths of
-    right and wrong samples (--eval-only: a table). Under torchrun the ranks take every world-th batch of the prompts x
-    samples, as many each (one short of a batch samples the first again, uncounted): each prompt is counted once."""
+    are not independent); above n = 1 eval/pass@k (k = 1, 2, ... below n, and n), eval/maj@n; the shares cut off (with
+    tools: at a call); right and wrong lengths (--eval-only: a table). Under torchrun ranks take every world-th batch of
+    prompts x samples, as many each (one short repeats the first, uncounted). A stop: {}, after the batch, all ranks."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     n, temperature = args.eval_num_generations, args.eval_temperature
     temperature = args.temperature if temperature is None else temperature
@@ -1454,24 +1464,27 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, too
     samples = range(len(rows) * n)  # sample s is of rows[s // n]
     batches = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
     batches += [None] * (-len(batches) % world)
-    records = []  # each sample's (index, score, length, tool calls, failed ones, final answer)
+    records, stop = [], [signalled]  # each sample's index, score, length, calls, failures, cut-offs, answer
     for chunk in batches[rank::world]:
         chunk_rows = [rows[s // n] for s in chunk or batches[0]]
-        batch = rollout(policy, tokenizer, [r["prompt"] for r in chunk_rows], args, autocast, None, tools, **sampling)
+        batch = rollout(policy, tokenizer, [r["prompt"] for r in chunk_rows], args, autocast, stop, tools, **sampling)
+        if stop_requested():  # every rank, after each batch (each runs as many): a stopped evaluation is not logged
+            return {}
         completions, transcripts, _ = decode_responses(tokenizer, batch)
         scores = on_every_rank(lambda: reward_fn(completions, chunk_rows, transcripts) if chunk else [])  # all stop
         if chunk is not None:  # a repeat of the first batch is not counted
             counts = batch["lengths"].float().tolist(), batch["tool_calls"].tolist(), batch["tool_failures"].tolist()
-            records += zip(chunk, scores, *counts, map(final_answer, completions))
+            cut = (~batch["ended"] & ~batch["cut_on_call"]).tolist(), batch["cut_on_call"].tolist()  # no EOS; on a call
+            records += zip(chunk, scores, *counts, *cut, map(final_answer, completions))
     if dist.is_initialized():  # every rank's
         every_rank = [None] * world
         dist.all_gather_object(every_rank, records)
         records = [record for rank_records in every_rank for record in rank_records]
-    _, scores, lengths, calls, failures, answers = zip(*sorted(records, key=lambda record: record[0]))
+    _, scores, lengths, calls, failures, clipped, at_call, answers = zip(*sorted(records, key=lambda r: r[0]))
     right, lengths = torch.tensor(scores, dtype=torch.float64) > 0, torch.tensor(lengths)
     accuracy = right.double().view(-1, n).mean(1)  # each prompt's: pass@1
     metrics = {"eval/accuracy": accuracy.mean().item()}
-    metrics["eval/accuracy_stderr"] = accuracy.std(correction=0).item() / len(accuracy) ** 0.5
+    metrics["eval/accuracy_stderr"] = accuracy.std().nan_to_num().item() / len(accuracy) ** 0.5  # over n - 1
     if n > 1:
         for k in sorted({2**i for i in range(n.bit_length())} | {n}):
             metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in right.view(-1, n).sum(1).tolist()) / len(rows)
@@ -1479,15 +1492,23 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, too
             references = [final_answer(row["answer"]) for row in rows]
             votes = [majority_vote(answers[i * n : (i + 1) * n]) for i in range(len(rows))]
             metrics[f"eval/maj@{n}"] = sum(map(operator.eq, votes, references)) / len(rows)
+    metrics["eval/clipped_ratio"] = sum(clipped) / len(clipped)  # as completions/clipped_ratio: no EOS at the end
     if tools:  # TRL's tools/ metrics (tool_metrics) of the held-out responses
         metrics["eval/tools/call_frequency"] = sum(calls) / len(calls)
         metrics["eval/tools/failure_frequency"] = sum(failures) / max(sum(calls), 1)
+        metrics["eval/tools/cut_off_ratio"] = sum(at_call) / len(at_call)  # past --max-tool-calls, or not fitting
     for name, chosen in [("right", right), ("wrong", ~right)]:
         if chosen.any():
             metrics[f"eval/mean_length_{name}"] = lengths[chosen].mean().item()
+    cut_off = (sum(clipped) + sum(at_call)) / len(clipped)  # by --max-new-tokens, or on a call
+    if cut_off >= 0.5:  # as warn_truncated's: a cut-off answer scores as wrong
+        print(f"warning: {cut_off:.0%} of the held-out responses were cut off, scored as wrong")
+    if args.eval_only and not temperature and n > 1:
+        print(f"greedy: the {n} samples of a prompt are one, so pass@k and maj@{n} are pass@1 (--eval-temperature)")
     if args.eval_only:
         sampled = f"temperature {temperature:g}" if temperature else "greedy"
-        print(eval_line(metrics, f"{len(rows)} held-out prompts, {n} sample{'s' if n > 1 else ''} each, {sampled}"))
+        title = f"{len(rows)} held-out prompts, {n} sample{'s' if n > 1 else ''} each, {sampled}"
+        print(eval_line(metrics, title, bound=temperature > 0))
     return metrics
 
 
@@ -1504,15 +1525,15 @@ def majority_vote(answers):
     return max(votes, key=votes.count, default=None)
 
 
-def eval_line(metrics, table=None):
-    """The held-out accuracy ± its standard error; with a table's title (--eval-only), the table: that line with the
-    95% bound on the gap between two evaluations of one policy (1.96 sqrt(2) SE), then pass@k, maj@n and the rest."""
+def eval_line(metrics, table=None, bound=True):
+    """The held-out accuracy ± its standard error; with a table's title (--eval-only), the table: that line with (if
+    bound) the 95% bound on the gap of two evaluations of one policy (1.96 sqrt(2) SE), then pass@k, maj@n, the rest."""
     line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
     if table is None:
         return line
-    bound = 1.96 * 2**0.5 * metrics["eval/accuracy_stderr"]
+    gap = f"; two evaluations of one policy differ by < {1.96 * 2**0.5 * metrics['eval/accuracy_stderr']:.3f}"
     rows = [f"  {key.removeprefix('eval/'):<28}{value:.3f}" for key, value in list(metrics.items())[2:]]
-    return "\n".join([f"{table}:", f"{line} (pass@1; two evaluations of one policy differ by < {bound:.3f})", *rows])
+    return "\n".join([f"{table}:", f"{line} (pass@1{gap if bound else ''})", *rows])
 
 
 class Stopwatch:
@@ -1658,29 +1679,37 @@ def crc32(path):
 
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
     """checkpoint/, whole or not at all: every rank's shards (torch.distributed.checkpoint), policy/ (where the link
-    `policy` points), state.json and checksums.json (each file's CRC-32) go in checkpoint.a or .b, the one the link
-    `checkpoint` does not point to; then it does. SaveFailed on every rank."""
+    `policy` points), state.json and checksums.json (each file's CRC-32, by its writer) go in checkpoint.a or .b, the
+    one the link `checkpoint` does not point to; then it does. SaveFailed on every rank."""
     SAVING.append(True)
-    rank, link = dist.get_rank() if dist.is_initialized() else 0, os.path.join(run_dir, "checkpoint")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    link = os.path.join(run_dir, "checkpoint")
     slot, old = "checkpoint.a", "checkpoint.b"
     if os.path.realpath(link).endswith(".a"):  # the slot in use stays whole until the link points to the other
         slot, old = old, slot
-    path, failed = os.path.join(run_dir, slot), None
+    path, failed, sums = os.path.join(run_dir, slot), None, None
     try:
-        if rank == 0:  # a failed save's, or a hard kill's (no rank writes before dcp.save's first collective)
-            shutil.rmtree(path, ignore_errors=True)
-        dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())
-        save_policy(os.path.join(path, "policy"), models, tokenizer, merged)
-        if rank == 0:
-            with open(os.path.join(path, "state.json"), "w") as f:
-                json.dump(state, f)
-                f.flush()
-                os.fsync(f.fileno())  # on disk before the link points to it
+        try:  # every rank reaches the gather below, whatever fails here
+            if rank == 0:  # a failed save's, or a hard kill's (no rank writes before dcp.save's first collective)
+                shutil.rmtree(path, ignore_errors=True)
+            dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())
+            save_policy(os.path.join(path, "policy"), models, tokenizer, merged)
             names = [os.path.relpath(os.path.join(d, n), path) for d, _, ns in os.walk(path) for n in ns]
-            with open(os.path.join(path, "checksums.json"), "w") as f:  # each file's CRC-32, every rank's shards too
-                json.dump({name: crc32(os.path.join(path, name)) for name in names}, f)
-                f.flush()
-                os.fsync(f.fileno())
+            mine = [n for n in names if n.startswith(f"__{rank}_") or (rank == 0 and not n.startswith("__"))]  # written
+            sums = {name: crc32(os.path.join(path, name)) for name in mine}  # by this rank: its shards, rank 0 the rest
+        except (Exception, dcp.CheckpointException) as e:  # a full disk, a file-size limit, a directory gone
+            failed = e
+        every = [sums] * world  # one gather: each rank's checksums, None where it failed
+        if dist.is_initialized():
+            dist.all_gather_object(every, sums)
+        if rank == 0 and None not in every:  # state.json, then checksums.json with its CRC-32 too
+            sums = {name: crc for part in every for name, crc in part.items()}
+            for name, value in [("state.json", state), ("checksums.json", sums)]:
+                with open(os.path.join(path, name), "w") as f:
+                    json.dump(value, f)
+                    f.flush()
+                    os.fsync(f.fileno())  # on disk before the link points to it
+                sums[name] = crc32(os.path.join(path, name))
             if os.path.lexists(link + ".tmp"):  # a hard kill's
                 os.remove(link + ".tmp")
             os.symlink(slot, link + ".tmp")
@@ -1688,14 +1717,14 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
             if not os.path.islink(os.path.join(run_dir, "policy")):  # a first save
                 os.symlink(os.path.join("checkpoint", "policy"), os.path.join(run_dir, "policy"))
             shutil.rmtree(os.path.join(run_dir, old), ignore_errors=True)
-    except (Exception, dcp.CheckpointException) as e:  # a full disk, a file-size limit, a directory gone
+    except Exception as e:
         failed = e
     finally:
         SAVING.clear()
     if failed is not None and os.path.realpath(link) != os.path.realpath(path):
         shutil.rmtree(path, ignore_errors=True)  # no half-written checkpoint stays
     if all_reduce(torch.tensor(float(failed is not None))).item():
-        raise SaveFailed(f"saving update {state['update']} failed ({reason(failed) if failed else 'on rank 0'})")
+        raise SaveFailed(f"saving update {state['update']} failed ({reason(failed) if failed else 'on another rank'})")
 
 
 def save_policy(path, models, tokenizer, merged=False):
@@ -1733,17 +1762,22 @@ def load_checkpoint(args, models, optimizer):
     """--resume's checkpoint/ state ({} if none): each rank reads its own shards, whatever the number of processes."""
     if not args.resume:
         return {}
-    path = os.path.join(args.resume, "checkpoint")
-    state = trained_state(models, optimizer)
+    path, state = os.path.join(args.resume, "checkpoint"), trained_state(models, optimizer)
     try:  # none (a run killed before its first save), a damaged one, or one of other models or flags
         saved = json.load(open(os.path.join(path, "state.json")))
         sums = json.load(open(os.path.join(path, "checksums.json")))
-        bad = [name for name in sorted(sums) if crc32(os.path.join(path, name)) != sums[name]]
-        if bad:  # nothing changed; the slot before this one is gone (each save deletes it), policy/ may be whole
-            whole = f"its policy/ is whole: --model {args.resume}/policy starts a new run from it"
-            if any(name.startswith("policy") for name in bad):
-                whole = "its policy/ is damaged too"
-            raise SystemExit(f"error: --resume {args.resume}: {path}/{bad[0]} is damaged (its CRC-32 differs); {whole}")
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        names = sorted(sums, key=lambda name: (name.startswith("policy/"), name))  # policy/ last
+        readers = [int(n[2:].split("_")[0]) % world if n.startswith("__") else 0 for n in names]  # shard __s_0: s's
+        files = [os.path.join(path, name) for name in names]  # a missing one is damaged, on its reader alone
+        mine = [r == rank and (not os.path.isfile(f) or crc32(f) != sums[n]) for r, f, n in zip(readers, files, names)]
+        bad = [name for name, b in zip(names, all_reduce(torch.tensor(mine, dtype=torch.float64)).tolist()) if b]
+        whole = f"its policy/ is whole: --model {args.resume}/policy starts a new run from it"
+        if bad and bad[-1].startswith("policy/"):  # resuming never reads it: a warning, and the next save replaces it
+            print(f"warning: --resume {args.resume}: {path}/{bad[-1]} is damaged or missing; resuming anyway")
+            whole = "its policy/ is damaged too"
+        if bad and not bad[0].startswith("policy/"):  # nothing changed; the slot before this one is gone (each save
+            raise SystemExit(f"error: --resume {args.resume}: {path}/{bad[0]} is damaged or missing; {whole}")
         names = {k for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith("models.")}
         if names != {f"models.{k}" for k in state["models"]}:
             raise KeyError(f"its weights are of {', '.join(sorted({k.split('.')[1] for k in names}))}, other names")
@@ -1812,6 +1846,21 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         import wandb  # open_run imported it
 
         wandb.finish()
+
+
+@contextlib.contextmanager
+def stoppable():
+    """--eval-only's stops: evaluate() ends after the batch, every rank exits with 128 + signal, rank 0 says so."""
+    STOP.clear()
+    handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield  # an error ends the process
+    signum = int(all_reduce(torch.tensor(float(STOP[0] if STOP else 0)), dist.ReduceOp.MAX).item())
+    if signum:  # one line (rank 0 alone prints); every rank exits so, deaf to torchrun's SIGTERM once one has
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(f"stopped ({signal.Signals(signum).name}) during the evaluation: no accuracy to print", flush=True)
+        os._exit(128 + signum)  # as clean_exit(): no race with gloo's threads
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 @contextlib.contextmanager

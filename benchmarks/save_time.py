@@ -5,8 +5,10 @@ policy/ (save_pretrained), then exits. With LoRA only the adapters are trained, 
 This builds Llama-2-7B's shape (32 layers, hidden 4,096, MLP 11,008, vocabulary 32,000) with its base weights on
 the meta device (a save never writes them), puts grpo_llm.py's LoRA on it (--lora-r 16, every linear layer) in real
 memory, takes one AdamW step so that its moments exist, and times grpo_llm.save_checkpoint (the median of 5); the
-embedded default, trained in full, beside it. Within each save it also times the checksums (grpo_llm.crc32 on every
-file written, read back from the page cache): their share of the save, the median of the 5 shares.
+embedded default and a 58M-parameter Llama, trained in full, beside it, each in one process and under
+`torchrun --nproc_per_node 2` (sharded, each rank writing its shards). Within each save it also times the checksums
+(grpo_llm.crc32 on each file a rank wrote, read back from the page cache): their share of the save on rank 0, which
+hashes the most (its shards, the metadata, state.json and policy/), the median of the 5 shares.
 
     python benchmarks/save_time.py          # writes benchmarks/results/save_time.json and .md (and into docs/)
     python benchmarks/save_time.py --table  # measure nothing: save_time.md from save_time.json
@@ -17,12 +19,14 @@ file written, read back from the page cache): their share of the save, the media
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -40,6 +44,8 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 class Args:
     table: bool = False
     """measure nothing: save_time.md from save_time.json"""
+    worker: str = ""
+    """(internal) under torchrun: the sharded saves, rank 0's result written to this file"""
 
 
 def llama_7b_lora():
@@ -57,9 +63,17 @@ def llama_7b_lora():
     return policy
 
 
+def llama_58m():
+    """A 58M-parameter Llama (hidden 512, 8 layers, vocabulary 32,000), trained in full: 0.9 GB a save."""
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=8,
+                         num_hidden_layers=8, vocab_size=32000)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
 def save_seconds(policy, tokenizer):
-    """(median seconds of grpo_llm.save_checkpoint over 5 saves, median share of them its checksums took, MB written,
-    trained parameters)."""
+    """(median seconds of grpo_llm.save_checkpoint over 5 saves, median share of them its checksums took on this rank,
+    MB written, trained parameters); under torchrun every rank saves into rank 0's temporary directory."""
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     for p in params:
@@ -76,6 +90,10 @@ def save_seconds(policy, tokenizer):
 
     grpo_llm.crc32 = timed_crc32
     with tempfile.TemporaryDirectory() as run_dir:
+        if dist.is_initialized():  # rank 0's
+            shared = [run_dir]
+            dist.broadcast_object_list(shared)
+            run_dir = shared[0]
         for _ in range(5):
             hashing.append(0.0)
             start = time.perf_counter()
@@ -83,9 +101,30 @@ def save_seconds(policy, tokenizer):
             times.append(time.perf_counter() - start)
         slot = os.path.realpath(os.path.join(run_dir, "checkpoint"))  # what one save wrote
         written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(slot) for f in fs)
+        if dist.is_initialized():  # rank 0's directory stays until every rank is done with it
+            dist.barrier()
     grpo_llm.crc32 = crc32
     shares = sorted(h / t for h, t in zip(hashing, times))
     return sorted(times)[2], shares[2], written / 2**20, sum(p.numel() for p in params)
+
+
+def measure(processes):
+    """{run: its numbers} of the runs measured in `processes` processes (2: this one a torchrun rank, sharded)."""
+    model_path = os.path.join(ROOT, "assets", "arith-sft")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    runs = {"the embedded default (full fine-tuning)": lambda: AutoModelForCausalLM.from_pretrained(model_path),
+            "58M-parameter Llama (full fine-tuning)": llama_58m}  # fmt: skip
+    if processes == 1:
+        runs["Llama-2-7B shape, LoRA r 16 on every linear layer"] = llama_7b_lora
+    results = {}
+    for name, build in runs.items():
+        model = build()
+        if processes > 1:
+            grpo_llm.shard(model)
+        seconds, share, mb, n = save_seconds(model, tokenizer)
+        numbers = {"processes": processes, "seconds": seconds, "checksum_share": share, "mb": mb}
+        results[f"{name}, {processes} process{'es' if processes > 1 else ''}"] = numbers | {"trained_parameters": n}
+    return results
 
 
 def main():
@@ -93,14 +132,20 @@ def main():
     path = os.path.join(RESULTS, "save_time.json")
     if args.table:
         return print(table(saved_results(path)[0]))
-    model_path = os.path.join(ROOT, "assets", "arith-sft")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    runs = {"the embedded default (full fine-tuning)": AutoModelForCausalLM.from_pretrained(model_path),
-            "Llama-2-7B shape, LoRA r 16 on every linear layer": llama_7b_lora()}  # fmt: skip
-    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "runs": {}}
-    for name, model in runs.items():
-        seconds, share, mb, n = save_seconds(model, tokenizer)
-        result["runs"][name] = {"seconds": seconds, "checksum_share": share, "mb": mb, "trained_parameters": n}
+    if args.worker:  # a torchrun rank
+        grpo_llm.setup(grpo_llm.Args())
+        results = measure(dist.get_world_size())
+        if dist.get_rank() == 0:
+            with open(args.worker, "w") as f:
+                json.dump(results, f)
+        return dist.destroy_process_group()
+    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "runs": measure(1)}
+    with tempfile.TemporaryDirectory() as tmp:
+        torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node", "2"]
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        subprocess.run([*torchrun, __file__, "--worker", f"{tmp}/2.json"], env=env, check=True)
+        with open(f"{tmp}/2.json") as f:
+            result["runs"] |= json.load(f)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(table(result))
@@ -112,8 +157,9 @@ def table(result):
             f"{r['checksum_share']:.0%} |" for name, r in result["runs"].items()]  # fmt: skip
     text = "\n".join([
         f"`python benchmarks/save_time.py` ({result['machine']}, local disk): grpo_llm.save_checkpoint (checkpoint/: "
-        "trained weights, AdamW, state; policy/: save_pretrained; checksums.json: the CRC-32 of each file), the median "
-        "of 5 saves, and the median share of a save that its checksums took:", "",
+        "trained weights, AdamW, state; policy/: save_pretrained; checksums.json: the CRC-32 of each file, each by "
+        "the rank that wrote it), the median of 5 saves, and the median share of a save that rank 0's checksums took "
+        "(2 processes: `torchrun --nproc_per_node 2`, sharded):", "",
         "| run | trained parameters | written | save | checksums |", "|---|---|---|---|---|", *rows,
     ])  # fmt: skip
     write_table("save_time.md", text, RESULTS)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import contents, saved_weights, untimed_metrics
 from test_families import families  # noqa: F401 (a fixture)
+from test_stops import flip_byte
 from torch.distributed.tensor import DTensor
 from transformers import AutoModel, AutoModelForCausalLM
 
@@ -261,6 +262,16 @@ def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
     assert [line.split() for line in table[2:]] == [[k.removeprefix("eval/"), f"{v:.3f}"] for k, v in one.items()][2:]
 
     ((split,),) = [list((tmp_path / "ppo").iterdir())]
+    # each rank hashed the shard it wrote, rank 0 the rest; a byte flipped in rank 1's shard, which rank 1 verifies,
+    # is refused by name on every rank (one all-reduce), in rank 0's line
+    shard = split / "checkpoint" / "__1_0.distcp"
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "state.json", "policy/model.safetensors"} <= set(
+        json.load(open(split / "checkpoint" / "checksums.json"))
+    )
+    flip_byte(shard)
+    refused = torchrun("ppo_llm.py", "--resume", split, "--total-steps", "3", ok=False)
+    assert refused.stderr.count(f"error: --resume {split}: {shard} is damaged or missing") >= 1
+    flip_byte(shard)
     torchrun("ppo_llm.py", "--resume", split, "--total-steps", "3")
     torchrun(*ppo, "--total-steps", "3", "--output-dir", tmp_path / "whole")
     ((whole,),) = [list((tmp_path / "whole").iterdir())]

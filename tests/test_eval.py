@@ -34,7 +34,8 @@ def test_eval_only_greedy_gives_the_embedded_policys_quoted_accuracy(tmp_path, c
     assert result["eval/accuracy"] == pytest.approx(0.961, abs=result["eval/accuracy_stderr"])
     assert result["eval/pass@1"] == result["eval/pass@2"] == result["eval/maj@2"] == result["eval/accuracy"]
     out = capsys.readouterr().out
-    assert "256 held-out prompts, 2 samples each, greedy:" in out and "two evaluations of one policy differ" in out
+    assert "256 held-out prompts, 2 samples each, greedy:" in out and "two evaluations of one policy differ" not in out
+    assert "greedy: the 2 samples of a prompt are one, so pass@k and maj@2 are pass@1" in out  # no noise to bound
     assert not os.path.exists(tmp_path / "r")
 
 
@@ -48,6 +49,7 @@ def test_pass_at_k_grows_with_k_and_maj_at_n_is_logged(tmp_path, capsys):
     assert result["eval/accuracy"] * 256 == pytest.approx(round(result["eval/accuracy"] * 256))
     out = capsys.readouterr().out
     assert "32 held-out prompts, 8 samples each, temperature 1:" in out and "  maj@8  " in out
+    assert "(pass@1; two evaluations of one policy differ by < " in out and "greedy: " not in out
 
 
 def test_right_is_a_positive_reward_and_one_sample_keeps_the_keys(tmp_path):
@@ -56,7 +58,7 @@ def test_right_is_a_positive_reward_and_one_sample_keeps_the_keys(tmp_path):
     args = ppo_llm.Args(eval_only=True, eval_size=16, reward_fn=f"{tmp_path / 'half.py'}:half")
     result = ppo_llm.main(args)
     assert result["eval/accuracy"] == 1.0 and result["eval/accuracy_stderr"] == 0.0
-    assert set(result) == {"eval/accuracy", "eval/accuracy_stderr", "eval/mean_length_right"}  # no pass@k at n = 1
+    assert set(result) == {"eval/accuracy", "eval/accuracy_stderr", "eval/clipped_ratio", "eval/mean_length_right"}
     # 2 samples: pass@k, but no maj@2: a reward function of one's own has no answer that final_answer reads
     result = ppo_llm.main(ppo_llm.Args(**vars(args) | dict(eval_num_generations=2)))
     assert result["eval/pass@2"] == 1.0 and not any(key.startswith("eval/maj@") for key in result)
@@ -84,3 +86,27 @@ def test_a_too_short_max_new_tokens_is_named_and_the_share_logged(module, prompt
         assert share >= 0.5 if max_new_tokens == 2 else share == 0.0
         warned = f"% of this update's responses hit --max-new-tokens {max_new_tokens}, scored on their cut text"
         assert (warned in capsys.readouterr().out) == (max_new_tokens == 2)
+
+
+def test_the_standard_error_is_over_n_minus_1(tmp_path):
+    # a reward right on every other sample of a batch: 4 prompts, 1 sample each, one batch of 4: right 0, 1, 0, 1;
+    # mean 0.5, sample variance (4 x 0.25) / (4 - 1) = 1/3, standard error sqrt(1/3) / sqrt(4) = 0.2887 (over n: 0.25)
+    (tmp_path / "alt.py").write_text(
+        "def alt(completions, **kw):\n    return [i % 2 for i in range(len(completions))]\n"
+    )
+    args = ppo_llm.Args(eval_only=True, eval_size=4, prompts_per_update=4, reward_fn=f"{tmp_path / 'alt.py'}:alt")
+    result = ppo_llm.main(args)
+    assert result["eval/accuracy"] == 0.5 and result["eval/accuracy_stderr"] == pytest.approx((1 / 3) ** 0.5 / 2)
+
+
+@pytest.mark.parametrize("module", [ppo_llm, grpo_llm])
+def test_evaluation_cut_off_at_max_new_tokens_says_so(module, capsys):
+    # --max-new-tokens 2: the embedded answers are 1 to 3 digits and an EOS, most cut off; the share in the metrics
+    # and the table, and the line
+    result = module.main(module.Args(eval_only=True, eval_size=16, max_new_tokens=2))
+    out = capsys.readouterr().out
+    assert (
+        result["eval/clipped_ratio"] >= 0.5
+        and f"  clipped_ratio               {result['eval/clipped_ratio']:.3f}" in out
+    )
+    assert f"warning: {result['eval/clipped_ratio']:.0%} of the held-out responses were cut off, scored as wrong" in out

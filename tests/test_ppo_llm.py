@@ -310,13 +310,15 @@ def test_run_logs_saves_and_loads_back(tiny, tmp_path, capsys):
             "episode",
             "eval/accuracy",
             "eval/accuracy_stderr",
+            "eval/clipped_ratio",
             "eval/mean_length_right",
             "eval/mean_length_wrong",
         }
     )
     assert "eval/mean_length_wrong" in metrics[0]  # the random tiny policy is wrong on most problems
-    p = metrics[0]["eval/accuracy"]  # 256 held-out problems scored 0 or 1: standard error sqrt(p (1 - p) / 256)
-    assert metrics[0]["eval/accuracy_stderr"] == pytest.approx((p * (1 - p) / 256) ** 0.5)
+    # 256 held-out problems scored 0 or 1: sample variance 256 p (1 - p) / 255, standard error sqrt(p (1 - p) / 255)
+    p = metrics[0]["eval/accuracy"]
+    assert metrics[0]["eval/accuracy_stderr"] == pytest.approx((p * (1 - p) / 255) ** 0.5)
     assert "ETA 00:00:" in capsys.readouterr().out
     events = EventAccumulator(run_dir)  # TensorBoard beside metrics.jsonl, the same names and steps
     events.Reload()
@@ -575,7 +577,7 @@ def test_eval_only_prints_accuracy_and_its_stderr_and_writes_nothing(tmp_path, c
     result = ppo_llm.main(ppo_llm.Args(eval_only=True, output_dir=str(tmp_path / "runs")))
     p, stderr = result["eval/accuracy"], result["eval/accuracy_stderr"]
     # the SFT model's sampled accuracy, 56.6% over its build's evaluation (assets/README), within 3 standard errors
-    assert p == pytest.approx(0.566, abs=3 * 0.031) and stderr == pytest.approx((p * (1 - p) / 256) ** 0.5)
+    assert p == pytest.approx(0.566, abs=3 * 0.031) and stderr == pytest.approx((p * (1 - p) / 255) ** 0.5)  # n - 1
     assert f"held-out accuracy {p:.3f} ± {stderr:.3f} (pass@1; two evaluations of one policy differ by <" in (
         capsys.readouterr().out
     )

@@ -328,10 +328,13 @@ def test_paths_that_cannot_be_read_or_written_are_one_line(tiny, tmp_path):
     )
 
 
-def test_a_resume_removes_a_stale_temporary_and_a_signal_in_the_first_evaluation_saves(tiny, tmp_path, monkeypatch):
+def test_a_resume_removes_a_stale_temporary_and_a_signal_in_the_first_evaluation_saves(
+    tiny, tmp_path, monkeypatch, capsys
+):
     # a hard kill in the middle of a save leaves half a checkpoint in the slot not in use, and one at its end the
-    # link that was to replace `checkpoint`: the resumed run's next save removes both; SIGTERM
-    # while the initial policy is evaluated stops the run with its line and a checkpoint of update 0
+    # link that was to replace `checkpoint`: the resumed run's next save removes both; SIGTERM while the initial
+    # policy is evaluated (4 prompts x 4 samples, in 2 batches of 8) stops the evaluation after its first batch and
+    # the run with its line and a checkpoint of update 0, and nothing of the evaluation is logged
     run_dir = run(ppo_llm, tiny, tmp_path / "a", total_steps=1)
     half = os.path.join(run_dir, "checkpoint.b")
     os.makedirs(half)
@@ -340,19 +343,21 @@ def test_a_resume_removes_a_stale_temporary_and_a_signal_in_the_first_evaluation
     ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--total-steps", "2"]))
     assert saved_update(run_dir) == 2 and not os.path.lexists(os.path.join(run_dir, "checkpoint.tmp"))
     assert glob.glob(os.path.join(run_dir, "checkpoint.*")) == [os.path.realpath(os.path.join(run_dir, "checkpoint"))]
-    generate = ppo_llm.transformers.GenerationMixin.generate
+    generate, calls = ppo_llm.transformers.GenerationMixin.generate, []
 
     def signalled(self, *args, **kwargs):
+        calls.append(1)
         os.kill(os.getpid(), signal.SIGTERM)
         return generate(self, *args, **kwargs)
 
     monkeypatch.setattr(ppo_llm.transformers.GenerationMixin, "generate", signalled)
+    capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
-        run(ppo_llm, tiny, tmp_path / "b", eval_every=1, eval_split=tiny["jsonl"], eval_size=4)
+        run(ppo_llm, tiny, tmp_path / "b", eval_every=1, eval_split=tiny["jsonl"], eval_size=4, eval_num_generations=4)
     (run_dir,) = (tmp_path / "b").iterdir()
-    assert stop.value.code == 128 + signal.SIGTERM
-    assert saved_update(run_dir) == 0
-    assert [m["update"] for m in untimed_metrics(run_dir)] == [0]  # the first evaluation, logged
+    assert stop.value.code == 128 + signal.SIGTERM and "stopped in update 0 (SIGTERM)" in capsys.readouterr().err
+    assert saved_update(run_dir) == 0 and len(calls) == 1
+    assert not (run_dir / "metrics.jsonl").exists()  # the evaluation cut short, not logged
 
 
 def test_logs_that_cannot_be_written_are_one_line(tmp_path):
@@ -459,14 +464,15 @@ def flip_byte(path):
         f.write(bytes([byte ^ 0xFF]))
 
 
-def test_a_flipped_byte_is_refused_by_name_and_an_untouched_checkpoint_resumes(tiny, tmp_path):
+def test_a_flipped_byte_is_refused_by_name_and_an_untouched_checkpoint_resumes(tiny, tmp_path, capsys):
     # a byte flipped in the checkpoint's shard: --resume refuses in one line naming the file, and says that policy/ is
     # whole (as --model of a new run); flipped in policy/ too, that it is not; the directory is as it was. Flipped
-    # back, the resume goes on as today: two updates and a resume to three log what three in one go log
+    # back, and flipped in policy/ alone (which resuming never reads), the resume goes on with one warning naming it:
+    # two updates and a resume to three log what three in one go log, and the save replaces the damaged policy/
     run_dir = run(ppo_llm, tiny, tmp_path / "split", total_steps=2)
     before = contents(run_dir)
     shard, weights = f"{run_dir}/checkpoint/__0_0.distcp", f"{run_dir}/checkpoint/policy/model.safetensors"
-    refusal = f"error: --resume {run_dir}: {run_dir}/checkpoint/__0_0.distcp is damaged (its CRC-32 differs); its"
+    refusal = f"error: --resume {run_dir}: {run_dir}/checkpoint/__0_0.distcp is damaged or missing; its"
     whole = f"policy/ is whole: --model {run_dir}/policy starts a new run from it"
     for flipped, policy in [([shard], whole), ([shard, weights], "policy/ is damaged too")]:
         for path in flipped:
@@ -477,8 +483,15 @@ def test_a_flipped_byte_is_refused_by_name_and_an_untouched_checkpoint_resumes(t
         for path in flipped:
             flip_byte(path)
     assert contents(run_dir) == before  # (the lock names its last owner: this process, as before)
+    flip_byte(weights)
+    capsys.readouterr()
     ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--total-steps", "3"]))
+    warning = f"warning: --resume {run_dir}: {weights} is damaged or missing; resuming anyway"
+    assert capsys.readouterr().out.count(warning) == 1
     assert untimed_metrics(run_dir) == untimed_metrics(run(ppo_llm, tiny, tmp_path / "whole"))
+    sums = json.load(open(f"{run_dir}/checkpoint/checksums.json"))  # update 3's save: policy/ written anew, whole
+    assert "policy/model.safetensors" in sums and "state.json" in sums and "__0_0.distcp" in sums
+    assert all(ppo_llm.crc32(f"{run_dir}/checkpoint/{name}") == crc for name, crc in sums.items())
 
 
 SLOW = """import os, signal, threading, time

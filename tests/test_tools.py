@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 import transformers
-from conftest import char_tokenizer, tiny_config, untimed_metrics
+from conftest import char_tokenizer, saved_update, tiny_config, untimed_metrics
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
@@ -120,6 +120,8 @@ def test_calculator_evaluates_arithmetic(expression, result):
         ("__import__('os').getcwd()", "not arithmetic"),  # never eval()
         ("x + 1", "not arithmetic"),
         ("True + 1", "not arithmetic"),  # a bool is no number here
+        ("(-8)**0.5", "not a real number"),  # Python's complex (1.7e-16+2.83j)
+        ("1e100 / 1e-300", "not a real number"),  # inf: both operands within the bound
     ],
 )
 def test_calculator_refuses_what_is_not_bounded_arithmetic(expression, error):
@@ -216,7 +218,7 @@ def test_every_kind_of_bad_call_is_an_error_result_and_counted():
         {"function": {"name": "calculator", "arguments": {"expression": "9**9**9"}}},
     ]
     started = time.perf_counter()
-    ids, failed = ppo_llm.run_tools(tok, tools, calls, 0.5, [tok.eos_token_id], 10_000)
+    ids, failed = ppo_llm.run_tools(tok, tools, calls, 0.5, [tok.eos_token_id], 1000)
     assert time.perf_counter() - started < 10  # the 30 s sleep was cut at 0.5 s
     assert failed == 8
     text = tok.decode(ids)
@@ -453,12 +455,13 @@ def test_a_stop_during_a_tool_call_is_no_failure():
     started = time.perf_counter()
     timer.start()
     try:
-        ids, failed = ppo_llm.run_tools(tok, {"slow": slow}, [call], 60, [tok.eos_token_id], 10_000)
+        ids, failed = ppo_llm.run_tools(tok, {"slow": slow}, [call, call], 60, [tok.eos_token_id], 1000)
         assert ppo_llm.STOP == [signal.SIGTERM]
     finally:
         timer.cancel()
         ppo_llm.STOP.clear()
-    assert failed == 0 and tok.decode(ids) == "\nR:{'error': 'stopped'}\nA:" and time.perf_counter() - started < 10
+    # no result reaches the policy (None: the response is cut off there), and the second call never runs
+    assert failed == 0 and ids is None and time.perf_counter() - started < 10
 
 
 def test_a_turn_longer_than_its_room_goes_on_in_the_next_generate(calc, monkeypatch):
@@ -555,3 +558,191 @@ def test_the_metrics_under_trls_names_mean_trls():
     assert (m["completions/mean_length"], m["completions/min_length"], m["completions/max_length"]) == (62.5, 61, 64)
     assert m["completions/clipped_ratio"] == 0.0 and m["tools/cut_off_ratio"] == 0.5
     assert m["tools/mean_length"] == 66.5 and m["perf/tokens"] == 133 and m["tools/mean_turns"] == 1.0
+
+
+# ---- hostile results, stops and cut-off responses in evaluation
+
+REFUSING = COMPACT.replace(  # a template that raises on one result, as a template's own checks can
+    "{%- elif message.role == 'tool' %}",
+    "{%- elif message.role == 'tool' %}"
+    "{% if message.content == 'REFUSED' %}{{ raise_exception('refused') }}{% endif %}",
+)
+
+
+def test_a_result_not_utf8_or_refused_by_the_template_or_too_long_for_the_room(monkeypatch):
+    # a subprocess's bytes that are not UTF-8 (os.fsdecode: lone surrogates) are rendered with ? for them; a result the
+    # template refuses is a failed call the policy reads; a 5 M-character result for a room of 10 tokens is no result
+    # (None: the response is cut off), never tokenised
+    def latin1() -> str:
+        """Bytes that are not UTF-8, as os.fsdecode decodes them."""
+        return os.fsdecode(b"caf\xe9")
+
+    def refused() -> str:
+        """A result the template refuses."""
+        return "REFUSED"
+
+    def huge() -> str:
+        """Five million characters."""
+        return "9" * 5_000_000
+
+    tok = tool_tokenizer(REFUSING)
+    tools = {"calculator": ppo_llm.calculator, "latin1": latin1, "refused": refused, "huge": huge}
+    calls = [{"function": {"name": name, "arguments": {}}} for name in ["latin1", "refused"]]
+    calls.append({"function": {"name": "calculator", "arguments": {"expression": "6*7"}}})
+    ids, failed = ppo_llm.run_tools(tok, tools, calls, 10, [tok.eos_token_id], 1000)
+    assert failed == 1 and tok.decode(ids) == "\nR:caf?\nR:{'error': 'TemplateError: refused'}\nR:42\nA:"
+    rendered, real = [], ppo_llm.tool_result_ids
+    monkeypatch.setattr(
+        ppo_llm, "tool_result_ids", lambda tok, messages, eos: rendered.append(1) or real(tok, messages, eos)
+    )
+    huge_call = {"function": {"name": "huge", "arguments": {}}}
+    assert ppo_llm.run_tools(tok, tools, [huge_call], 10, [tok.eos_token_id], 10) == (None, 0) and rendered == []
+    # 5 M > 10 tokens x 11 characters (<tool_call>, the longest token); one that fits in 99 tokens is kept
+    assert ppo_llm.run_tools(tok, tools, calls[2:], 10, [tok.eos_token_id], 99)[0] == tok("\nR:42\nA:").input_ids
+
+
+NOT_UTF8 = '''import os
+
+
+def calculator(expression: str) -> str:
+    """The calculator, its result after a byte that is not UTF-8 (as a subprocess's output, os.fsdecode'd); 9*9's
+    result is one that the chat template refuses.
+
+    Args:
+        expression: the expression
+    """
+    if expression == "9*9":
+        return "REFUSED"
+    return os.fsdecode(b"\\xff") + str(eval(expression))
+'''
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_run_whose_tool_returns_bytes_that_are_not_utf8_goes_on(calc, tmp_path, processes):
+    # the scripted problems with a calculator whose results start with a lone surrogate, and a chat template that
+    # refuses 9*9's result: the run finishes, in one process and under torchrun; the policy read ? in place of the
+    # surrogate, and the refused result is a failed call (2*3's malformed call and 9*9's of the 3 calls)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    (tmp_path / "mytools.py").write_text(NOT_UTF8)
+    tok = AutoTokenizer.from_pretrained(calc["policy"])
+    tok.chat_template = REFUSING
+    tok.save_pretrained(tmp_path / "policy")
+    AutoModelForCausalLM.from_pretrained(calc["policy"]).save_pretrained(tmp_path / "policy")
+    calc = calc | {"policy": str(tmp_path / "policy")}
+    wrapper = tmp_path / "scripted.py"
+    wrapper.write_text(WRAPPER.format(tests=tests, root=os.path.dirname(tests)))
+    flags = ["--model", calc["policy"], "--dataset", calc["train"], "--tools", f"{tmp_path / 'mytools.py'}:calculator"]
+    flags += [
+        "--max-tool-calls",
+        "1",
+        "--prompts-per-update",
+        "4",
+        "--num-mini-batches",
+        "1",
+        "--max-new-tokens",
+        "160",
+    ]
+    flags += ["--eval-every", "0", "--sample-every", "1", "--num-samples", "4", "--total-steps", "1"]
+    launch = [sys.executable]
+    if processes == 2:
+        launch = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node", "2"]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "SCRIPTED_TOKENIZER": calc["policy"]}
+    done = subprocess.run([*launch, str(wrapper), "ppo_llm.py", *flags, "--output-dir", str(tmp_path / "runs")],
+                          env=env, timeout=300, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    samples = [json.loads(line) for line in open(run_dir / "samples.jsonl")]
+    completions = "".join(s["completion"] for s in samples)  # under torchrun rank 0's prompts alone
+    if processes == 1:
+        assert CALL + "[tool: \nR:?42\nA:]42" in completions and "{'error': 'TemplateError: refused'}" in completions
+    (metrics,) = untimed_metrics(run_dir)
+    assert metrics["tools/failure_frequency"] == pytest.approx(2 / 3)
+
+
+SIGNALLING = '''import os, signal
+
+calls = []
+
+
+def calculator(expression: str) -> str:
+    """The calculator; its {call}-th call on rank 0 is sent {signal}.
+
+    Args:
+        expression: the expression
+    """
+    calls.append(1)
+    if len(calls) == {call} and os.environ.get("RANK", "0") == "0":
+        os.kill(os.getpid(), signal.{signal})  # a Ctrl-C or a scheduler's SIGTERM while the tool runs
+    return str(eval(expression))
+'''
+
+
+@pytest.mark.parametrize("call, update", [(1, 0), (7, 1)])
+def test_a_stop_in_evaluation_ends_it_after_the_batch_and_logs_no_evaluation(calc, tmp_path, monkeypatch, capsys,
+                                                                             call, update):  # fmt: skip
+    # SIGTERM in a tool call of the first evaluation (call 1), or of update 1's (calls 1-4: update 0's two batches
+    # of 4 samples, each with 6*7's and 9*9's calls; 5-6: update 1's rollout; 7: update 1's evaluation): the
+    # evaluation ends after its first batch, and none of it is logged; update 1's row is logged without eval/*
+    (tmp_path / "mytools.py").write_text(SIGNALLING.format(call=call, signal="SIGTERM"))
+    rollouts, real = [], ppo_llm.rollout
+    monkeypatch.setattr(ppo_llm, "rollout", lambda *a, **k: rollouts.append(a[2]) or real(*a, **k))
+    tool = f"{tmp_path / 'mytools.py'}:calculator"
+    with pytest.raises(SystemExit) as stop:
+        tool_run(ppo_llm, calc, tmp_path / "runs", monkeypatch, tools=(tool,), eval_every=1, eval_num_generations=2,
+                 total_steps=3, num_mini_batches=1)  # fmt: skip
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert f"stopped in update {update + 1 if update else 0} (SIGTERM)" in capsys.readouterr().err
+    # update 0: its evaluation's first batch; update 1: update 0's 2 batches, update 1's rollout, its evaluation's first
+    # batch, and update 2's rollout, ended at its first token by the stop
+    assert len(rollouts) == [1, 5][update]
+    assert saved_update(run_dir) == update
+    metrics = untimed_metrics(run_dir) if update else []  # update 0: not even a metrics.jsonl
+    assert not (run_dir / "metrics.jsonl").exists() or [m["update"] for m in metrics] == list(range(update + 1))
+    assert not any(key.startswith("eval/") for m in metrics[1:] for key in m)  # update 1's row, not its evaluation
+    if update:
+        monkeypatch.setattr(ppo_llm, "rollout", real)
+        (tmp_path / "mytools.py").write_text(SIGNALLING.format(call=0, signal="SIGTERM"))  # no signal this time
+        ppo_llm.main(ppo_llm.parse_args(["--resume", str(run_dir)]))
+        metrics = untimed_metrics(run_dir)
+        assert [m["update"] for m in metrics] == [0, 1, 2, 3] and "eval/accuracy" not in metrics[1]
+        assert all("eval/accuracy" in m for m in metrics[2:])  # update 1 is never evaluated after the resume
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_stop_in_eval_only_ends_at_once_with_one_line_and_128_plus_the_signal(calc, tmp_path, processes):
+    # SIGINT (Ctrl-C) in rank 0's first tool call of --eval-only, 4 prompts x 2 samples in batches of 4 (2 a rank):
+    # every rank ends after its first batch with 130, rank 0 printing one line and no table (rank 1 had no signal)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    (tmp_path / "mytools.py").write_text(SIGNALLING.format(call=1, signal="SIGINT"))
+    wrapper = tmp_path / "scripted.py"
+    wrapper.write_text(WRAPPER.format(tests=tests, root=os.path.dirname(tests)))
+    flags = ["--model", calc["policy"], "--dataset", calc["train"], "--tools", f"{tmp_path / 'mytools.py'}:calculator"]
+    flags += ["--eval-only", "--eval-num-generations", "2", "--prompts-per-update", "4", "--num-mini-batches", "1"]
+    flags += ["--max-new-tokens", "160"]
+    launch = [sys.executable]
+    if processes == 2:
+        launch = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node", "2"]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "SCRIPTED_TOKENIZER": calc["policy"]}
+    done = subprocess.run([*launch, str(wrapper), "ppo_llm.py", *flags], env=env, timeout=300, capture_output=True,
+                          text=True)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert "held-out" not in out and out.count("stopped (SIGINT) during the evaluation: no accuracy to print") == 1, out
+    if processes == 1:
+        assert done.returncode == 128 + signal.SIGINT
+    else:  # torchrun's report: each rank's exit code
+        assert done.returncode != 0 and out.count("exitcode  : 130") == 2, out[-3000:]
+
+
+def test_evaluation_gives_the_share_cut_off_and_the_share_cut_off_at_a_call(calc, tmp_path, monkeypatch, capsys):
+    # --max-tool-calls 0: every call cuts its response off, 6*7's, 2*3's malformed one and 9*9's; 5*5 answers: 3 of
+    # 4 cut off, all at a call, and the line on cut-off responses; --max-tool-calls 1: only 9*9's second call. Each
+    # ends in an EOS (its call's), so none counts in clipped_ratio (TRL's: no EOS at the end), as in training's
+    result = tool_run(ppo_llm, calc, tmp_path, monkeypatch, eval_only=True, max_tool_calls=0)
+    assert result["eval/clipped_ratio"] == 0.0 and result["eval/tools/cut_off_ratio"] == 0.75
+    assert result["eval/tools/call_frequency"] == 0.0  # none ran
+    out = capsys.readouterr().out
+    assert "warning: 75% of the held-out responses were cut off" in out and "  clipped_ratio  " in out
+    result = tool_run(ppo_llm, calc, tmp_path, monkeypatch, eval_only=True)
+    assert result["eval/clipped_ratio"] == 0.0 and result["eval/tools/cut_off_ratio"] == 0.25
+    assert "warning" not in capsys.readouterr().out
