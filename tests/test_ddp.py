@@ -272,6 +272,10 @@ def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
     refused = torchrun("ppo_llm.py", "--resume", split, "--total-steps", "3", ok=False)
     assert refused.stderr.count(f"error: --resume {split}: {shard} is damaged or missing") >= 1
     flip_byte(shard)
+    os.rename(shard, f"{shard}.gone")  # missing: refused by name alike (it was rank 1's FileNotFoundError alone)
+    refused = torchrun("ppo_llm.py", "--resume", split, "--total-steps", "3", ok=False)
+    assert refused.stderr.count(f"error: --resume {split}: {shard} is damaged or missing") >= 1
+    os.rename(f"{shard}.gone", shard)
     torchrun("ppo_llm.py", "--resume", split, "--total-steps", "3")
     torchrun(*ppo, "--total-steps", "3", "--output-dir", tmp_path / "whole")
     ((whole,),) = [list((tmp_path / "whole").iterdir())]
