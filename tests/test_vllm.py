@@ -80,16 +80,20 @@ def test_the_importance_weights_by_hand():
 
 @pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
 def test_refusals_before_anything_loads(script, monkeypatch):
-    args = script.Args(vllm=True, eval_only=True)
-    with pytest.raises(SystemExit, match="^error: --vllm does not run --eval-only yet"):
-        script.check_args(args, 1)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="^error: --vllm under torchrun needs GPUs$"):
-        script.check_args(script.Args(vllm=True, prompts_per_update=8, micro_batch_size=2), 2)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(SystemExit, match="^error: --vllm needs vLLM: its venv is in the README$"):
         script.check_args(script.Args(vllm=True), 1)
+
+    def installed(name, *args):  # as if vLLM were installed, whether it is or not
+        return real("torch") if name == "vllm" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", installed)
+    with pytest.raises(SystemExit, match="^error: --vllm does not run --eval-only yet"):
+        script.check_args(script.Args(vllm=True, eval_only=True), 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="^error: --vllm under torchrun needs GPUs$"):
+        script.check_args(script.Args(vllm=True, prompts_per_update=8, micro_batch_size=2), 2)
 
 
 @needs_vllm
