@@ -257,7 +257,7 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
     return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
 
 
-def truncated_importance_weights(logprobs, vllm_logprobs, cap):
+def importance_weights(logprobs, vllm_logprobs, cap):
     """--vllm's correction (TRL's, token_truncate): the engine samples from pi_vllm, not quite the trainer's pi; each
     token's weight min(pi / pi_vllm, C) = min(exp(logprobs - vllm_logprobs), C) (B, R) multiplies its advantage."""
     return torch.exp(logprobs - vllm_logprobs).clamp(max=cap)
@@ -287,17 +287,14 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, *
     with autocast, unsharded(policy), vllm_pushed(policy, enabled=args.vllm):  # FSDP: one gather for every turn
         while going:  # one generate() for the responses still going, each after its own ids so far
             context = tokenizer.pad({"input_ids": [contexts[i] + responses[i] for i in going]}, return_tensors="pt")
+            context = context.to(policy.device)
             room = args.max_new_tokens - max(len(responses[i]) for i in going)  # the longest's: within the context
             logprobs = torch.zeros(len(going), room)
             if args.vllm:  # the engine samples the turn as generate() would, from the same ids (vllm_generate)
                 out, logprobs = vllm_generate(context, room, policy.generation_config, stop, **sampling)
             else:
                 out = policy.generate(
-                    **context.to(policy.device),
-                    max_new_tokens=room,
-                    stopping_criteria=stop,
-                    synced_gpus=False,
-                    **sampling,
+                    **context, max_new_tokens=room, stopping_criteria=stop, synced_gpus=False, **sampling
                 )
             new, new_mask, _ = truncate_after_eos(out[:, context.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
             still_going = []
@@ -478,7 +475,7 @@ def main(args: Args | None = None):
             advantages = masked_whiten(advantages, mask)
             if args.vllm:  # truncated importance sampling: the engine sampled these tokens, not the trainer (TRL's)
                 cap = args.vllm_importance_sampling_clip_max
-                advantages = advantages * truncated_importance_weights(old_logprobs, batch["vllm_logprobs"], cap)
+                advantages = advantages * importance_weights(old_logprobs, batch["vllm_logprobs"], cap)
             batch |= {"old_logprobs": old_logprobs, "values": values, "advantages": advantages, "returns": returns}
             # 5. PPO update: epochs of shuffled minibatches, micro-batches accumulate gradients (details 10, 11)
             models.train()  # HF's activation checkpointing acts in train mode only (dropout is 0: eval's numbers)
@@ -1232,10 +1229,8 @@ def vllm_pushed(policy, enabled=True):
             if hasattr(module, "get_delta_weight"):  # a LoRA layer: (alpha / r) B A, in the base layer's layout
                 key = f"{name}.base_layer.weight"
                 weights[key] = weights[key] + module.get_delta_weight("default")
-        weights = {k.replace(".base_layer.", "."): v for k, v in weights.items() if ".lora_" not in k}
-        VLLM[0].collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": weights.items(), "is_checkpoint_format": True}
-        )
+        weights = [(k.replace(".base_layer.", "."), v) for k, v in weights.items() if ".lora_" not in k]
+        VLLM[0].collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         VLLM[0].reset_prefix_cache()
     yield
 
@@ -1247,24 +1242,23 @@ def vllm_generate(context, room, generation_config, stop=None, **sampling):
     import vllm
 
     config, engine = generation_config.to_dict() | sampling, VLLM[0].llm_engine
-    temperature, pad = config["temperature"] if config["do_sample"] else 0.0, config["pad_token_id"]
-    seeds = torch.randint(2**31, (len(context.input_ids),)).tolist()
-    for i, (ids, real, seed) in enumerate(zip(context.input_ids, context.attention_mask, seeds)):
-        params = dict(temperature=temperature, max_tokens=room, seed=seed, logprobs=0, detokenize=False)
-        params |= dict(stop_token_ids=config["eos_token_id"], ignore_eos=True)  # detail 2's ids, not vLLM's EOS
-        engine.add_request(str(i), {"prompt_token_ids": ids[real.bool()].tolist()}, vllm.SamplingParams(**params))
-    outputs, new, logprobs = {}, torch.full((len(seeds), room), pad), torch.zeros(len(seeds), room)
+    params = dict(temperature=config["temperature"] if config["do_sample"] else 0.0, max_tokens=room, logprobs=0)
+    params |= dict(stop_token_ids=config["eos_token_id"], ignore_eos=True, detokenize=False)  # detail 2's, not vLLM's
+    ids = [row[real.bool()].tolist() for row, real in zip(context.input_ids, context.attention_mask)]
+    for i, seed in enumerate(torch.randint(2**31, (len(ids),)).tolist()):
+        engine.add_request(str(i), {"prompt_token_ids": ids[i]}, vllm.SamplingParams(seed=seed, **params))
+    outputs, new, logprobs = {}, torch.full((len(ids), room), config["pad_token_id"]), torch.zeros(len(ids), room)
     while engine.has_unfinished_requests():
         if stop is not None and STOP:  # the rows keep what they have: main() stops after the rollout
-            engine.abort_request([str(i) for i in range(len(seeds))])
+            engine.abort_request([str(i) for i in range(len(ids))])
             break
         for output in engine.step():  # each request's tokens so far
             outputs[int(output.request_id)] = output.outputs[0]
     for i, output in outputs.items():  # a request aborted before its first step: all pad
-        ids = list(output.token_ids)
-        new[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        logprobs[i, : len(ids)] = torch.tensor([p[t].logprob for p, t in zip(output.logprobs, ids)])
-    return torch.cat([context.input_ids, new], 1), logprobs
+        tokens = list(output.token_ids)
+        new[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logprobs[i, : len(tokens)] = torch.tensor([p[t].logprob for p, t in zip(output.logprobs, tokens)])
+    return torch.cat([context.input_ids, new.to(context.input_ids.device)], 1), logprobs
 
 
 def vllm_metrics(logprobs, batch):

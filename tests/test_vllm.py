@@ -73,7 +73,7 @@ def test_the_importance_weights_by_hand():
     logprobs, vllm_logprobs = torch.tensor([[-0.5, -1.0, 0.0, -2.0]]), torch.tensor([[-0.5, -2.0, -5.0, -1.0]])
     expected = torch.tensor([[1.0, 2.718282, 3.0, 0.367879]])
     for script in [ppo_llm, grpo_llm]:
-        weights = script.truncated_importance_weights(logprobs, vllm_logprobs, 3.0)
+        weights = script.importance_weights(logprobs, vllm_logprobs, 3.0)
         assert torch.allclose(weights, expected, atol=1e-6)
     assert ppo_llm.Args().vllm_importance_sampling_clip_max == grpo_llm.Args().vllm_importance_sampling_clip_max == 3.0
 
