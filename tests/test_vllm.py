@@ -209,3 +209,35 @@ def run(name, served, output_dir, stop_at=None, resume=False):
     except SystemExit as stop:
         assert stop.code == 128 + signal.SIGTERM and stop_at is not None
     print(f"steps: {len(steps)}")
+
+
+@needs_vllm
+def test_a_tool_run_through_the_engine_has_the_turns_and_masks_of_generate(tmp_path):
+    in_subprocess("tool_turns_match_generate", str(tmp_path))
+
+
+def tool_turns_match_generate(tmp_path):
+    # the embedded calculator policy with 5 heads (head size 32, served; the same weights): greedy, most of its
+    # responses call the calculator, read its result (mask 0) and answer in a second turn; vLLM's must be generate()'s
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = os.path.join(tmp_path, "calc5")
+    AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets/calc-sft"), n_head=5).save_pretrained(model)
+    AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets/calc-sft")).save_pretrained(model)
+    script = grpo_llm
+    dataset = os.path.join(ROOT, "assets/calc/train.jsonl")
+    args = script.Args(model=model, dataset=dataset, tools=("calculator",), vllm=True, max_new_tokens=80)
+    tools = script.load_tools(args.tools)
+    tokenizer, policy, _, _ = script.load_models(args, torch.device("cpu"), tools)
+    script.prepare(args, [policy])
+    rows = script.load_prompts(args, tokenizer, needs_answers=False, tools=tools)
+    prompts = [row["prompt"] for row in rows[::97][:6]]
+    batches = []
+    for vllm in [True, False]:
+        options = script.Args(**(vars(args) | {"vllm": vllm}))
+        autocast = torch.autocast("cpu", enabled=False)
+        batches.append(script.rollout(policy, tokenizer, prompts, options, autocast, None, tools, do_sample=False))
+    engine, generate = batches
+    assert (generate["turns"] == 2).sum() >= 3 and (generate["mask"] == 0).any()  # tool turns, a result's tokens
+    for key in ["responses", "mask", "attention_mask", "turns", "tool_calls", "tool_failures", "ended"]:
+        assert torch.equal(engine[key], generate[key]), key
