@@ -241,3 +241,18 @@ def tool_turns_match_generate(tmp_path):
     assert (generate["turns"] == 2).sum() >= 3 and (generate["mask"] == 0).any()  # tool turns, a result's tokens
     for key in ["responses", "mask", "attention_mask", "turns", "tool_calls", "tool_failures", "ended"]:
         assert torch.equal(engine[key], generate[key]), key
+
+
+@needs_vllm
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 GPUs (on a CPU, --vllm under torchrun is refused)")
+def test_two_torchrun_ranks_each_generate_with_their_own_engine(served, tmp_path):
+    # not run here yet (no GPU): each rank builds its engine (external_launcher) and pushes its gathered weights
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo_llm.py", "--vllm",
+               "--model", served["tied"], "--dataset", served["jsonl"], "--total-steps", "2", "--prompts-per-update",
+               "4", "--num-generations", "2", "--micro-batch-size", "4", "--max-new-tokens", "6", "--eval-every", "0",
+               "--vllm-gpu-memory-utilization", "0.2", "--output-dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2]
+    assert all(m["vllm/logprob_diff_max"] < 0.5 for m in untimed_metrics(run_dir))  # bf16 autocast on both sides
