@@ -16,13 +16,16 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scale  # noqa: E402
+from docs_tables import saved_results, write_table  # noqa: E402
+
+RESULTS = scale.RESULTS
 
 
-def main(updates: int = 3, runs: tuple[str, ...] = ("gpt2-grpo", "gpt2-ppo"), table: bool = False):
+def measure(updates: int = 3, runs: tuple[str, ...] = ("gpt2-grpo", "gpt2-ppo"), table: bool = False):
     """updates: per run, the first warm-up; runs: scale.py's CONFIGS; table: only the table, from vllm_cpu.json."""
-    path = os.path.join(scale.RESULTS, "vllm_cpu.json")
+    path = os.path.join(RESULTS, "vllm_cpu.json")
     if table:
-        write(scale.saved_results(path)[0])
+        write(saved_results(path)[0])
         return
     rows = []
     for name in runs:
@@ -53,8 +56,12 @@ def write(saved):
         base, fast = [r for r in rows if r["config"] == name]
         lines.append(f"\n{name}: generation {fast['time/generation'] / base['time/generation']:.2f}x, "
                      f"s/update {fast['s/update'] / base['s/update']:.2f}x with --vllm")  # fmt: skip
-    scale.write_table("vllm_cpu.md", "\n".join(lines))
+    write_table("vllm_cpu.md", "\n".join(lines))
+
+
+def main():
+    tyro.cli(measure)
 
 
 if __name__ == "__main__":
-    tyro.cli(main)
+    main()
