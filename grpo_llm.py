@@ -45,6 +45,7 @@ import contextlib
 import copy
 import datetime
 import fcntl
+import importlib.util
 import itertools
 import json
 import logging
@@ -125,6 +126,10 @@ class Args:
     tools: tuple[str, ...] = ()  # tools the policy may call: calculator (built in), file.py:function (docs: Tools)
     max_tool_calls: int = 4  # tool turns in a response; a call past them cuts the response off
     tool_timeout: float = 10.0  # seconds a tool call may run before it fails (an error result)
+    vllm: bool = False  # generate with a vLLM engine in this process (its own venv: docs/scaling.md)
+    vllm_kv_cache_gb: float = 0.25  # --vllm on a CPU: the engine's KV cache in GiB
+    vllm_gpu_memory_utilization: float = 0.3  # --vllm on a GPU: the engine's share of its memory (TRL's)
+    vllm_importance_sampling_clip_max: float = 3.0  # --vllm: C of each token's weight min(pi / pi_vllm, C) (TRL's)
     # ---- GRPO and its variants
     total_steps: int = 500  # GRPO updates (a generation batch and its --num-iterations each)
     prompts_per_update: int = 8  # prompts per update, each with --num-generations completions
@@ -273,6 +278,12 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
     return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
 
 
+def importance_weights(logprobs, vllm_logprobs, cap):
+    """--vllm's correction (TRL's, token_truncate): the engine samples from pi_vllm, not quite the trainer's pi; each
+    token's weight min(pi / pi_vllm, C) = min(exp(logprobs - vllm_logprobs), C) (B, R) multiplies its advantage."""
+    return torch.exp(logprobs - vllm_logprobs).clamp(max=cap)
+
+
 @torch.no_grad()
 def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, **sampling):
     """Step 1: the prompts left-padded (detail 6), cut on the left to --max-prompt-length; a response sampled for each
@@ -290,16 +301,23 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, *
     contexts = [ids[real.bool()].tolist() for ids, real in zip(inputs.input_ids, inputs.attention_mask)]
     responses, masks, turn_starts, turns = [[] for _ in prompts], [[] for _ in prompts], [0] * B, [1] * B
     ended, done, cut_on_call, tool_calls, tool_failures = [False] * B, [False] * B, [False] * B, [0] * B, [0] * B
-    sampling |= dict(stopping_criteria=stop, synced_gpus=False)  # FSDP: no collective in generate (ranks' turns differ)
+    sampled_logprobs = [[] for _ in prompts]  # --vllm: the engine's log-prob of each token it sampled (a tool's: 0)
     policy.eval()
-    with autocast, unsharded(policy):  # FSDP: one gather for every turn
+    with autocast, unsharded(policy), vllm_pushed(policy, enabled=args.vllm):  # FSDP: one gather for every turn
         while going:  # one generate() for the rows going, each after its own ids, as many tokens as the longest's room
             context = tokenizer.pad({"input_ids": [contexts[i] + responses[i] for i in going]}, return_tensors="pt")
-            room = args.max_new_tokens - max(len(responses[i]) for i in going)
-            out = policy.generate(**context.to(policy.device), max_new_tokens=room, **sampling)
+            context, room = context.to(policy.device), args.max_new_tokens - max(len(responses[i]) for i in going)
+            logprobs = torch.zeros(len(going), room)
+            if args.vllm:  # the engine samples the turn as generate() would, from the same ids (vllm_generate)
+                out, logprobs = vllm_generate(context, room, policy.generation_config, stop, **sampling)
+            else:  # FSDP: no collective in generate (ranks' turns differ)
+                out = policy.generate(
+                    **context, max_new_tokens=room, stopping_criteria=stop, synced_gpus=False, **sampling
+                )
             new, new_mask, _ = truncate_after_eos(out[:, context.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
-            for i, ids, length in zip(going, new.tolist(), new_mask.sum(1).tolist()):
+            for i, ids, length, logps in zip(going, new.tolist(), new_mask.sum(1).tolist(), logprobs.tolist()):
                 responses[i], masks[i] = responses[i] + ids[:length], masks[i] + [1.0] * length
+                sampled_logprobs[i] += logps[:length]
                 turn_length, left = len(responses[i]) - turn_starts[i], args.max_new_tokens - len(responses[i])
                 turn_ended = responses[i][-1] in eos_ids
                 calls = tool_calls_in(tokenizer, contexts[i] + responses[i], turn_length, tools) if turn_ended else []
@@ -315,10 +333,12 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, *
                     cut_on_call[i] = done[i] = result is None or len(result) > left
                     if not cut_on_call[i]:
                         responses[i], masks[i] = responses[i] + result, masks[i] + [0.0] * len(result)
+                        sampled_logprobs[i] += [0.0] * len(result)
                         turn_starts[i], turns[i] = len(responses[i]), turns[i] + 1
             going = [i for i in going if not done[i] and len(responses[i]) < args.max_new_tokens]  # else no room left
     batch = padded_batch(inputs, responses, masks, ended, tokenizer.pad_token_id)
     counts = dict(cut_on_call=cut_on_call, tool_calls=tool_calls, tool_failures=tool_failures, turns=turns)
+    counts["vllm_logprobs"] = nn.utils.rnn.pad_sequence([torch.tensor(x) for x in sampled_logprobs], True).tolist()
     return batch | {name: torch.tensor(v, device=batch["ended"].device) for name, v in counts.items()}
 
 
@@ -452,7 +472,7 @@ def main(args: Args | None = None):
             # 4. old log-probs (mu > 1), entropies (detail 13) and reference log-probs: the training forward (detail 5)
             micro_batches = torch.arange(batch_size, device=device).split(micro_batch_size)
             has_loss_tokens = all_reduce(loss_mask.sum()) > 0  # on any rank; else no update
-            if has_loss_tokens and (args.num_iterations > 1 or args.top_entropy_quantile < 1):
+            if has_loss_tokens and (args.num_iterations > 1 or args.top_entropy_quantile < 1 or args.vllm):
                 with scoring(policy), autocast:
                     out = [policy_forward(policy, batch, mb, args)[1:] for mb in micro_batches]
                 batch["old_logprobs"], entropy = (torch.cat(x) for x in zip(*out))  # old ones read at mu > 1
@@ -462,6 +482,10 @@ def main(args: Args | None = None):
                 with scoring(ref_policy, adapters_off=args.lora_r > 0), autocast:
                     out = [policy_forward(ref_policy, batch, mb, args)[1] for mb in micro_batches]
                 batch["ref_logprobs"] = torch.cat(out)
+            if args.vllm and has_loss_tokens:  # truncated importance sampling: vLLM sampled, not the trainer (TRL's)
+                cap = args.vllm_importance_sampling_clip_max
+                weights = importance_weights(batch["old_logprobs"], batch["vllm_logprobs"], cap)
+                batch["advantages"] = advantages[:, None] * weights
             clock.lap("scoring")
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 9)
             policy.train()
@@ -477,6 +501,7 @@ def main(args: Args | None = None):
             # TRY NOT TO MODIFY: 6. log (TRL's GRPO metric names), evaluate, show samples, save
             batch |= {"scores": scores, "rewards": rewards, "zero_std": zero_std}
             metrics, line = grpo_metrics(update, args, batch, names, stats, losses, grad_norms, optimizer, clock)
+            metrics |= vllm_metrics(batch["old_logprobs"], batch) if args.vllm and has_loss_tokens else {}
             if eval_problems and due(update, args.eval_every, args.total_steps):
                 metrics |= evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
             values = dict(reward=rewards[::G], advantage=advantages[::G])  # one of each group
@@ -1246,16 +1271,97 @@ def scoring(model, adapters_off=False):
 
 
 def prepare(args, trained):
-    """Gradient checkpointing, torch's threads, and AdamW over the trained models' parameters: (params, optimizer)."""
+    """Gradient checkpointing, torch's threads, AdamW over the trained weights, --vllm's engine: (params, optimizer)."""
     trained = [model for model in trained if model is not None]
     for model in trained:
         if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only
-            model.activation_checkpointing_enable({"use_reentrant": False})  # reentrant can leave LoRA with no gradient
+            enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.20
+            enable({"use_reentrant": False})  # reentrant can leave LoRA with no gradient
     if trained[0].device.type == "cpu" and sum(p.numel() for p in trained[0].parameters()) < 50e6:
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
+    if args.vllm:  # after torch's threads, which the engine binds
+        start_vllm(args, trained[0])
     return params, optimizer
+
+
+VLLM = []  # --vllm's engine (start_vllm): rollout() samples with it instead of generate()
+
+
+def start_vllm(args, policy):
+    """--vllm: a vLLM engine in this process (docs/scaling.md) of the policy as load_models prepared it (its config and
+    dtype), its weights vllm_pushed's, log-probs detail 4's; it seeds python, numpy and torch with --seed."""
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")  # in this process; quiet
+    import vllm
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config, cuda, served = policy.config, policy.device.type == "cuda", CPUAttentionBackend.get_supported_head_sizes()
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if not cuda and head_size not in served:
+        why = f"head size {head_size}, which vLLM's CPU attention does not serve ({served}); a GPU's does"
+        raise SystemExit(f"error: --vllm: --model {args.model} has {why}")
+    if not set(config.architectures or []) & set(vllm.ModelRegistry.get_supported_archs()):
+        raise SystemExit(f"error: --vllm: vLLM cannot load --model {args.model} ({config.architectures})")
+    options = dict(kv_cache_memory_bytes=int(args.vllm_kv_cache_gb * 2**30))
+    if cuda:  # each rank its own engine, as TRL's colocate mode
+        options = dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+        options["distributed_executor_backend"] = "external_launcher" if dist.is_initialized() else None
+    options |= dict(load_format="dummy", seed=args.seed, skip_tokenizer_init=True, enforce_eager=True)
+    options |= dict(logprobs_mode="processed_logprobs", max_model_len=args.max_prompt_length + args.max_new_tokens)
+    with tempfile.TemporaryDirectory() as path:
+        config.save_pretrained(path)
+        VLLM[:] = [vllm.LLM(path, dtype=torch.bfloat16 if uses_bf16(args) else policy.dtype, **options)]
+
+
+@contextlib.contextmanager
+def vllm_pushed(policy, enabled=True):
+    """--vllm: the policy's weights into the engine by reload_weights, in the checkpoint's names (a tied LM head too), a
+    LoRA run's merged, W + (alpha / r) B A, its adapters left as they are; the prefix cache (old weights') emptied."""
+    if enabled:
+        model = policy.get_base_model() if hasattr(policy, "peft_config") else policy
+        weights = dict(model.state_dict())
+        for name, module in model.named_modules():
+            if hasattr(module, "get_delta_weight"):  # a LoRA layer: (alpha / r) B A, in the base layer's layout
+                key = f"{name}.base_layer.weight"
+                weights[key] = weights[key] + module.get_delta_weight("default")
+        weights = [(k.replace(".base_layer.", "."), v) for k, v in weights.items() if ".lora_" not in k]
+        VLLM[0].collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        VLLM[0].reset_prefix_cache()
+    yield
+
+
+def vllm_generate(context, room, generation_config, stop=None, **sampling):
+    """A turn through the engine as generate() samples it (details 2, 4), a seed a row from torch's generator (seeded
+    per update): generate()'s ids (B, Q + room), pad after each end, and each sampled token's log-prob (B, room).
+    With stop, a Ctrl-C or SIGTERM aborts it within a step."""
+    import vllm
+
+    config, engine = generation_config.to_dict() | sampling, VLLM[0].llm_engine
+    params = dict(temperature=config["temperature"] if config["do_sample"] else 0.0, max_tokens=room, logprobs=0)
+    params |= dict(stop_token_ids=config["eos_token_id"], ignore_eos=True, detokenize=False)  # detail 2's, not vLLM's
+    ids = [row[real.bool()].tolist() for row, real in zip(context.input_ids, context.attention_mask)]
+    for i, seed in enumerate(torch.randint(2**31, (len(ids),)).tolist()):
+        engine.add_request(str(i), {"prompt_token_ids": ids[i]}, vllm.SamplingParams(seed=seed, **params))
+    outputs, new, logprobs = {}, torch.full((len(ids), room), config["pad_token_id"]), torch.zeros(len(ids), room)
+    while engine.has_unfinished_requests():
+        if stop is not None and STOP:  # the rows keep what they have: main() stops after the rollout
+            engine.abort_request([str(i) for i in range(len(ids))])
+            break
+        for output in engine.step():  # each request's tokens so far
+            outputs[int(output.request_id)] = output.outputs[0]
+    for i, output in outputs.items():  # a request aborted before its first step: all pad
+        tokens = list(output.token_ids)
+        new[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logprobs[i, : len(tokens)] = torch.tensor([p[t].logprob for p, t in zip(output.logprobs, tokens)])
+    return torch.cat([context.input_ids, new.to(context.input_ids.device)], 1), logprobs
+
+
+def vllm_metrics(logprobs, batch):
+    """vllm/logprob_diff_max and _mean: |the engine's log-prob - the trainer's| over the policy's tokens, all ranks'."""
+    diff = (logprobs - batch["vllm_logprobs"]).abs()[batch["mask"].bool()]
+    metrics = {"vllm/logprob_diff_max": diff.max().item(), "vllm/logprob_diff_mean": diff.mean().item()}
+    return global_metrics(metrics, {"vllm/logprob_diff_max": "max"})
 
 
 # TRY NOT TO MODIFY: set-up, seeding, the run directory, logging, evaluation
@@ -1275,7 +1381,8 @@ def check_range(args, rule, names):
 
 def check_run(args, world):
     """Both scripts' checks: the run directory writable (nothing is created), the split, the processes, LoRA's flags."""
-    check_range(args, "> 0", "reward_timeout tool_timeout")
+    check_range(args, "> 0", "reward_timeout tool_timeout vllm_kv_cache_gb vllm_importance_sampling_clip_max")
+    check_range(args, "in (0, 1]", "vllm_gpu_memory_utilization")
     flag, path = ("--resume", args.resume) if args.resume else ("--output-dir", args.output_dir)
     existing = os.path.abspath(path)
     while not os.path.exists(existing):  # where makedirs would start
@@ -1292,6 +1399,9 @@ def check_run(args, world):
         (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
         (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
         (args.eval_only and not reward_fn_names(args), "--eval-only beside --reward-model needs a --reward-fn"),
+        (args.vllm and not importlib.util.find_spec("vllm"), "--vllm needs vLLM: its venv is in the README"),
+        (args.vllm and args.eval_only, "--vllm does not run --eval-only yet: evaluate without it"),
+        (args.vllm and world > 1 and not torch.cuda.is_available(), "--vllm under torchrun needs GPUs"),
     ]:
         if bad:
             raise SystemExit(f"error: {message}")

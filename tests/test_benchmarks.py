@@ -58,6 +58,7 @@ def run_main(monkeypatch, module, argv):
         ("gpu", ["--table"], ["--table", "gpu_*.json does not exist"]),
         ("ablations", ["--table"], ["--table", "ablations.json does not exist"]),
         ("passes", ["--table"], ["--table", "passes_*.json does not exist"]),
+        ("vllm_speed", ["--table"], ["--table", "vllm_cpu.json does not exist"]),
     ],
 )
 def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(

@@ -1,0 +1,258 @@
+"""--vllm: the engine in the training process samples what the trainer trains on, its weights pushed before every
+rollout. These tests run in the vLLM venv (README: pip install -r requirements-vllm.txt); without vLLM the ones that
+need it are skipped, with one reason."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import char_tokenizer, untimed_metrics
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import grpo_llm
+import ppo_llm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed: its venv (README) runs these tests"
+)
+TOL = 1e-4  # fp32 on a CPU: vLLM's kernels against the trainer's forward (measured: about 2e-5 at most)
+
+
+def in_subprocess(check, *args):
+    """check(*args), a function of this file, in a process of its own: the engine initialises torch.distributed (one
+    gloo rank) in its process, which a later test's models would then be sharded by."""
+    code = f"import sys; sys.path[:0] = ['tests', '.']; import test_vllm; test_vllm.{check}(*{args!r})"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def served_model(path, tie=True, n_head=2):
+    """A tiny GPT-2 whose head size vLLM's CPU attention serves (64 / 2 = 32; 4 heads: 16, not served)."""
+    torch.manual_seed(0)
+    tok = char_tokenizer([chr(c) for c in range(32, 127)])
+    config = GPT2Config(
+        vocab_size=len(tok), n_positions=32, n_embd=64, n_layer=2, n_head=n_head, tie_word_embeddings=tie,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(20)))
+    return {
+        "tied": served_model(root / "tied"),
+        "untied": served_model(root / "untied", tie=False),
+        "jsonl": str(prompts),
+    }
+
+
+def settings(script, served, tmp_path, **kwargs):
+    ppo = script is ppo_llm
+    shape = dict(prompts_per_update=8, num_mini_batches=2) if ppo else dict(prompts_per_update=2, num_generations=4)
+    return script.Args(**dict(model=served["tied"], dataset=served["jsonl"], total_steps=3, micro_batch_size=4,
+                              max_new_tokens=6, eval_every=0, sample_every=0, output_dir=str(tmp_path), vllm=True)
+                       | shape | kwargs)  # fmt: skip
+
+
+def test_the_importance_weights_by_hand():
+    # w = min(exp(logprobs - vllm_logprobs), C), C = 3 (TRL's default):
+    # exp(0) = 1; exp(-1 - -2) = exp(1) = 2.718...; exp(0 - -5) = exp(5) = 148.4 -> 3; exp(-2 - -1) = exp(-1) = 0.3679
+    logprobs, vllm_logprobs = torch.tensor([[-0.5, -1.0, 0.0, -2.0]]), torch.tensor([[-0.5, -2.0, -5.0, -1.0]])
+    expected = torch.tensor([[1.0, 2.718282, 3.0, 0.367879]])
+    for script in [ppo_llm, grpo_llm]:
+        weights = script.importance_weights(logprobs, vllm_logprobs, 3.0)
+        assert torch.allclose(weights, expected, atol=1e-6)
+    assert ppo_llm.Args().vllm_importance_sampling_clip_max == grpo_llm.Args().vllm_importance_sampling_clip_max == 3.0
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_refusals_before_anything_loads(script, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(SystemExit, match="^error: --vllm needs vLLM: its venv is in the README$"):
+        script.check_args(script.Args(vllm=True), 1)
+
+    def installed(name, *args):  # as if vLLM were installed, whether it is or not
+        return real("torch") if name == "vllm" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", installed)
+    with pytest.raises(SystemExit, match="^error: --vllm does not run --eval-only yet"):
+        script.check_args(script.Args(vllm=True, eval_only=True), 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="^error: --vllm under torchrun needs GPUs$"):
+        script.check_args(script.Args(vllm=True, prompts_per_update=8, micro_batch_size=2), 2)
+
+
+@needs_vllm
+def test_a_head_size_the_cpu_does_not_serve_is_one_line_and_no_run_directory(tmp_path):
+    model = served_model(tmp_path / "four_heads", n_head=4)  # 64 / 4 = 16
+    command = [sys.executable, "grpo_llm.py", "--vllm", "--model", model, "--output-dir", str(tmp_path / "runs")]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and last.startswith("error: --vllm: --model") and "head size 16" in last, last
+    assert "a GPU's does" in last and not (tmp_path / "runs").exists()
+
+
+def engine_logprobs(script, policy, tokenizer, args, prompts, push=True, **sampling):
+    """A rollout through the engine (pushed first or not) and the trainer's log-probs of its tokens."""
+    if push:
+        batch = script.rollout(policy, tokenizer, prompts, args, torch.autocast("cpu", enabled=False), **sampling)
+    else:  # the engine as it is: a stale one after an optimizer step
+        context = script.tokenize_texts(tokenizer, prompts, args.max_prompt_length)
+        out, logprobs = script.vllm_generate(context, args.max_new_tokens, policy.generation_config, **sampling)
+        new, mask, _ = script.truncate_after_eos(out[:, context.input_ids.shape[1] :], [tokenizer.eos_token_id], 0)
+        batch = script.padded_batch(context, new.tolist(), mask.float().tolist(), [False] * len(prompts), 0)
+        batch |= {"vllm_logprobs": logprobs * mask, "mask": mask.float()}
+    with torch.no_grad():
+        logprobs = script.policy_forward(policy, batch, torch.arange(len(prompts)), args)[1]
+    return ((logprobs - batch["vllm_logprobs"]).abs() * batch["mask"]).max().item()
+
+
+@needs_vllm
+@pytest.mark.parametrize("head", ["tied", "untied"])
+def test_the_engine_matches_the_trainer_after_each_push_and_a_stale_one_does_not(head, served, tmp_path):
+    in_subprocess("engine_matches_the_trainer", head, served, str(tmp_path))
+
+
+def engine_matches_the_trainer(head, served, tmp_path):
+    script = grpo_llm
+    args = settings(script, served, tmp_path, model=served[head], temperature=0.7, max_new_tokens=8)
+    tokenizer, policy, _, _ = script.load_models(args, torch.device("cpu"))
+    params, optimizer = script.prepare(args, [policy])
+    prompts = [f"{a}+{a}=" for a in range(8)]
+    assert engine_logprobs(script, policy, tokenizer, args, prompts) < TOL  # at T = 0.7: detail 4's log-probs
+    batch = script.tokenize_texts(tokenizer, prompts, None)
+    for _ in range(3):  # an optimizer step on the prompts' own likelihood, large enough to move every log-prob
+        loss = policy(**batch, labels=batch.input_ids.masked_fill(batch.attention_mask == 0, -100)).loss
+        loss.backward()
+        optimizer.param_groups[0]["lr"] = 3e-2
+        script.optimizer_step(optimizer, params, 1.0)
+        assert engine_logprobs(script, policy, tokenizer, args, prompts, push=False) > 0.1  # stale
+        assert engine_logprobs(script, policy, tokenizer, args, prompts) < TOL  # pushed
+
+
+@needs_vllm
+def test_a_lora_run_pushes_the_merged_weights(served, tmp_path):
+    pytest.importorskip("peft")
+    in_subprocess("lora_pushes_merged_weights", served, str(tmp_path))
+
+
+def lora_pushes_merged_weights(served, tmp_path):
+    script = ppo_llm
+    args = settings(script, served, tmp_path, model=served["untied"], lora_r=4, lora_alpha=8)
+    tokenizer, policy, _, _ = script.load_models(args, torch.device("cpu"))
+    script.prepare(args, [policy])
+    with torch.no_grad():  # B = 0 at the start: adapters that change the function
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    base = {k: v.clone() for k, v in policy.state_dict().items()}
+    prompts = [f"{a}+{a}=" for a in range(8)]
+    assert engine_logprobs(script, policy, tokenizer, args, prompts) < TOL
+    assert all(torch.equal(v, policy.state_dict()[k]) for k, v in base.items())  # the adapters as they were
+
+
+@needs_vllm
+@pytest.mark.parametrize("script", ["ppo_llm", "grpo_llm"])
+def test_runs_log_the_difference_and_a_stop_in_a_rollout_resumes_as_the_same_run(script, served, tmp_path):
+    in_subprocess("run", script, served, str(tmp_path / "whole"))
+    (whole,) = (tmp_path / "whole").iterdir()
+    metrics = untimed_metrics(whole)
+    assert [m["update"] for m in metrics] == [1, 2, 3, 4]
+    assert all(m["vllm/logprob_diff_max"] < TOL and m["vllm/logprob_diff_mean"] < TOL for m in metrics)
+    stopped = in_subprocess("run", script, served, str(tmp_path / "split"), 6 * 2 + 2)
+    (run_dir,) = (tmp_path / "split").iterdir()
+    assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2]  # 6 tokens a rollout: the third one stopped
+    assert "steps: 14" in stopped.stdout  # aborted at the next step: no step after the signal's
+    in_subprocess("run", script, served, str(run_dir), None, True)
+    assert untimed_metrics(run_dir) == metrics  # the same run: its seeds per update, the engine's too
+
+
+def run(name, served, output_dir, stop_at=None, resume=False):
+    """4 updates with --vllm --gradient-checkpointing (transformers < 5.20's call), or resumed; with stop_at, SIGTERM
+    at the engine's stop_at-th step of the run, as a Ctrl-C during a rollout."""
+    script, steps = {"ppo_llm": ppo_llm, "grpo_llm": grpo_llm}[name], []
+    start = script.start_vllm
+
+    def counted_steps(args, policy):
+        start(args, policy)
+        engine = script.VLLM[0].llm_engine
+        real = engine.step
+
+        def counted():
+            steps.append(1)
+            if len(steps) == stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real()
+
+        engine.step = counted
+
+    script.start_vllm = counted_steps
+    args = settings(script, served, output_dir, total_steps=4, gradient_checkpointing=True)
+    if resume:
+        args = script.parse_args(["--resume", output_dir])
+    try:
+        script.main(args)
+    except SystemExit as stop:
+        assert stop.code == 128 + signal.SIGTERM and stop_at is not None
+    print(f"steps: {len(steps)}")
+
+
+@needs_vllm
+def test_a_tool_run_through_the_engine_has_the_turns_and_masks_of_generate(tmp_path):
+    in_subprocess("tool_turns_match_generate", str(tmp_path))
+
+
+def tool_turns_match_generate(tmp_path):
+    # the embedded calculator policy with 5 heads (head size 32, served; the same weights): greedy, most of its
+    # responses call the calculator, read its result (mask 0) and answer in a second turn; vLLM's must be generate()'s
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = os.path.join(tmp_path, "calc5")
+    AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets/calc-sft"), n_head=5).save_pretrained(model)
+    AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets/calc-sft")).save_pretrained(model)
+    script = grpo_llm
+    dataset = os.path.join(ROOT, "assets/calc/train.jsonl")
+    args = script.Args(model=model, dataset=dataset, tools=("calculator",), vllm=True, max_new_tokens=80)
+    tools = script.load_tools(args.tools)
+    tokenizer, policy, _, _ = script.load_models(args, torch.device("cpu"), tools)
+    script.prepare(args, [policy])
+    rows = script.load_prompts(args, tokenizer, needs_answers=False, tools=tools)
+    prompts = [row["prompt"] for row in rows[::97][:6]]
+    batches = []
+    for vllm in [True, False]:
+        options = script.Args(**(vars(args) | {"vllm": vllm}))
+        autocast = torch.autocast("cpu", enabled=False)
+        batches.append(script.rollout(policy, tokenizer, prompts, options, autocast, None, tools, do_sample=False))
+    engine, generate = batches
+    assert (generate["turns"] == 2).sum() >= 3 and (generate["mask"] == 0).any()  # tool turns, a result's tokens
+    for key in ["responses", "mask", "attention_mask", "turns", "tool_calls", "tool_failures", "ended"]:
+        assert torch.equal(engine[key], generate[key]), key
+
+
+@needs_vllm
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 GPUs (on a CPU, --vllm under torchrun is refused)")
+def test_two_torchrun_ranks_each_generate_with_their_own_engine(served, tmp_path):
+    # not run here yet (no GPU): each rank builds its engine (external_launcher) and pushes its gathered weights
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo_llm.py", "--vllm",
+               "--model", served["tied"], "--dataset", served["jsonl"], "--total-steps", "2", "--prompts-per-update",
+               "4", "--num-generations", "2", "--micro-batch-size", "4", "--max-new-tokens", "6", "--eval-every", "0",
+               "--vllm-gpu-memory-utilization", "0.2", "--output-dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2]
+    assert all(m["vllm/logprob_diff_max"] < 0.5 for m in untimed_metrics(run_dir))  # bf16 autocast on both sides
