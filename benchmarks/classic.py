@@ -147,10 +147,11 @@ def speed(script, threads, seconds):
     """
     cmd = [sys.executable, "-u", "-c", THREADS, str(threads), script]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    try:
-        out = subprocess.run(cmd, cwd=os.path.dirname(script), capture_output=True, timeout=seconds).stdout
-    except subprocess.TimeoutExpired as e:  # the usual end: the run is killed, its output kept
-        out = e.stdout
+    with tempfile.TemporaryDirectory() as cwd:  # where the script writes its run directory
+        try:
+            out = subprocess.run(cmd, cwd=cwd, capture_output=True, timeout=seconds).stdout
+        except subprocess.TimeoutExpired as e:  # the usual end: the run is killed, its output kept
+            out = e.stdout
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     sps = [int(v) for v in re.findall(r"SPS[=:] ?(\d+)", out.decode())]
