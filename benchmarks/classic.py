@@ -2,7 +2,7 @@
 
 Usage (from the repository root; the curves take about 20 CPU-minutes, run 2 at a time under `nice`):
     python benchmarks/classic.py --skip-speed                     # curves only (5 seeds x 3 envs x 2 scripts)
-    python benchmarks/classic.py --cleanrl /tmp/cleanrl/ppo.py    # also time a local copy of CleanRL's ppo.py
+    python benchmarks/classic.py --cleanrl ../shared/anchors/cleanrl/ppo.py   # also time CleanRL's ppo.py
     python benchmarks/classic.py --skip-speed --merge --envs CartPole-v1 --algos ppo_classic --steps 500000
                                        # one more configuration; the other rows of the results files stay
     python benchmarks/classic.py --profile 20                     # only: where ppo_classic.py's iteration spends
@@ -155,6 +155,8 @@ def speed(script, threads, seconds):
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     sps = [int(v) for v in re.findall(r"SPS[=:] ?(\d+)", out.decode())]
+    if not sps:
+        raise SystemExit(f"error: --speed-seconds {seconds}: {script} finished no iteration in that time; give it more")
     return sps[-1], int(len(sps) * 512 / cpu)
 
 
