@@ -1,26 +1,24 @@
 """PPO-Clip on Gymnasium classic control: CartPole-v1, Acrobot-v1 (discrete), Pendulum-v1 (continuous).
 
-Proximal Policy Optimization (Schulman et al. 2017, https://arxiv.org/abs/1707.06347) with Generalized
-Advantage Estimation (Schulman et al. 2016, https://arxiv.org/abs/1506.02438), written like CleanRL's
-ppo.py (Huang et al. 2022, "The 37 Implementation Details of PPO",
-https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/): the same flags and metric
-names. With Discrete actions the defaults are ppo.py's, so runs compare with CleanRL's; with Box actions
-they differ from ppo_continuous_action.py's where detail 17 says. Details 6, 7, 18 to 22 differ from CleanRL.
+Proximal Policy Optimization (Schulman et al. 2017, https://arxiv.org/abs/1707.06347) with Generalized Advantage
+Estimation (Schulman et al. 2016, https://arxiv.org/abs/1506.02438), written like CleanRL's ppo.py (Huang et al. 2022,
+"The 37 Implementation Details of PPO", https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/):
+the same flags and metric names. With Discrete actions the defaults are ppo.py's, so runs compare with CleanRL's; with
+Box actions they differ from ppo_continuous_action.py's where detail 17 says. Details 6, 7, 18-22 differ from CleanRL.
 
 Usage: python ppo_classic.py --env-id CartPole-v1 --total-timesteps 500000 --seed 1
        python ppo_classic.py --env-id Pendulum-v1          # Box defaults: learns with no other flag
 
 Implementation details ([n] = number in the 37-details post):
 1. N envs x T steps per rollout in one SyncVectorEnv [1]: a fixed-size batch from cheap CPU parallelism.
-2. Orthogonal init, gain sqrt(2) hidden, 0.01 policy head, 1.0 value head, zero biases [2]: the
-   initial policy is near-uniform and the initial values near zero.
+2. Orthogonal init, gain sqrt(2) hidden, 0.01 policy head, 1.0 value head, zero biases [2]: near-uniform at first.
 3. Adam with eps=1e-5 [3]: the value OpenAI baselines uses; steadier than the 1e-8 default.
 4. Learning rate annealed linearly towards 0 [4]: smaller steps as the policy converges.
 5. GAE(lambda) over the (T, N) rollout, cut at episode ends [5]: trades TD bias against MC variance.
-6. Truncation bootstraps: r_t += gamma * V(final obs) when the time limit ends an episode, not when it
-   terminates: reaching CartPole's 500-step limit is not a failure (CleanRL counts it as one: vwxyzjn/cleanrl#198).
-7. Autoreset mode set explicitly to SAME_STEP: the final obs arrives in infos["final_obs"] in the step
-   that ends the episode, so no bogus reset transition enters the batch (gymnasium >= 1.0).
+6. Truncation bootstraps: r_t += gamma * V(final obs) when the time limit ends an episode, not when it terminates:
+   reaching CartPole's 500-step limit is not a failure (CleanRL counts it as one: vwxyzjn/cleanrl#198).
+7. Autoreset mode set explicitly to SAME_STEP: the final obs arrives in infos["final_obs"] in the step that ends the
+   episode, so no bogus reset transition enters the batch (gymnasium >= 1.0).
 8. update-epochs passes over the batch in shuffled minibatches [6]: each sample is used several times.
 9. Advantages normalised per minibatch [7]: the policy step does not depend on the reward scale.
 10. Clipped surrogate objective [8]: the pessimistic bound that keeps the policy near the rollout one.
@@ -29,24 +27,18 @@ Implementation details ([n] = number in the 37-details post):
 13. Global gradient-norm clipping at max-grad-norm [11]: bounds the size of any single step.
 14. approx_kl with the k3 estimator and clipfrac logged [12], early stop at --target-kl if set.
 15. Separate 64-64 tanh actor and critic [13]: no interference between policy and value gradients.
-16. Box actions: Gaussian with a state-independent log-std, log-probs summed over action dims [23-25];
-    the unclipped sample is stored and only the env sees the action clipped to bounds [27].
-17. Defaults per action space (DEFAULTS; a flag given wins). Discrete: ppo.py's. Box: observations and
-    rewards normalised and clipped at +-10 [28-31], ent-coef 0 and 10 epochs, as ppo_continuous_action.py,
-    but 4 envs x 512 steps, lr 1e-3, 16 minibatches and gamma 0.9 (it has 1 x 2048, 3e-4, 32 and 0.99).
-    Why: with raw rewards (down to -16 a step) the critic's gradient dominates the global clip and the
-    policy barely moves (approx_kl ~1e-8), so rewards are scaled; Pendulum's reward is immediate, so a
-    10-step horizon (gamma 0.9, as rl-zoo's tuned Pendulum-v1 PPO) gives easier value targets; and half
-    the optimizer steps per sample (160 of 128 per 2048 samples, not 320 of 64) and 4 envs per forward
-    pass cost less CPU. Measured: 5 seeds x 200k steps in docs/ppo_classic.md (benchmarks/classic.py).
-18. Observation statistics live in the agent (buffers obs_mean, obs_var, obs_count; one set for all envs):
-    saved with --save-model, restored by --eval-checkpoint and applied frozen in evaluation. CleanRL keeps
-    them in an env wrapper and loses them. Reward statistics serve training only and are not saved.
+16. Box actions: Gaussian with a state-independent log-std, log-probs summed over action dims [23-25]; the unclipped
+    sample is stored and only the env sees the action clipped to bounds [27].
+17. Defaults per action space (DEFAULTS; a flag given wins). Discrete: ppo.py's. Box: observations and rewards
+    normalised and clipped at +-10 [28-31], ent-coef 0 and 10 epochs, as ppo_continuous_action.py, but 4 envs x 512
+    steps, lr 1e-3, 16 minibatches and gamma 0.9 (it has 1 x 2048, 3e-4, 32 and 0.99): why, and the 5 seeds x 200k
+    steps that measured it, in docs/ppo_classic.md.
+18. Observation statistics live in the agent (buffers obs_mean, obs_var, obs_count; one set for all envs): saved with
+    --save-model, restored by --eval-checkpoint, applied frozen in evaluation (CleanRL's env wrapper loses them).
 19. Box observations of any shape are flattened (FlattenObservation); Dict/Tuple spaces are refused.
-20. Episode statistics from gymnasium 1.x's vector RecordEpisodeStatistics, wrapped inside the reward
-    scaling so charts/episodic_return is the raw return.
+20. Episode statistics from gymnasium 1.x's vector RecordEpisodeStatistics inside the reward scaling: raw returns.
 21. Every loss logged is the mean over all minibatches of the update (CleanRL logs the last one only).
-22. One torch thread: with 64-unit layers, thread hand-off costs more than it saves (benchmarks/).
+22. Speed, same numbers: one torch thread (64-unit layers); Categorical's operations without its object (benchmarks/).
 """
 
 import importlib.util
@@ -62,7 +54,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import tyro
-from torch.distributions import Categorical, Normal
+from torch.distributions import Normal
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -88,8 +80,7 @@ class Args:
     save_model: bool = False
     """whether to save the agent to the run directory, then evaluate it for eval-episodes"""
     eval_checkpoint: str | None = None
-    """path of a saved agent to evaluate for eval-episodes instead of training (episodes seeded as at the end of a run
-    of the same --seed: seed + 10000)"""
+    """path of a saved agent to evaluate instead of training (episodes seeded seed + 10000, as at a run's end)"""
     eval_episodes: int = 10
     """the number of episodes of an evaluation (actions: argmax for discrete, mean for continuous)"""
 
@@ -134,30 +125,17 @@ class Args:
     """scale rewards by a running std of the discounted return, clip to +-10 (default: off Discrete, on Box)"""
 
 
-# detail 17: CleanRL ppo.py's defaults for Discrete actions; for Box actions, ones measured to learn Pendulum-v1
+# detail 17: (Discrete, Box): CleanRL ppo.py's defaults for Discrete actions; for Box, ones measured to learn Pendulum
 DEFAULTS = {
-    "Discrete": dict(
-        learning_rate=2.5e-4,
-        num_envs=4,
-        num_steps=128,
-        num_minibatches=4,
-        update_epochs=4,
-        ent_coef=0.01,
-        gamma=0.99,
-        norm_obs=False,
-        norm_reward=False,
-    ),
-    "Box": dict(
-        learning_rate=1e-3,
-        num_envs=4,
-        num_steps=512,
-        num_minibatches=16,
-        update_epochs=10,
-        ent_coef=0.0,
-        gamma=0.9,
-        norm_obs=True,
-        norm_reward=True,
-    ),
+    "learning_rate": (2.5e-4, 1e-3),
+    "num_envs": (4, 4),
+    "num_steps": (128, 512),
+    "num_minibatches": (4, 16),
+    "update_epochs": (4, 10),
+    "ent_coef": (0.01, 0.0),
+    "gamma": (0.99, 0.9),
+    "norm_obs": (False, True),
+    "norm_reward": (False, True),
 }
 
 
@@ -242,16 +220,20 @@ class Agent(nn.Module):
         return self.critic(x)
 
     def get_action_and_value(self, x, action=None):
+        """action (sampled if None: the rollout), its log-prob, the entropy (None in a Discrete rollout), V(x)."""
         out = self.actor(x)
-        if self.continuous:
-            dist = Normal(out, self.actor_logstd.expand_as(out).exp(), validate_args=False)
-        else:
-            dist = Categorical(logits=out, validate_args=False)
-        if action is None:
-            action = dist.sample()
-        logprob, entropy = dist.log_prob(action), dist.entropy()
         if self.continuous:  # independent action dims: joint log-prob and entropy are sums
-            logprob, entropy = logprob.sum(1), entropy.sum(1)
+            dist = Normal(out, self.actor_logstd.expand_as(out).exp(), validate_args=False)
+            if action is None:
+                action = dist.sample()
+            return action, dist.log_prob(action).sum(1), dist.entropy().sum(1), self.critic(x)
+        # detail 22: Categorical(logits=out)'s operations in its order, without the object: the same numbers
+        logits = out - out.logsumexp(-1, keepdim=True)  # log p
+        if action is None:  # the rollout: the entropy only serves the update
+            action = torch.multinomial(logits.softmax(-1), 1, True).squeeze(-1)
+            return action, logits.gather(-1, action.unsqueeze(-1)).squeeze(-1), None, self.critic(x)
+        logprob = logits.gather(-1, action.unsqueeze(-1)).squeeze(-1)
+        entropy = -(logits.clamp(min=torch.finfo(logits.dtype).min) * logits.softmax(-1)).sum(-1)
         return action, logprob, entropy, self.critic(x)
 
     def get_greedy_action(self, x):
@@ -327,9 +309,8 @@ def evaluate(checkpoint_path, eval_episodes, seed, device):
         done, episodic_return = False, 0.0
         while not done:
             with torch.no_grad():
-                action = agent.get_greedy_action(
-                    agent.normalize(torch.as_tensor(obs, dtype=torch.float32, device=device))
-                )
+                x = agent.normalize(torch.as_tensor(obs, dtype=torch.float32, device=device))
+                action = agent.get_greedy_action(x)
             obs, reward, terminated, truncated, _ = env.step(action.cpu().numpy())
             episodic_return, done = episodic_return + float(reward), terminated or truncated
         episodic_returns.append(episodic_return)
@@ -337,25 +318,12 @@ def evaluate(checkpoint_path, eval_episodes, seed, device):
     return episodic_returns
 
 
-def main():
-    args = tyro.cli(Args)
-    # 1 thread is the fastest for these tiny networks on CPU (measured in benchmarks/classic.py)
-    torch.set_num_threads(1)
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    if args.eval_checkpoint is not None:
-        returns = evaluate(args.eval_checkpoint, args.eval_episodes, args.seed + 10_000, device)
-        print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
-        return
-    action_space = check_env(args.env_id, args.capture_video)
-    for name, value in DEFAULTS[type(action_space).__name__].items():  # detail 17: flags left at None
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+def batch_sizes(args):
+    """The batch, minibatch and iteration counts of the flags; one line for a combination that cannot run."""
     batch_size = args.num_envs * args.num_steps
     if args.num_minibatches < 1 or batch_size % args.num_minibatches:
-        raise SystemExit(
-            "error: --num-minibatches must divide --num-envs * --num-steps "
-            f"(got {args.num_minibatches} and {batch_size})"
-        )
+        got = f"got {args.num_minibatches} and {batch_size}"
+        raise SystemExit(f"error: --num-minibatches must divide --num-envs * --num-steps ({got})")
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
     if num_iterations < 1:
@@ -366,7 +334,11 @@ def main():
         raise SystemExit(
             f"error: --norm-adv needs minibatches of 2 or more (one has no std): lower --num-minibatches ({got})"
         )
+    return batch_size, minibatch_size, num_iterations
 
+
+def start_run(args, device):
+    """The run directory with args.json, its metrics.jsonl open, and the wandb run with --track (else None)."""
     run_name = f"{args.exp_name}__{args.env_id.replace('/', '-').replace(':', '-')}__{args.seed}__{int(time.time())}"
     run_dir = f"runs/{run_name}"
     os.makedirs(run_dir, exist_ok=True)
@@ -386,17 +358,15 @@ def main():
             dir=run_dir,
             save_code=True,
         )
+    return run_dir, metrics_file, wandb_run
 
-    # TRY NOT TO MODIFY: seeding
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
 
-    # env setup: SAME_STEP autoreset puts the last obs of an ended episode in infos["final_obs"]
+def make_envs(args, run_dir):
+    """The vector env: SAME_STEP autoreset puts the last obs of an ended episode in infos["final_obs"] (detail 7)."""
     envs = gym.vector.SyncVectorEnv(
         [make_env(args.env_id, i, args.capture_video, run_dir) for i in range(args.num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+        copy=False,  # the observations are copied into the storage anyway
     )
     envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)  # wraps first: logs the raw rewards
     if args.norm_reward:
@@ -404,8 +374,53 @@ def main():
         envs = gym.wrappers.vector.ClipReward(envs, -10.0, 10.0)
     if isinstance(envs.single_action_space, gym.spaces.Box):
         envs = gym.wrappers.vector.ClipAction(envs)
-    obs_shape, act_shape = envs.single_observation_space.shape, envs.single_action_space.shape
+    return envs
 
+
+def finish_run(args, agent, envs, run_dir, global_step, metrics_file, wandb_run, device, stopped):
+    """Saves the agent with --save-model and evaluates it if the run was not stopped; closes the files and the run."""
+    envs.close()
+    if args.save_model:
+        model_path = f"{run_dir}/{args.exp_name}.cleanrl_model"
+        torch.save({"env_id": args.env_id, "norm_obs": args.norm_obs, "state_dict": agent.state_dict()}, model_path)
+        print(f"model saved to {model_path}")
+        if stopped is None:
+            returns = evaluate(model_path, args.eval_episodes, args.seed + 10_000, device)
+            for r in returns:
+                log({"eval/episodic_return": r}, global_step, metrics_file, wandb_run)
+            print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
+    metrics_file.close()
+    if wandb_run is not None:
+        wandb_run.finish()
+    if stopped is not None:  # an error's own traceback, after the save
+        raise SystemExit(130) if isinstance(stopped, KeyboardInterrupt) else stopped
+
+
+def main():
+    args = tyro.cli(Args)
+    # 1 thread is the fastest for these tiny networks on CPU (measured in benchmarks/classic.py)
+    torch.set_num_threads(1)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if args.eval_checkpoint is not None:
+        returns = evaluate(args.eval_checkpoint, args.eval_episodes, args.seed + 10_000, device)
+        print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
+        return
+    action_space = check_env(args.env_id, args.capture_video)
+    column = 1 if isinstance(action_space, gym.spaces.Box) else 0
+    for name, defaults in DEFAULTS.items():  # detail 17: the flags left at None
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[column])
+    batch_size, minibatch_size, num_iterations = batch_sizes(args)
+    run_dir, metrics_file, wandb_run = start_run(args, device)
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+
+    envs = make_envs(args, run_dir)
+    obs_shape, act_shape = envs.single_observation_space.shape, envs.single_action_space.shape
     agent = Agent(obs_shape[0], envs.single_action_space, args.norm_obs).to(device)
     # fused: one kernel for all parameters instead of a Python loop over them; the same Adam update
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
@@ -454,7 +469,7 @@ def main():
                     reward[bootstrap] += args.gamma * final_values.cpu().numpy()  # reward: (N,)
                 rewards[step], dones[step] = reward, terminations | truncations
                 next_obs = agent.normalize(torch.as_tensor(next_obs, dtype=torch.float32, device=device), update=True)
-                if "episode" in infos:
+                if "episode" in infos:  # detail 20
                     for i in infos["_episode"].nonzero()[0]:
                         r, length = float(infos["episode"]["r"][i]), int(infos["episode"]["l"][i])
                         episode_returns.append(r)
@@ -465,10 +480,10 @@ def main():
                         log(episode, global_step, metrics_file, wandb_run)
 
             # ALGO LOGIC: advantages; last_value is V(obs after the last step), masked if that step ended
-            with torch.no_grad():
+            with torch.inference_mode():
                 last_value = agent.get_value(next_obs).flatten()  # (N,)
-            rewards_t, dones_t = torch.from_numpy(rewards).to(device), torch.from_numpy(dones).to(device)
-            advantages, returns = compute_gae(rewards_t, values, dones_t, last_value, args.gamma, args.gae_lambda)
+                rewards_t, dones_t = torch.from_numpy(rewards).to(device), torch.from_numpy(dones).to(device)
+                advantages, returns = compute_gae(rewards_t, values, dones_t, last_value, args.gamma, args.gae_lambda)
 
             # flatten the batch: (T, N, ...) -> (T*N, ...)
             b_obs = obs.reshape((-1,) + obs_shape)
@@ -479,7 +494,7 @@ def main():
             b_values = values.reshape(-1)
 
             # Optimizing the policy and value network; stats summed over every minibatch (detail 21)
-            stats = torch.zeros(6)  # pg_loss, v_loss, entropy, old_approx_kl, approx_kl, clipfrac
+            stats = torch.zeros(6, device=device)  # pg_loss, v_loss, entropy, old_approx_kl, approx_kl, clipfrac
             num_updates = 0
             for epoch in range(args.update_epochs):
                 b_inds = torch.randperm(batch_size, device=device)
@@ -505,15 +520,15 @@ def main():
 
                     # Value loss
                     newvalue = newvalue.view(-1)
+                    mb_returns = b_returns[mb_inds]
                     if args.clip_vloss:
-                        v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
-                        v_clipped = b_values[mb_inds] + torch.clamp(
-                            newvalue - b_values[mb_inds], -args.clip_coef, args.clip_coef
-                        )
-                        v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+                        mb_values = b_values[mb_inds]
+                        v_loss_unclipped = (newvalue - mb_returns) ** 2
+                        v_clipped = mb_values + torch.clamp(newvalue - mb_values, -args.clip_coef, args.clip_coef)
+                        v_loss_clipped = (v_clipped - mb_returns) ** 2
                         v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
                     else:
-                        v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
+                        v_loss = 0.5 * ((newvalue - mb_returns) ** 2).mean()
 
                     entropy_loss = entropy.mean()
                     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
@@ -522,8 +537,7 @@ def main():
                     loss.backward()
                     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
                     optimizer.step()
-                    parts = [pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]
-                    stats += torch.stack(parts).detach().cpu()
+                    stats += torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
                     num_updates += 1
 
                 if args.target_kl is not None and approx_kl > args.target_kl:
@@ -558,22 +572,7 @@ def main():
     except BaseException as e:
         stopped = e
         print(f"stopped at global_step={global_step} ({type(e).__name__}); saving what we have")
-
-    envs.close()
-    if args.save_model:
-        model_path = f"{run_dir}/{args.exp_name}.cleanrl_model"
-        torch.save({"env_id": args.env_id, "norm_obs": args.norm_obs, "state_dict": agent.state_dict()}, model_path)
-        print(f"model saved to {model_path}")
-        if stopped is None:
-            returns = evaluate(model_path, args.eval_episodes, args.seed + 10_000, device)
-            for r in returns:
-                log({"eval/episodic_return": r}, global_step, metrics_file, wandb_run)
-            print(f"eval/episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)}")
-    metrics_file.close()
-    if wandb_run is not None:
-        wandb_run.finish()
-    if stopped is not None:  # an error's own traceback, after the save
-        raise SystemExit(130) if isinstance(stopped, KeyboardInterrupt) else stopped
+    finish_run(args, agent, envs, run_dir, global_step, metrics_file, wandb_run, device, stopped)
 
 
 if __name__ == "__main__":

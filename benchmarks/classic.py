@@ -2,9 +2,10 @@
 
 Usage (from the repository root; the curves take about 20 CPU-minutes, run 2 at a time under `nice`):
     python benchmarks/classic.py --skip-speed                     # curves only (5 seeds x 3 envs x 2 scripts)
-    python benchmarks/classic.py --cleanrl /tmp/cleanrl/ppo.py    # also time a local copy of CleanRL's ppo.py
+    python benchmarks/classic.py --cleanrl ../shared/anchors/cleanrl/ppo.py   # also time CleanRL's ppo.py
     python benchmarks/classic.py --skip-speed --merge --envs CartPole-v1 --algos ppo_classic --steps 500000
                                        # one more configuration; the other rows of the results files stay
+    python benchmarks/classic.py --profile 20                     # only: where ppo_classic.py's iteration spends
 
 1. Learning curves: ppo_classic.py and reinforce.py, each with its defaults and only --env-id, --seed and
    --total-timesteps given (STEPS per env, or --steps), one run per seed (at most --jobs at once, under `nice`).
@@ -20,6 +21,8 @@ classic_speed.md; each table also goes into the docs pages that quote it (benchm
 quotes the last classic_speed.md as it is. To rewrite the tables and the figure from the results files alone:
     python benchmarks/classic.py --only-existing --merge --skip-speed
 With no run of the configurations in runs/ and no rows in classic.csv to keep, it says so and writes nothing.
+3. Profile (--profile ITERATIONS, nothing else runs): CPU time per iteration of each part of ppo_classic.py's loop,
+   written to classic_profile.md (profile() says how).
 The variance of REINFORCE's gradient estimates is measured by benchmarks/psi_variance.py.
 """
 
@@ -32,6 +35,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -143,14 +147,82 @@ def speed(script, threads, seconds):
     """
     cmd = [sys.executable, "-u", "-c", THREADS, str(threads), script]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    try:
-        out = subprocess.run(cmd, cwd=os.path.dirname(script), capture_output=True, timeout=seconds).stdout
-    except subprocess.TimeoutExpired as e:  # the usual end: the run is killed, its output kept
-        out = e.stdout
+    with tempfile.TemporaryDirectory() as cwd:  # where the script writes its run directory
+        try:
+            out = subprocess.run(cmd, cwd=cwd, capture_output=True, timeout=seconds).stdout
+        except subprocess.TimeoutExpired as e:  # the usual end: the run is killed, its output kept
+            out = e.stdout
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     sps = [int(v) for v in re.findall(r"SPS[=:] ?(\d+)", out.decode())]
+    if not sps:
+        raise SystemExit(f"error: --speed-seconds {seconds}: {script} finished no iteration in that time; give it more")
     return sps[-1], int(len(sps) * 512 / cpu)
+
+
+def machine():
+    """The CPU and its load, for the tables' captions."""
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = re.search(r"Model name:\s*(.+)", cpu).group(1).strip()
+    return f"{os.cpu_count()} CPU cores ({model}), shared; load average {os.getloadavg()[0]:.1f} at the end"
+
+
+def profile(iterations):
+    """CPU time per iteration of each part of ppo_classic.py's loop (CartPole-v1, defaults, 1 thread), in-process.
+
+    Each part is the function that does it, wrapped to add up its time.process_time(): the vector env's step (with
+    its wrappers), the policy's forward pass in the rollout (no action given) and in the update, backward, the
+    gradient clip, Adam's step, GAE, and the conversions between numpy and torch (torch.as_tensor, torch.from_numpy,
+    Tensor.cpu, Tensor.numpy). "rest of main()" is main()'s CPU time from the first env step on, less the parts:
+    its own Python, the storage writes, the minibatch indexing and the losses. Returns [(part, ms per iteration)].
+    """
+    import gymnasium as gym
+    import torch
+
+    sys.path.insert(0, REPO)
+    import ppo_classic
+
+    spent, starts, depth = {}, [], [0]  # a part called inside another is counted in the outer one only
+
+    def timed(owner, attr, part_of):
+        fn = getattr(owner, attr)
+
+        def wrapper(*a, **k):
+            if depth[0]:
+                return fn(*a, **k)
+            depth[0], start = 1, time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                depth[0], part = 0, part_of(a, k)
+                if starts or part == "env step":  # the loop starts at the first env step: set-up is left out
+                    spent[part] = spent.get(part, 0.0) + time.process_time() - start
+                    starts.append(start)
+
+        setattr(owner, attr, wrapper)
+
+    def forward(a, k):
+        given = len(a) > 2 or k.get("action") is not None
+        return "policy forward, update" if given else "policy forward, rollout"
+
+    timed(gym.wrappers.vector.RecordEpisodeStatistics, "step", lambda a, k: "env step")
+    timed(ppo_classic.Agent, "get_action_and_value", forward)
+    timed(ppo_classic.Agent, "get_value", lambda a, k: "value of the last / final obs")
+    timed(ppo_classic, "compute_gae", lambda a, k: "GAE")
+    timed(torch.Tensor, "backward", lambda a, k: "backward")
+    timed(torch.nn.utils, "clip_grad_norm_", lambda a, k: "gradient clip")
+    timed(torch.optim.Adam, "step", lambda a, k: "Adam step")
+    for owner, attr in [(torch, "as_tensor"), (torch, "from_numpy"), (torch.Tensor, "cpu"), (torch.Tensor, "numpy")]:
+        timed(owner, attr, lambda a, k: "numpy <-> torch")
+    timed(ppo_classic, "log", lambda a, k: "logging")
+    cwd = os.getcwd()
+    os.chdir(tempfile.mkdtemp())  # the run directory goes there
+    sys.argv = ["ppo_classic.py", f"--total-timesteps={512 * iterations}"]
+    ppo_classic.main()
+    os.chdir(cwd)
+    loop = time.process_time() - starts[0]
+    rows = [(part, 1000 * t / iterations) for part, t in sorted(spent.items(), key=lambda kv: -kv[1])]
+    return [*rows, ("rest of main()", 1000 * (loop - sum(spent.values())) / iterations)]
 
 
 def main():
@@ -167,7 +239,24 @@ def main():
     p.add_argument("--speed-seconds", type=int, default=40, help="wall time of each speed run")
     p.add_argument("--speed-repeats", type=int, default=3)
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--profile", type=int, default=0, metavar="ITERATIONS", help="only profile ppo_classic.py")
     args = p.parse_args()
+    if args.profile:
+        rows = profile(args.profile)
+        total = sum(ms for _, ms in rows)
+        lines = [
+            f"CartPole-v1, defaults, 1 torch thread, {args.profile} iterations of 4 envs x 128 steps, in one process "
+            f"(`python benchmarks/classic.py --profile {args.profile}`). Machine: {machine()}; "
+            f"{time.strftime('%Y-%m-%d')}. CPU time per iteration: {total:.1f} ms ({int(512 / total * 1000):,} "
+            "steps/CPU-s inside the loop).",
+            "",
+            "| part | ms per iteration | share |",
+            "| --- | --- | --- |",
+            *[f"| {part} | {ms:.1f} | {ms / total:.0%} |" for part, ms in rows],
+        ]
+        write_table("classic_profile.md", "\n".join(lines))
+        print("\n".join(lines))
+        return
     algos = {a: ALGOS[a] for a in args.algos}
     configs = [(name, env_id, args.steps or ENVS[env_id][0]) for env_id in reversed(args.envs) for name in algos]
     os.makedirs(RESULTS, exist_ok=True)
@@ -297,12 +386,9 @@ def main():
         w = csv.writer(f)
         w.writerow(["script", "torch_threads", "repeat", "steps_per_s", "steps_per_cpu_s"])
         w.writerows([c[0], c[2], i, *v] for c in configs for i, v in enumerate(sps[c]))
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = re.search(r"Model name:\s*(.+)", cpu).group(1).strip()
     lines = [
         f"CartPole-v1, defaults, one process, stopped after {args.speed_seconds} s. "
-        f"Machine: {os.cpu_count()} CPU cores ({model}), shared; load average "
-        f"{os.getloadavg()[0]:.1f} at the end; {time.strftime('%Y-%m-%d')}. Median of "
+        f"Machine: {machine()}; {time.strftime('%Y-%m-%d')}. Median of "
         f"{args.speed_repeats} interleaved runs. steps/s: the last charts/SPS the script printed;",
         "steps/CPU-s: steps of its finished iterations / its CPU time (less sensitive to load).",
         "",

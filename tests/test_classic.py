@@ -221,6 +221,31 @@ def test_update_mean_var_matches_the_whole_data():
     assert count == 5
 
 
+def test_discrete_policy_gives_categoricals_numbers_bit_for_bit():
+    # get_action_and_value does Categorical(logits=..., validate_args=False)'s operations without the object: from the
+    # same generator state the same actions and log-probs; given actions, the same log-probs, entropies and gradients
+    torch.manual_seed(0)
+    agent, x, advantages = ppo_classic.Agent(4, gym.spaces.Discrete(3)), torch.randn(128, 4), torch.randn(128)
+    torch.manual_seed(1)
+    action, logprob, entropy, _ = agent.get_action_and_value(x)
+    torch.manual_seed(1)
+    dist = torch.distributions.Categorical(logits=agent.actor(x), validate_args=False)
+    expected = dist.sample()
+    assert torch.equal(action, expected) and torch.equal(logprob, dist.log_prob(expected)) and entropy is None
+
+    def loss_and_grads(logprob, entropy):  # the policy's part of the PPO loss
+        loss = -(advantages * logprob.exp()).mean() - 0.01 * entropy.mean()
+        return [loss, *torch.autograd.grad(loss, list(agent.actor.parameters()))]
+
+    _, logprob, entropy, _ = agent.get_action_and_value(x, action)
+    ours = [logprob, entropy, *loss_and_grads(logprob, entropy)]
+    # a new object: the order in which the graph's nodes are made decides the order in which gradients add up
+    dist = torch.distributions.Categorical(logits=agent.actor(x), validate_args=False)
+    logprob, entropy = dist.log_prob(action), dist.entropy()
+    theirs = [logprob, entropy, *loss_and_grads(logprob, entropy)]
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
 @pytest.mark.parametrize("name", ["layer_init", "mlp", "make_env", "check_env", "log", "compute_gae"])
 def test_shared_functions_are_identical(name):
     assert inspect.getsource(getattr(ppo_classic, name)) == inspect.getsource(getattr(reinforce, name))
