@@ -38,7 +38,8 @@ scores it), at the same configuration but for:
     96 new tokens (the checkpoint's), tool tokens included       max_completion_length=96 (tool tokens included)
 
 and every TRL run there needs THIS BENCHMARK'S PATCH generate_within_context (below): after a tool result TRL asks
-generate() for max_completion_length new tokens again, past the 128 positions of assets/calc-sft. Evaluation is
+generate() for max_completion_length new tokens again, past the 128 positions of assets/calc-sft (a generate() whose
+longest row has not ended by position 128 stops the run with an IndexError). Evaluation is
 grpo_llm.py --eval-only --tools calculator on the 256 problems of assets/calc/test.jsonl, which also gives the
 held-out calls per response (eval/tools/call_frequency).
 
@@ -93,7 +94,8 @@ NAMES = {
 CALC_NAMES = {  # on the calculator task every TRL run needs generate_within_context (below)
     "ours": "ours (`grpo_llm.py --tools calculator`)",
     "stock": "TRL 1.16 GRPOTrainer, `tools=[calculator]`, + generate() within the context (this benchmark's patch)",
-    "fixed": "the same + position ids from the mask (this benchmark's patch)",
+    "fixed": "TRL 1.16 GRPOTrainer, `tools=[calculator]`, + generate() within the context and position ids from the "
+    "mask (this benchmark's patches)",
 }
 
 
@@ -143,9 +145,10 @@ def generate_within_context(model):
     """THIS BENCHMARK'S PATCH, NOT TRL: generate() asks for no more new tokens than the model has positions left.
 
     After a tool result TRL 1.16's loop asks generate() for the full max_completion_length again (and cuts the
-    completion to it afterwards), which runs past assets/calc-sft's 128 positions (an index error in GPT-2's position
-    embedding). The patch caps each generate() at the positions left after its longest input, as grpo_llm.py's
-    rollout() gives each generate() the room of the longest response still going; what TRL keeps is unchanged."""
+    completion to it afterwards): past assets/calc-sft's 128 positions, so a generate() whose longest row has not
+    ended by position 128 stops the run (IndexError in GPT-2's position embedding). The patch caps each generate() at
+    the positions left after its longest input, as grpo_llm.py's rollout() gives each generate() the room of the
+    longest response still going; what TRL keeps of a completion is unchanged."""
     generate = model.generate
 
     def within_context(*args, **kwargs):
@@ -222,7 +225,7 @@ def trl_child(spec):
     trainer = trl_trainer(spec["out"], spec["seed"], spec["updates"], spec["save_every"], spec["task"])
     if spec["kind"] == "fixed":
         position_ids_from_mask(trainer.model)
-    if spec["task"] == "calc":  # without it the first generate() after a tool result stops the run
+    if spec["task"] == "calc":  # without it a generate() after a tool result that reaches position 128 stops the run
         generate_within_context(trainer.model)
     marks = [time.perf_counter()]
 
@@ -431,7 +434,7 @@ def calc_table(results, out_dir):
     runs = results["runs"]
     kinds = [kind for kind in CALC_NAMES if any(r["kind"] == kind for r in runs.values())]
     updates = next(iter(runs.values()))["updates"]
-    header = "| run | seeds | " + " | ".join(f"update {u}" for u in updates)
+    header = "| run | seeds | accuracy, " + " | ".join(f"update {u}" for u in updates)
     header += f" | calls per response, update 0 | update {updates[-1]} | s / update |"
     lines = [
         "Held-out accuracy (`grpo_llm.py --eval-only` of each saved policy with `--tools calculator`: the 256 problems "
