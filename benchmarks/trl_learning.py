@@ -1,4 +1,5 @@
-"""grpo_llm.py beside TRL's GRPOTrainer (TRL 1.16) on the trace task, each as a new user would run it (CPU, fp32).
+"""grpo_llm.py beside TRL's GRPOTrainer (TRL 1.16) on the trace and calculator tasks, each as a new user would run it
+(CPU, fp32).
 
 Both train assets/sums-sft on assets/sums/train.jsonl with the gsm8k reward (grpo_llm.py's own function; TRL calls
 it through a wrapper), at the same configuration:
@@ -27,13 +28,31 @@ generate() sampled it at; the patch gives that forward the position ids of the a
 `--part logprobs` measures the difference on one batch: TRL's per-token log-probs without and with the patch (and
 grpo_llm.py's) against the log-probs the tokens were sampled with.
 
+The calculator task (--task calc) trains assets/calc-sft on assets/calc/train.jsonl with the arithmetic reward
+(grpo_llm.py's, on the last turn's text, "" for a response that ends on a call or a tool's result, as grpo_llm.py
+scores it), at the same configuration but for:
+
+    grpo_llm.py --tools calculator (llm_learning.py's calc)      TRL 1.16: GRPOTrainer(tools=[grpo_llm.calculator])
+    prompts through the chat template with the tools             prompts as [{"role": "user", "content": ...}]
+    --max-tool-calls 4                                           max_tool_calling_iterations=4
+    96 new tokens (the checkpoint's), tool tokens included       max_completion_length=96 (tool tokens included)
+
+and every TRL run there needs THIS BENCHMARK'S PATCH generate_within_context (below): after a tool result TRL asks
+generate() for max_completion_length new tokens again, past the 128 positions of assets/calc-sft (a generate() whose
+longest row has not ended by position 128 stops the run with an IndexError). Evaluation is
+grpo_llm.py --eval-only --tools calculator on the 256 problems of assets/calc/test.jsonl, which also gives the
+held-out calls per response (eval/tools/call_frequency).
+
     python benchmarks/trl_learning.py                       # ours, TRL stock and fixed: 2 seeds x 200 updates
     python benchmarks/trl_learning.py --part logprobs       # the log-probs of one batch
     python benchmarks/trl_learning.py --part table          # measure nothing: the tables and figure from the .json
+    python benchmarks/trl_learning.py --task calc --trl fixed --seeds 1 --updates 100   # the calculator task
+    python benchmarks/trl_learning.py --task calc --part table                         # its table from its .json
 
 Results: benchmarks/results/trl_learning.json (each run's accuracy at each saved update and seconds per update),
 trl_learning.md (also into the docs pages that quote it, benchmarks/docs_tables.py), trl_learning.png, and
-trl_logprobs.json and trl_logprobs.md. --part table without either .json says so and writes nothing.
+trl_logprobs.json and trl_logprobs.md; for --task calc, trl_calc.json and trl_calc.md. --part table without its
+.json says so and writes nothing.
 """
 
 import contextlib
@@ -54,23 +73,36 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from docs_tables import write_table  # noqa: E402
-from llm_learning import TRACE  # noqa: E402
+from docs_tables import saved_results, write_table  # noqa: E402
+from llm_learning import CALC, TRACE  # noqa: E402
 from scale import machine_name  # noqa: E402
 
 import grpo_llm  # noqa: E402
 
 TRL_DIR = os.path.join(ROOT, "benchmarks", "runs", "trl116")
 MODEL, TRAIN = "assets/sums-sft", "assets/sums/train.jsonl"
+# Each task: grpo_llm.py's flags (llm_learning.py's), its results' name, the completion length (the checkpoint's).
+TASKS = {
+    "trace": {"flags": TRACE, "name": "trl_learning", "tokens": 64},
+    "calc": {"flags": [*CALC, "--tools", "calculator"], "name": "trl_calc", "tokens": 96},
+}
 NAMES = {
     "ours": "ours (`grpo_llm.py`)",
     "stock": "TRL 1.16 GRPOTrainer, as installed",
     "fixed": "TRL 1.16 GRPOTrainer + position ids from the mask (this benchmark's patch)",
 }
+CALC_NAMES = {  # on the calculator task every TRL run needs generate_within_context (below)
+    "ours": "ours (`grpo_llm.py --tools calculator`)",
+    "stock": "TRL 1.16 GRPOTrainer, `tools=[calculator]`, + generate() within the context (this benchmark's patch)",
+    "fixed": "TRL 1.16 GRPOTrainer, `tools=[calculator]`, + generate() within the context and position ids from the "
+    "mask (this benchmark's patches)",
+}
 
 
 @dataclass
 class Args:
+    task: Literal["trace", "calc"] = "trace"
+    """trace: assets/sums-sft, gsm8k reward; calc: assets/calc-sft, the calculator (TRL's tools=), arithmetic reward"""
     part: Literal["learning", "logprobs", "table"] = "learning"
     """learning: train and evaluate the runs, then the table; logprobs: one batch's log-probs; table: measure nothing"""
     trl: tuple[Literal["stock", "fixed"], ...] = ("stock", "fixed")
@@ -96,6 +128,37 @@ def gsm8k(completions, answer, **columns):
     return grpo_llm.REWARD_FNS["gsm8k"](completions, answer)
 
 
+def arithmetic(completions, answer, **columns):
+    """grpo_llm.py's arithmetic reward, called as TRL calls a reward function with tools=: on the text of the last
+    turn, and on "" where that turn is a tool's result or a call (grpo_llm.py scores both as no answer)."""
+    texts = []
+    for messages in completions:
+        last = messages[-1]
+        if last["role"] != "assistant" or last.get("tool_calls"):
+            texts.append("")
+        else:
+            texts.append(last["content"])
+    return grpo_llm.REWARD_FNS["arithmetic"](texts, answer)
+
+
+def generate_within_context(model):
+    """THIS BENCHMARK'S PATCH, NOT TRL: generate() asks for no more new tokens than the model has positions left.
+
+    After a tool result TRL 1.16's loop asks generate() for the full max_completion_length again (and cuts the
+    completion to it afterwards): past assets/calc-sft's 128 positions, so a generate() whose longest row has not
+    ended by position 128 stops the run (IndexError in GPT-2's position embedding). The patch caps each generate() at
+    the positions left after its longest input, as grpo_llm.py's rollout() gives each generate() the room of the
+    longest response still going; what TRL keeps of a completion is unchanged."""
+    generate = model.generate
+
+    def within_context(*args, **kwargs):
+        room = model.config.max_position_embeddings - kwargs["input_ids"].shape[1]
+        asked = kwargs["generation_config"].max_new_tokens
+        return generate(*args, **kwargs, max_new_tokens=min(asked, room))
+
+    model.generate = within_context
+
+
 def position_ids_from_mask(model):
     """THIS BENCHMARK'S PATCH, NOT TRL: a call of `model` without position_ids gets those of its attention mask.
 
@@ -111,14 +174,21 @@ def position_ids_from_mask(model):
     model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def trl_trainer(out, seed, updates, save_every):
-    """GRPOTrainer on the trace task at grpo_llm.py's configuration (the module docstring's mapping)."""
+def trl_trainer(out, seed, updates, save_every, task="trace"):
+    """GRPOTrainer on the task at grpo_llm.py's configuration (the module docstring's mapping)."""
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
-    with open(os.path.join(ROOT, TRAIN)) as f:
+    flags = TASKS[task]["flags"]
+    model, train = flags[flags.index("--model") + 1], flags[flags.index("--dataset") + 1]
+    with open(os.path.join(ROOT, train)) as f:
         rows = [json.loads(line) for line in f]
-    dataset = datasets.Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]} for r in rows])
+    if task == "calc":  # a chat, rendered with the tools, as grpo_llm.py renders a prompt under --tools
+        prompts = [[{"role": "user", "content": r["prompt"]}] for r in rows]
+        extra, reward, calls = {"tools": [grpo_llm.calculator]}, arithmetic, {"max_tool_calling_iterations": 4}
+    else:
+        prompts, extra, reward, calls = [r["question"] for r in rows], {}, gsm8k, {}
+    dataset = datasets.Dataset.from_list([{"prompt": p, "answer": r["answer"]} for p, r in zip(prompts, rows)])
     config = GRPOConfig(
         output_dir=out,
         per_device_train_batch_size=64,
@@ -129,7 +199,7 @@ def trl_trainer(out, seed, updates, save_every):
         beta=0.0,
         epsilon=0.2,
         loss_type="grpo",
-        max_completion_length=64,
+        max_completion_length=TASKS[task]["tokens"],
         temperature=1.0,
         bf16=False,
         gradient_checkpointing=False,
@@ -141,8 +211,10 @@ def trl_trainer(out, seed, updates, save_every):
         save_only_model=True,
         logging_steps=1,
         report_to=[],
+        **calls,
     )
-    return GRPOTrainer(model=os.path.join(ROOT, MODEL), reward_funcs=gsm8k, args=config, train_dataset=dataset)
+    path = os.path.join(ROOT, model)
+    return GRPOTrainer(model=path, reward_funcs=reward, args=config, train_dataset=dataset, **extra)
 
 
 def trl_child(spec):
@@ -150,9 +222,11 @@ def trl_child(spec):
     import transformers
 
     torch.set_num_threads(1)
-    trainer = trl_trainer(spec["out"], spec["seed"], spec["updates"], spec["save_every"])
+    trainer = trl_trainer(spec["out"], spec["seed"], spec["updates"], spec["save_every"], spec["task"])
     if spec["kind"] == "fixed":
         position_ids_from_mask(trainer.model)
+    if spec["task"] == "calc":  # without it a generate() after a tool result that reaches position 128 stops the run
+        generate_within_context(trainer.model)
     marks = [time.perf_counter()]
 
     class Mark(transformers.TrainerCallback):
@@ -205,12 +279,12 @@ def logprobs_child(spec):
 
 
 def ours_child(spec):
-    """grpo_llm.py on the trace task, stopped every save_every updates and gone on with --resume (the same run as one
+    """grpo_llm.py on the task, stopped every save_every updates and gone on with --resume (the same run as one
     in a go), each stop's policy/ copied to checkpoint-<update>/; the wall time of each update in times.json."""
     run_root, run_dir, seconds = os.path.join(spec["out"], "run"), None, []
     for update in range(spec["save_every"], spec["updates"] + 1, spec["save_every"]):
         if update == spec["save_every"]:
-            flags = [*TRACE, "--seed", str(spec["seed"]), "--output-dir", run_root]
+            flags = [*TASKS[spec["task"]]["flags"], "--seed", str(spec["seed"]), "--output-dir", run_root]
             flags += ["--eval-every", "0", "--sample-every", "0", "--save-every", "0"]
         else:
             flags = ["--resume", run_dir]
@@ -228,12 +302,20 @@ def ours_child(spec):
 # ---- the parent: runs, evaluation, table and figure
 
 
+def run_dir(args, kind, seed):
+    """A run's directory: <kind>-<seed> for the trace task, calc-<kind>-<seed> for the calculator."""
+    if args.task == "trace":
+        return os.path.join(args.runs_dir, f"{kind}-{seed}")
+    return os.path.join(args.runs_dir, f"{args.task}-{kind}-{seed}")
+
+
 def start(args, kind, seed):
     """One run (kind: ours, stock or fixed) as a child process of this script; TRL's on PYTHONPATH for TRL only."""
-    out = os.path.join(args.runs_dir, f"{kind}-{seed}")
+    out = run_dir(args, kind, seed)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     spec = {"kind": kind, "seed": seed, "updates": args.updates, "save_every": args.eval_every, "out": out}
+    spec["task"] = args.task
     env = os.environ | ({"PYTHONPATH": TRL_DIR} if kind != "ours" else {})
     log = open(os.path.join(out, "log.txt"), "w")
     print(f"running {kind} seed {seed} (log: {log.name})", flush=True)
@@ -241,9 +323,10 @@ def start(args, kind, seed):
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log
 
 
-def evaluate(model, seed):
-    """grpo_llm.py --eval-only of one policy with the trace task's flags and the run's seed: its metrics."""
-    flags = [*TRACE[2:], "--model", model, "--eval-only", "--seed", str(seed), "--max-new-tokens", "64"]
+def evaluate(model, seed, task):
+    """grpo_llm.py --eval-only of one policy with the task's flags and the run's seed: its metrics."""
+    flags = [*TASKS[task]["flags"][2:], "--model", model, "--eval-only", "--seed", str(seed)]
+    flags += ["--max-new-tokens", str(TASKS[task]["tokens"])]
     with contextlib.redirect_stdout(io.StringIO()):
         return grpo_llm.main(grpo_llm.parse_args(flags))
 
@@ -270,28 +353,31 @@ def learning(args):
                     f"error: the {kind} run of seed {seed} failed (exit code {process.returncode}): {log.name}"
                 )
         time.sleep(1)
-    os.chdir(ROOT)  # the trace task's flags name files under the repository root
+    os.chdir(ROOT)  # the tasks' flags name files under the repository root
     results = {"machine": machine_name("cpu"), "torch": torch.__version__, "args": vars(args), "runs": {}}
     updates = list(range(0, args.updates + 1, args.eval_every))
-    start_accuracy = {
-        seed: evaluate(os.path.join(ROOT, MODEL), seed) for seed in args.seeds
-    }  # update 0: the SFT policy
+    flags = TASKS[args.task]["flags"]
+    sft = os.path.join(ROOT, flags[flags.index("--model") + 1])
+    start_metrics = {seed: evaluate(sft, seed, args.task) for seed in args.seeds}  # update 0: the SFT policy
     for kind in ["ours", *args.trl]:
         for seed in args.seeds:
-            out = os.path.join(args.runs_dir, f"{kind}-{seed}")
+            out = run_dir(args, kind, seed)
             with open(os.path.join(out, "times.json")) as f:
                 seconds = json.load(f)["s_per_update"]
-            accuracy = [start_accuracy[seed]["eval/accuracy"]]
+            metrics = [start_metrics[seed]]
             for update in updates[1:]:
-                accuracy.append(evaluate(os.path.join(out, f"checkpoint-{update}"), seed)["eval/accuracy"])
-                print(f"{kind} seed {seed} update {update}: held-out accuracy {accuracy[-1]:.3f}", flush=True)
+                metrics.append(evaluate(os.path.join(out, f"checkpoint-{update}"), seed, args.task))
+                accuracy = metrics[-1]["eval/accuracy"]
+                print(f"{kind} seed {seed} update {update}: held-out accuracy {accuracy:.3f}", flush=True)
             results["runs"][f"{kind}-{seed}"] = {
                 "kind": kind,
                 "seed": seed,
                 "updates": updates,
-                "accuracy": accuracy,
+                "accuracy": [m["eval/accuracy"] for m in metrics],
                 "s_per_update": seconds,
             }
+            if args.task == "calc":  # held-out tool calls per response
+                results["runs"][f"{kind}-{seed}"]["calls"] = [m["eval/tools/call_frequency"] for m in metrics]
     return results
 
 
@@ -340,6 +426,39 @@ def table(results, out_dir):
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "trl_learning.png"), dpi=90)
+    return "\n".join(lines)
+
+
+def calc_table(results, out_dir):
+    """trl_calc.md from the results of the calculator task."""
+    runs = results["runs"]
+    kinds = [kind for kind in CALC_NAMES if any(r["kind"] == kind for r in runs.values())]
+    updates = next(iter(runs.values()))["updates"]
+    header = "| run | seeds | accuracy, " + " | ".join(f"update {u}" for u in updates)
+    header += f" | calls per response, update 0 | update {updates[-1]} | s / update |"
+    lines = [
+        "Held-out accuracy (`grpo_llm.py --eval-only` of each saved policy with `--tools calculator`: the 256 problems "
+        "of assets/calc/test.jsonl at temperature 1 through the tool loop), mean and (each seed); calls per response: "
+        "its `eval/tools/call_frequency`; seconds per update: the median over every update of every seed, wall clock "
+        f"of the training loop. Machine: {results['machine']}, torch {results['torch']}, fp32, one torch thread a "
+        f"run, {results['args']['jobs']} at a time on 2 cores shared with other work. Command: "
+        f"`python benchmarks/trl_learning.py --task calc --trl {' '.join(results['args']['trl'])} --seeds "
+        f"{' '.join(map(str, results['args']['seeds']))} --updates {results['args']['updates']} --eval-every "
+        f"{results['args']['eval_every']}`",
+        "",
+        header,
+        "|---|---|" + "---|" * (len(updates) + 3),
+    ]
+    for kind in kinds:
+        mine = [r for r in runs.values() if r["kind"] == kind]
+        cells = []
+        for key, indices in [("accuracy", range(len(updates))), ("calls", [0, len(updates) - 1])]:
+            for i in indices:
+                values = [r[key][i] for r in mine]
+                cells.append(f"{np.mean(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})")
+        seconds = np.median([s for r in mine for s in r["s_per_update"]])
+        lines.append(f"| {CALC_NAMES[kind]} | {len(mine)} | {' | '.join(cells)} | {seconds:.2f} |")
+    write_table("trl_calc.md", "\n".join(lines), out_dir)
     return "\n".join(lines)
 
 
@@ -392,9 +511,15 @@ def main():
         spec = json.loads(args.child)
         children = {"ours": ours_child, "stock": trl_child, "fixed": trl_child, "logprobs": logprobs_child}
         return children[spec["kind"]](spec)
-    path = os.path.join(args.out_dir, "trl_learning.json")
+    path = os.path.join(args.out_dir, TASKS[args.task]["name"] + ".json")
+    tables = {"trace": table, "calc": calc_table}
+    if args.task != "trace" and args.part == "logprobs":
+        raise SystemExit(f"error: --part logprobs measures the trace task (got --task {args.task})")
     if args.part == "logprobs":
         return print(logprobs(args))
+    if args.part == "table" and args.task == "calc":
+        (results,) = saved_results(path, "--part table")
+        return print(calc_table(results, args.out_dir))
     if args.part == "table":  # without its results a table would lose its rows: say so and write nothing
         parts = {"trl_learning.json": "", "trl_logprobs.json": " --part logprobs"}
         for name, part in parts.items():
@@ -411,7 +536,7 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
-    print(table(results, args.out_dir))
+    print(tables[args.task](results, args.out_dir))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ def run_main(monkeypatch, module, argv):
         ("psi_variance", ["--from-csv"], ["--from-csv", "psi_variance.csv does not exist"]),
         ("llm_learning", ["--no-run", "--configs", "trace"], ["trace-ppo trace-grpo", "--configs trace-ppo"]),
         ("trl_learning", ["--part", "table"], ["--part table", "trl_learning.json does not exist"]),
+        ("trl_learning", ["--task", "calc", "--part", "table"], ["--part table", "trl_calc.json does not exist"]),
         ("eval_noise", ["--table"], ["--table", "eval_noise.json does not exist"]),
         ("head_precision", ["--table"], ["--table", "head_precision_*.json does not exist"]),
         ("save_time", ["--table"], ["--table", "save_time.json does not exist"]),
