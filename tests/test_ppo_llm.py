@@ -462,7 +462,7 @@ def test_resume_needs_a_readable_run(tiny, tmp_path):
     shards = os.path.join(run_dir, "checkpoint", "__0_0.distcp")
     with open(shards, "r+b") as f:
         f.truncate(os.path.getsize(shards) // 2)  # a disk that filled up, a copy cut short: its checksum names it
-    with pytest.raises(SystemExit, match=r"^error: --resume .*: .*/checkpoint/__0_0.distcp is damaged or missing[^\n]*$"):
+    with pytest.raises(SystemExit, match=r"^error: --resume .*: .*/__0_0.distcp is damaged or missing[^\n]*$"):
         ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir]))
 
 
