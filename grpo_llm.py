@@ -319,7 +319,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, *
                 responses[i], masks[i] = responses[i] + ids[:length], masks[i] + [1.0] * length
                 sampled_logprobs[i] += logps[:length]
                 turn_length, left = len(responses[i]) - turn_starts[i], args.max_new_tokens - len(responses[i])
-                turn_ended = responses[i][-1] in eos_ids
+                turn_ended = length > 0 and responses[i][-1] in eos_ids  # none: a stop before its first token
                 calls = tool_calls_in(tokenizer, contexts[i] + responses[i], turn_length, tools) if turn_ended else []
                 if not turn_ended:  # it filled the room: the turn goes on in the next generate(); else a stop came
                     done[i] = length < room

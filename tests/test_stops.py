@@ -527,3 +527,20 @@ def test_a_reward_call_that_hangs_stops_at_its_timeout_or_a_signal(script, sigte
         f"python {script.__name__}.py --resume {run_dir} goes on"
     )
     assert saved_update(run_dir) == 1
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_a_stop_before_a_turns_first_token_ends_the_rollout(script, monkeypatch):
+    # vLLM's engine aborted before its first step gives a row no token: the turn neither ended nor filled its room,
+    # so the row is done (a stop), with an empty response, not an IndexError on its last token
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets/arith-sft"), padding_side="left")
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets/arith-sft"))
+    policy.generation_config.update(eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    monkeypatch.setattr(policy, "generate", lambda **inputs: inputs["input_ids"])  # no new token
+    batch = script.rollout(
+        policy, tok, ["1+2=", "3+4="], script.Args(max_new_tokens=4), torch.autocast("cpu", enabled=False)
+    )
+    assert batch["responses"].shape == (2, 0) and batch["lengths"].tolist() == [0, 0]
+    assert batch["ended"].tolist() == [False, False] and batch["cut_on_call"].tolist() == [False, False]
