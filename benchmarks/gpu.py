@@ -25,6 +25,10 @@ torchrun with NCCL and FSDP2 does on several is not measured (one GPU is world s
    memory, estimate_gb() beside it.
 5. head: scale.py's LM-head benchmark at V = 151,936: chunked against full logits, 1,024 and 4,096 tokens.
 6. learning: llm_learning.py --configs gpu: ppo_llm.py (the README's first command) for 100 updates.
+7. vllm: vllm_speed.py in the vLLM venv (--vllm-python; docs/scaling.md has its GPU install): gpt2-grpo and gpt2-ppo
+   with and without --vllm in bf16, seconds per update, the push, and vLLM's log-probs against the trainer's; its
+   runs are sleep mode's one check (the engine asleep during each update). Last, with its own budget, so that a cut
+   off harms no other part; skipped, and said so, where that venv is missing.
 
 OUT gets three files, few enough for a machine that hands back a handful: summary.json and summary.md (each part's
 commands, state, seconds, budget and result files, the end of the output of a part that did not finish; the machine,
@@ -59,9 +63,10 @@ PY = sys.executable
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 TRL_DIR = os.path.join(ROOT, "benchmarks", "runs", "trl116")
 TRL = "trl==1.16.0"
-# seconds on one H100, estimated: 355 in all, and 10 more for each part cut off, within 7 minutes
-BUDGETS = {"setup": 25, "tests": 90, "speed": 45, "trl": 95, "head": 25, "learning": 75}
+# seconds on one H100, estimated: 475 in all, and 10 more for each part cut off, within 9 minutes
+BUDGETS = {"setup": 25, "tests": 90, "speed": 45, "trl": 95, "head": 25, "learning": 75, "vllm": 120}
 SMOKE_BUDGET = 60  # seconds for each part at toy size
+SKIPPED = "skipped: no vLLM venv (--vllm-python)"  # the vllm part's state where that venv is missing
 GRACE = 5  # seconds from SIGINT to SIGTERM, and from SIGTERM to SIGKILL
 TESTS = ["tests/test_families.py", "tests/test_lm_head.py", "tests/test_lora.py"]
 VERSIONS = ["torch", "transformers", "peft", "accelerate", "datasets", "tyro", "numpy", "pyarrow", "fsspec"]
@@ -90,9 +95,12 @@ def setup_commands(wheels):
     return commands, missing
 
 
-def part_commands(part, smoke, work):
+def part_commands(part, smoke, work, vllm_python=None):
     """One part's commands, at toy size with smoke, and the environment variables they need besides."""
     results, logs = os.path.join(work, "results"), os.path.join(work, "logs")
+    if part == "vllm":
+        toy = ["--runs", "tiny-grpo", "--updates", "2", "--pushes", "1"] if smoke else []
+        return [[vllm_python, "benchmarks/vllm_speed.py", "--out-dir", results, *toy]], {}
     if part == "tests":
         pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"]  # a file at a time: a cut-off loses one report
         if smoke:
@@ -249,7 +257,7 @@ def table(summary):
     for name, part in summary["parts"].items():
         for test in (part.get("tests") or {}).get("failed", []):
             lines.append(f"\n{name}: failed `{test}`")
-        if part["state"] != "ok":
+        if part["state"] not in ("ok", SKIPPED):
             lines += ["", f"The end of {name}'s output:", "", "```", *part["tail"], "```"]
     return "\n".join(lines)
 
@@ -268,8 +276,8 @@ def write_out(out, work, summary):
             tar.add(path, arcname=os.path.join("logs", os.path.basename(path)))
 
 
-def measure(out, parts, budgets, wheels, smoke):
-    """Each of parts in order, into out."""
+def measure(out, parts, budgets, wheels, smoke, vllm_python=None):
+    """Each of parts in order, into out; the vllm part with vllm_python, skipped where it does not exist."""
     os.makedirs(out, exist_ok=True)
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     if smoke:  # on the CPU even where there is a GPU
@@ -286,19 +294,24 @@ def measure(out, parts, budgets, wheels, smoke):
                 commands, missing = setup_commands(wheels)
                 part_env = {}
             else:
-                commands, part_env = part_commands(name, smoke, work)
+                commands, part_env = part_commands(name, smoke, work, vllm_python)
             print(f"== {name} (budget {budgets[name]:g} s)", flush=True)
             before = files(os.path.join(work, "results"))
             log_path = os.path.join(work, "logs", f"{name}.log")
             part_start = time.monotonic()
-            state = run_part(commands, env | part_env, budgets[name], log_path, keep_going=name == "tests")
+            if name == "vllm" and not os.path.isfile(vllm_python):
+                with open(log_path, "w") as log:
+                    log.write(f"skipped: no {vllm_python} (--vllm-python: the vLLM venv's python)\n")
+                state = SKIPPED
+            else:
+                state = run_part(commands, env | part_env, budgets[name], log_path, keep_going=name == "tests")
             after = files(os.path.join(work, "results"))
             with open(log_path) as f:
                 tail = f.read().splitlines()[-15:]
             part = {"commands": [shown(command, part_env, work) for command in commands], "state": state,
                     "seconds": time.monotonic() - part_start, "budget": budgets[name],
                     "wrote": sorted(path for path, mtime in after.items() if before.get(path) != mtime),
-                    "tail": tail if state != "ok" else []}  # fmt: skip
+                    "tail": tail if state not in ("ok", SKIPPED) else []}  # fmt: skip
             if name == "setup":
                 part["installed"] = missing
             if name == "tests":
@@ -335,6 +348,8 @@ def install(source, results=RESULTS):
     with open(os.path.join(results, f"gpu_{summary['device']}.json"), "w") as f:
         json.dump(summary, f, indent=1)
     commands = [["benchmarks/llm_speed.py", "--table"], ["benchmarks/scale.py", "--table"]]
+    if os.path.exists(os.path.join(results, "vllm_cuda.json")):
+        commands.append(["benchmarks/vllm_speed.py", "--table"])
     if os.path.exists(os.path.join(results, "llm_curves", "gpu-ppo.csv")):
         commands.append(["benchmarks/llm_learning.py", "--no-run", "--configs", "gpu"])
     for command in commands:
@@ -375,6 +390,8 @@ def main():
     parser.add_argument("--install-results", metavar="OUT", help="copy OUT's results into benchmarks/results/ and "
                         "rebuild the docs' tables from them (measures nothing)")  # fmt: skip
     parser.add_argument("--table", action="store_true", help="measure nothing: gpu_cuda.md from gpu_cuda.json")
+    parser.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"),
+                        help="the vLLM venv's python, for the vllm part (default: .venv-vllm/bin/python)")  # fmt: skip
     args = parser.parse_args()
     # the parts' processes start with Python's SIGINT handler (stop() sends SIGINT first), also where this process
     # started with SIGINT ignored, as a shell's background job does: an ignored signal stays ignored across exec
@@ -399,7 +416,7 @@ def main():
     wheels = None
     if args.wheels:
         wheels = os.path.abspath(args.wheels)
-    measure(os.path.abspath(args.out), args.parts, budgets, wheels, args.smoke)
+    measure(os.path.abspath(args.out), args.parts, budgets, wheels, args.smoke, os.path.abspath(args.vllm_python))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ sizes, to check in seconds that every path runs (benchmarks/gpu.py --smoke).
 """
 
 import json
+import math
 import os
 import random
 import resource
@@ -186,6 +187,7 @@ def ours(name, updates):
     keys = ["time/generation", "time/scoring", "time/update", "perf/tokens_per_sec"]
     result = {k: median([m[k] for m in metrics]) for k in keys} | {"perf/peak_memory_mb": peak_memory}
     result["s/update"] = median([m["time/generation"] + m["time/scoring"] + m["time/update"] for m in metrics])
+    result |= {k: max(m[k] for m in metrics) for k in metrics[0] if k.startswith("vllm/")}  # --vllm's, at most
     return result
 
 
@@ -492,6 +494,23 @@ def size_estimates():
     return rows
 
 
+def vllm_estimates(gpu_gib=80):
+    """--vllm's engine at each size (GiB): its bf16 weights and a KV cache that holds the GSM8K command's whole rollout
+    batch at once, 2 (K, V) x layers x KV dim x 2 B a token (a smaller cache runs fewer sequences at a time, and does
+    not fail); the --vllm-gpu-memory-utilization that gives it that much of a GPU of gpu_gib, to 0.05 up (vLLM's own
+    workspace, which it measures at its start, not counted); beside it grpo_llm.py's update peak (micro-batch 4 +
+    ckpt), which the engine, asleep during the update, does not add to."""
+    seq, _, batch = WORKLOAD
+    rows = {}
+    for size, (P, L, H, V, kv, mlp) in SIZES.items():
+        weights, cache = 2 * P / 2**30, 2 * L * kv * seq * batch * 2 / 2**30
+        full = estimate_gb(P, L, H, V, seq, 4, batch, 1, 0, True, kv_dim=kv)
+        lora = estimate_gb(P, L, H, V, seq, 4, batch, 1, 0, True, kv_dim=kv, lora=lora_params(L, H, kv, mlp))
+        share = math.ceil(20 * (weights + cache) / gpu_gib) / 20
+        rows[size] = {"weights": weights, "KV cache": cache, "utilization": share, "full": full, "LoRA r 16": lora}
+    return rows
+
+
 def machine_name(device):
     """The GPU's name, or the CPU's model, cores and memory (also used by llm_speed.py and lora.py)."""
     if device == "cuda":
@@ -594,6 +613,19 @@ def write_estimate(out_dir):
     ]
     lines += [f"| {label} | " + " | ".join(f"{v:.1f}" for v in gb.values()) + " |" for label, gb in sizes.items()]
     write_table("scale_estimate_sizes.md", "\n".join(lines), out_dir)
+    lines = [
+        f"--vllm's engine (GiB): bf16 weights, and a KV cache for the GSM8K command's whole rollout ({batch} sequences "
+        f"of ~{seq} tokens); the --vllm-gpu-memory-utilization that holds both on an 80 GiB GPU; grpo_llm.py's update "
+        "peak (micro-batch 4 + ckpt) beside it, which the sleeping engine does not add to. Command: "
+        "`python benchmarks/scale.py --estimate`",
+        "",
+        "| model | engine weights | KV cache | --vllm-gpu-memory-utilization | update, full | update, LoRA r 16 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size, r in vllm_estimates().items():
+        cells = [f"{r['weights']:.1f}", f"{r['KV cache']:.1f}", f"{r['utilization']:.2f}", f"{r['full']:.1f}"]
+        lines.append(f"| {size} | " + " | ".join(cells + [f"{r['LoRA r 16']:.1f}"]) + " |")
+    write_table("scale_estimate_vllm.md", "\n".join(lines), out_dir)
 
 
 def save(path, saved):

@@ -59,7 +59,8 @@ def run_main(monkeypatch, module, argv):
         ("gpu", ["--table"], ["--table", "gpu_*.json does not exist"]),
         ("ablations", ["--table"], ["--table", "ablations.json does not exist"]),
         ("passes", ["--table"], ["--table", "passes_*.json does not exist"]),
-        ("vllm_speed", ["--table"], ["--table", "vllm_cpu.json does not exist"]),
+        ("vllm_speed", ["--table"], ["--table", "vllm_c*.json does not exist"]),
+        ("vllm_logprobs", ["--table"], ["--table", "vllm_logprobs_cpu.json does not exist"]),
     ],
 )
 def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(
@@ -69,7 +70,7 @@ def test_a_table_only_command_without_its_results_says_so_and_writes_nothing(
     results = tmp_path / "results"
     if script in ("llm_learning", "trl_learning"):
         argv = [*argv, "--out-dir", str(results), "--runs-dir", str(tmp_path / "runs")]
-    elif script in ("eval_noise", "llm_speed", "scale"):
+    elif script in ("eval_noise", "llm_speed", "scale", "vllm_speed", "vllm_logprobs"):
         argv = [*argv, "--out-dir", str(results)]
     elif script == "torchrun_stress":
         argv = [*argv, "--root", str(tmp_path)]
@@ -174,16 +175,16 @@ def test_gpu_smoke_runs_every_part(tmp_path):
     results_before = {path: path.read_bytes() for path in sorted(Path(RESULTS).rglob("*")) if path.is_file()}
     before = pages()
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", str(out)], cwd=ROOT, capture_output=True,
-                          text=True)  # fmt: skip
+    command = [sys.executable, "benchmarks/gpu.py", "--smoke", "--vllm-python", str(tmp_path / "no-venv"), str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     # three files: few enough for a machine that hands back a handful
     assert sorted(os.listdir(out)) == ["results.tar.gz", "summary.json", "summary.md"]
     summary = json.loads((out / "summary.json").read_text())
     parts = summary["parts"]
-    assert list(parts) == ["setup", "tests", "speed", "trl", "head", "learning"]
-    for name in parts:
-        assert parts[name]["state"] == "ok", (name, parts[name]["tail"])
+    assert list(parts) == ["setup", "tests", "speed", "trl", "head", "learning", "vllm"]
+    for name in parts:  # the vllm part: in tests/test_vllm.py, with the vLLM venv
+        assert parts[name]["state"] == ("skipped: no vLLM venv (--vllm-python)" if name == "vllm" else "ok"), name
     assert parts["tests"]["tests"]["tests"] > 0 and parts["tests"]["tests"]["failed"] == []
     assert {"torch", "transformers", "peft", "pyarrow", "fsspec"} <= set(summary["versions"])
     assert "| setup | " in (out / "summary.md").read_text() and "torchrun with NCCL" in (out / "summary.md").read_text()
