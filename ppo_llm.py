@@ -1275,8 +1275,8 @@ def start_vllm(args, policy):
     if not set(config.architectures or []) & set(vllm.ModelRegistry.get_supported_archs()):
         raise SystemExit(f"error: --vllm: vLLM cannot load --model {args.model} ({config.architectures})")
     options = dict(kv_cache_memory_bytes=int(args.vllm_kv_cache_gb * 2**30))
-    if cuda:  # each rank its own engine, as TRL's colocate mode
-        options = dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+    if cuda:  # each rank its own engine, as TRL's colocate mode, asleep but in rollouts (vllm_pushed)
+        options = dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=True)
         options["distributed_executor_backend"] = "external_launcher" if dist.is_initialized() else None
     options |= dict(load_format="dummy", seed=args.seed, skip_tokenizer_init=True, enforce_eager=True)
     options |= dict(logprobs_mode="processed_logprobs", max_model_len=args.max_prompt_length + args.max_new_tokens)
@@ -1288,7 +1288,10 @@ def start_vllm(args, policy):
 @contextlib.contextmanager
 def vllm_pushed(policy, enabled=True):
     """--vllm: the policy's weights into the engine by reload_weights, in the checkpoint's names (a tied LM head too), a
-    LoRA run's merged, W + (alpha / r) B A, its adapters left as they are; the prefix cache (old weights') emptied."""
+    LoRA run's merged, W + (alpha / r) B A, its adapters left as they are; the prefix cache emptied. A GPU's engine
+    sleeps after the rollout (sleep mode, TRL's colocate mode): its KV cache freed, its weights in CPU memory."""
+    if enabled and VLLM[0].llm_engine.is_sleeping():  # on a GPU, since the last rollout
+        VLLM[0].wake_up()
     if enabled:
         model = policy.get_base_model() if hasattr(policy, "peft_config") else policy
         weights = dict(model.state_dict())
@@ -1300,12 +1303,13 @@ def vllm_pushed(policy, enabled=True):
         VLLM[0].collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         VLLM[0].reset_prefix_cache()
     yield
+    if enabled and policy.device.type == "cuda":  # sleep mode (start_vllm) during the update
+        VLLM[0].sleep(level=1)
 
 
 def vllm_generate(context, room, generation_config, stop=None, **sampling):
-    """A turn through the engine as generate() samples it (details 2, 4), a seed a row from torch's generator (seeded
-    per update): generate()'s ids (B, Q + room), pad after each end, and each sampled token's log-prob (B, room).
-    With stop, a Ctrl-C or SIGTERM aborts it within a step."""
+    """A turn through the engine as generate() samples it (details 2, 4; each row seeded from torch's generator, per
+    update): generate()'s ids (B, Q + room) and each token's log-prob (B, room); a stop's signal aborts it in a step."""
     import vllm
 
     config, engine = generation_config.to_dict() | sampling, VLLM[0].llm_engine

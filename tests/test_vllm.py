@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed: its venv (README) runs these tests"
 )
-TOL = 1e-4  # fp32 on a CPU: vLLM's kernels against the trainer's forward (measured: about 2e-5 at most)
+TOL = 1e-5  # fp32 on a CPU: vLLM's kernels against the trainer's forward
 
 
 def in_subprocess(check, *args):
@@ -256,3 +257,19 @@ def test_two_torchrun_ranks_each_generate_with_their_own_engine(served, tmp_path
     (run_dir,) = tmp_path.iterdir()
     assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2]
     assert all(m["vllm/logprob_diff_max"] < 0.5 for m in untimed_metrics(run_dir))  # bf16 autocast on both sides
+
+
+@needs_vllm
+def test_gpu_py_vllm_part_measures_both_legs_the_push_and_the_difference(tmp_path):
+    # benchmarks/gpu.py's last part at toy size on the CPU (--smoke), with this venv's python as the vLLM venv's
+    flags = ["--smoke", "--parts", "vllm", "--budget", "vllm=600", "--vllm-python", sys.executable, str(tmp_path)]
+    done = subprocess.run([sys.executable, "benchmarks/gpu.py", *flags], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["parts"]["vllm"]["state"] == "ok", summary["parts"]["vllm"]["tail"]
+    with tarfile.open(tmp_path / "results.tar.gz") as tar:
+        saved = json.load(tar.extractfile("results/vllm_cpu.json"))
+    generate, engine = saved["rows"]
+    assert (generate["vllm"], engine["vllm"]) == (False, True) and "vllm/logprob_diff_max" not in generate
+    assert all(row["s/update"] > 0 and row["time/generation"] > 0 for row in saved["rows"])
+    assert engine["time/push"] > 0 and engine["vllm/logprob_diff_max"] < TOL
