@@ -48,6 +48,7 @@ def run_main(monkeypatch, module, argv):
         ("classic", ["--only-existing", "--merge", "--skip-speed"], ["classic.csv"]),
         ("psi_variance", ["--from-csv"], ["--from-csv", "psi_variance.csv does not exist"]),
         ("llm_learning", ["--no-run", "--configs", "trace"], ["trace-ppo trace-grpo", "--configs trace-ppo"]),
+        ("llm_learning", ["--no-run", "--configs", "vllm"], ["grpo-2heads grpo-2heads-vllm", "--configs grpo-2heads"]),
         ("trl_learning", ["--part", "table"], ["--part table", "trl_learning.json does not exist"]),
         ("trl_learning", ["--task", "calc", "--part", "table"], ["--part table", "trl_calc.json does not exist"]),
         ("eval_noise", ["--table"], ["--table", "eval_noise.json does not exist"]),
@@ -133,6 +134,42 @@ def test_llm_learning_keeps_each_seeds_curves_and_writes_its_tables_from_them_al
     # last one at or before is update 0's; end (0.625 + 0.75) / 2 = 0.6875; 3 updates in 1200 s = 20.0 min
     assert "| trace-ppo (`ppo_llm.py --total-steps 150`) | 2 | 0.375 ± 0.125 | 0.375 ± 0.125 | 0.688 ± 0.062 |" in table
     assert "3 updates in 20.0 min; 3 updates in 20.0 min |" in table
+
+
+def test_llm_learning_vllm_table_and_verdict_from_the_curves(monkeypatch, tmp_path):
+    llm_learning = importlib.import_module("llm_learning")
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    # held-out accuracy at updates 0, 10, 20 of each seed (seed 1, seed 2)
+    accuracy = {
+        "grpo-2heads": [[0.5, 0.5, 0.75], [0.5, 0.75, 0.875]],
+        "grpo-2heads-vllm": [[0.5, 0.75, 0.75], [0.5, 0.875, 0.75]],
+    }
+    for name, seeds in accuracy.items():
+        for seed, acc in enumerate(seeds, start=1):
+            records = [{"update": u, "episode": 64 * u, "time/elapsed": 6.0 * u} for u in range(21)]
+            for u, a in zip([0, 10, 20], acc):
+                records[u]["eval/accuracy"] = a
+            if name.endswith("vllm"):
+                for u in range(1, 21):
+                    records[u]["vllm/logprob_diff_max"] = 1e-6 * seed if u == 20 else 4e-6
+            fake_run(runs, name, seed, 20, records)
+    args = llm_learning.Args(seeds=[1, 2], runs_dir=str(runs), out_dir=str(out))
+    for name in accuracy:
+        llm_learning.collect(args, name)
+    run_main(monkeypatch, llm_learning, ["--no-run", "--configs", "vllm", "--out-dir", str(out)])
+    table = (out / "vllm_learning.md").read_text()
+    # rows every 50 updates and the last: 0 and 20; means: update 0 0.5 and 0.5, update 20 (0.75 + 0.875) / 2 = 0.8125
+    # and (0.75 + 0.75) / 2 = 0.75, within [0.75, 0.875]
+    assert "| 0 | 0.500 | 0.500, 0.500 | 0.500 | 0.500, 0.500 | yes |" in table and "| 10 |" not in table
+    assert "| 20 | 0.812 | 0.750, 0.875 | 0.750 | 0.750, 0.750 | yes |" in table
+    # update 10: vLLM's mean (0.75 + 0.875) / 2 = 0.8125 is above generate()'s [0.5, 0.75]: inside at 2 of 3; the gaps
+    # 0, 0.8125 - 0.625 = 0.1875 and 0.8125 - 0.75 = 0.0625 average 0.25 / 3 = 0.083; the spreads 0, 0.25 and 0.125
+    # average 0.125: 0.083 <= 0.125
+    assert "within generate()'s seeds' min-max at 2 of 3 evaluations" in table
+    assert "differ by 0.083 on average, generate()'s seeds by 0.125" in table and table.rstrip().endswith(": yes.")
+    # the last update's diff 1e-6 and 2e-6, the largest 4e-6; 20 updates of 6 s = 2.0 min
+    assert "at the last update: 1.0e-06, 2.0e-06; the largest over every update: 4.0e-06, 4.0e-06" in table
+    assert "generate() 2.0, 2.0, vLLM 2.0, 2.0." in table
 
 
 def test_llm_learning_collect_names_a_seed_without_a_finished_run(tmp_path):
