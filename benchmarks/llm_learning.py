@@ -26,12 +26,13 @@ The calculator task (assets/calc-sft on assets/calc/*.jsonl, assets/README.md), 
 `--tools calculator`, and each with a control whose every tool call fails: benchmarks/results/calc_learning.md and
 calc_learning.png, held-out accuracy and tool calls per response at the start, after 15 minutes and at the end.
 
-vLLM against generate() (docs/scaling.md#vllm), `--configs vllm`: grpo_llm.py with its defaults, with and without
-`--vllm`, from an SFT policy whose head size vLLM's CPU attention serves: assets/make_arith_models.py's policy with 2
-heads (head size 80; the embedded one's 4 heads give 40, which it does not serve), built into
-benchmarks/runs/arith-2heads/ when it is missing. BOTH legs run in the vLLM venv's python, .venv-vllm/bin/python (the
-README's third command builds it), so that only `--vllm` differs: benchmarks/results/vllm_learning.md and
-vllm_learning.png, held-out accuracy at each evaluation, the mean and each seed of each leg, and a verdict.
+vLLM against generate() (docs/scaling.md#vllm), `--configs vllm`: grpo_llm.py with its defaults and ppo_llm.py with
+its defaults stopped at 100 updates, each with and without `--vllm`, from an SFT policy whose head size vLLM's CPU
+attention serves: assets/make_arith_models.py's policy with 2 heads (head size 80; the embedded one's 4 heads give 40,
+which it does not serve), built into benchmarks/runs/arith-2heads/ when it is missing. BOTH legs run in the vLLM venv's
+python, .venv-vllm/bin/python (the README's third command builds it), so that only `--vllm` differs:
+benchmarks/results/vllm_learning.md and vllm_learning.png, held-out accuracy at the same evaluations, the mean and each
+seed of each leg, and a verdict.
 
     python benchmarks/llm_learning.py --configs vllm --seeds 1 2 --jobs 1
 
@@ -120,20 +121,22 @@ for script, short in [("ppo_llm.py", "ppo"), ("grpo_llm.py", "grpo")]:
     CONFIGS[f"calc-{short}"] = [script, *CALC, "--tools", "calculator", "--total-steps", CALC_STEPS[script]]
     CONFIGS[f"calc-{short}-control"] = [script, *CALC, "--tools", "benchmarks/calc_control.py:calculator"]
     CONFIGS[f"calc-{short}-control"] += ["--total-steps", CALC_STEPS[script]]
-# --vllm against generate(): GRPO's defaults from the embedded SFT policy's builder with 2 heads (head size 80, which
-# vLLM's CPU attention serves; 4 give 40, which it does not), in the vLLM venv for both legs. No reward model is used:
-# --rm-steps 0.
+# --vllm against generate(): GRPO's and PPO's defaults from the embedded SFT policy's builder with 2 heads (head size
+# 80, which vLLM's CPU attention serves; 4 give 40, which it does not), in the vLLM venv for both legs. No reward model
+# is used: --rm-steps 0. PPO is the README's first command stopped at 100 of its 300 updates, as gpu-ppo (the ~70 it
+# took to reach 90% are among them).
 VLLM_PYTHON = ".venv-vllm/bin/python"
 ARITH2 = os.path.join("benchmarks", "runs", "arith-2heads")
 ARITH2_BUILD = ["assets/make_arith_models.py", "--n-head", "2", "--rm-steps", "0", "--out-dir", ARITH2, "--overwrite"]
 CONFIGS["grpo-2heads"] = ["grpo_llm.py", "--model", os.path.join(ARITH2, "arith-sft")]
-CONFIGS["grpo-2heads-vllm"] = [*CONFIGS["grpo-2heads"], "--vllm"]
+CONFIGS["ppo-2heads"] = ["ppo_llm.py", "--model", os.path.join(ARITH2, "arith-sft"), "--total-steps", "100"]
+for name in ["grpo-2heads", "ppo-2heads"]:
+    CONFIGS[f"{name}-vllm"] = [*CONFIGS[name], "--vllm"]
 GROUPS = {"arithmetic": ARITHMETIC, "trace": ["trace-ppo", "trace-grpo"], "trace-family": list(VARIANT)}
 GROUPS["calc"] = ["calc-ppo", "calc-grpo", "calc-ppo-control", "calc-grpo-control"]
 GROUPS["gpu"] = ["gpu-ppo"]
-GROUPS["vllm"] = ["grpo-2heads", "grpo-2heads-vllm"]
+GROUPS["vllm"] = ["grpo-2heads", "grpo-2heads-vllm", "ppo-2heads", "ppo-2heads-vllm"]
 TRACE_MINUTES = 15
-VLLM_TABLE_EVERY = 50  # vllm_learning.md's rows: every 50th update's evaluation (its verdict reads every one)
 SHARED = "Seconds are wall clock, two runs at a time on 2 CPU cores shared with other work: they depend on its load."
 
 
@@ -593,21 +596,13 @@ def summarise_gpu(args, data):
     write_table("llm_learning_cuda.md", table, args.out_dir)
 
 
-def summarise_vllm(args, data):
-    """vllm_learning.md and vllm_learning.png: held-out accuracy with and without --vllm at the same updates, the
-    mean and each seed of each leg, the log-prob check of the vLLM runs, and a verdict computed from them."""
-    legs = {"generate()": data["grpo-2heads"], "vLLM": data["grpo-2heads-vllm"]}
+def vllm_rows(name, legs):
+    """One script's rows of vllm_learning.md: held-out accuracy of each leg at the same updates, and the verdict."""
     accuracy = {leg: [dict(zip(*series(r, "eval/accuracy"))) for r in runs] for leg, runs in legs.items()}
     updates = sorted(set.intersection(*(set(a) for seeds in accuracy.values() for a in seeds)))
-    shown = [u for u in updates if u % VLLM_TABLE_EVERY == 0 or u == updates[-1]]
-    seeds = len(legs["vLLM"])
+    shown = set(updates[:: max(len(updates) // 10, 1)] + updates[-1:])  # about 11 rows; the verdict reads them all
     rows = [
-        f"Both legs: `{VLLM_PYTHON} {' '.join(CONFIGS['grpo-2heads'])} --seed S [--vllm]` in the vLLM venv (the "
-        "README's third command), so that only `--vllm` differs; run by `python benchmarks/llm_learning.py --configs "
-        "vllm --seeds 1 2 --jobs 1`, one run at a time, one torch thread, on 2 CPU cores shared with other work. The "
-        f"policy: `{VLLM_PYTHON} "
-        f"{' '.join(ARITH2_BUILD[:-1])}` (the embedded SFT policy's builder with 2 heads, head size 80; no reward "
-        "model is used).",
+        f"`{VLLM_PYTHON} {' '.join(CONFIGS[name])} --seed S [--vllm]`, {len(legs['vLLM'])} seeds a leg:",
         "",
         "| update | generate(): mean | each seed | vLLM: mean | each seed | vLLM's mean within generate()'s seeds |",
         "|---|---|---|---|---|---|",
@@ -630,10 +625,8 @@ def summarise_vllm(args, data):
     same = "yes" if np.mean(gaps) <= np.mean(spreads) else "no"
     rows += [
         "",
-        f"Held-out accuracy: `eval/accuracy`, 256 problems sampled at temperature 1, each seed in order "
-        f"({seeds} seeds a leg); rows every {VLLM_TABLE_EVERY} updates, the verdict over all {len(updates)} "
-        f"evaluations. `vllm/logprob_diff_max` (|vLLM's log-prob - the trainer's|, the largest over the update's "
-        f"tokens) at the last update: {', '.join(f'{x:.1e}' for x in diff_last)}; the largest over every update: "
+        f"Rows: {len(shown)} of the {len(updates)} evaluations. `vllm/logprob_diff_max` at the last update: "
+        f"{', '.join(f'{x:.1e}' for x in diff_last)}; the largest over every update: "
         f"{', '.join(f'{x:.1e}' for x in diff_all)}. Minutes a run (`time/elapsed`): generate() "
         f"{', '.join(f'{x:.1f}' for x in minutes['generate()'])}, "
         f"vLLM {', '.join(f'{x:.1f}' for x in minutes['vLLM'])}.",
@@ -642,20 +635,38 @@ def summarise_vllm(args, data):
         f"evaluations; the two means differ by {np.mean(gaps):.3f} on average, generate()'s seeds by "
         f"{np.mean(spreads):.3f}: the same curve within the seeds' spread (the first at most the second): {same}.",
     ]
+    return rows
+
+
+def summarise_vllm(args, data):
+    """vllm_learning.md and vllm_learning.png: held-out accuracy with and without --vllm at the same updates, the
+    mean and each seed of each leg, the log-prob check of the vLLM runs, and a verdict computed from them."""
+    rows = [
+        "Both legs in the vLLM venv (the README's third command), so that only `--vllm` differs: run by `python "
+        "benchmarks/llm_learning.py --configs vllm --seeds 1 2 --jobs 1`, one run at a time, one torch thread, on 2 "
+        f"CPU cores shared with other work. The policy: `{VLLM_PYTHON} {' '.join(ARITH2_BUILD[:-1])}` (the embedded "
+        "SFT policy's builder with 2 heads, head size 80; no reward model is used). Held-out accuracy: "
+        "`eval/accuracy`, 256 problems sampled at temperature 1, each seed in order. `vllm/logprob_diff_max`: "
+        "|vLLM's log-prob - the trainer's|, the largest over an update's tokens.",
+    ]
+    names = [name for name in data if not name.endswith("-vllm")]
+    fig, axes = plt.subplots(len(names), 2, figsize=(11, 4 * len(names)), squeeze=False)
+    for name, ax_row in zip(names, axes):
+        legs = {"generate()": data[name], "vLLM": data[f"{name}-vllm"]}
+        rows += ["", *vllm_rows(name, legs)]
+        for leg, runs in legs.items():
+            plot_band(ax_row[0], [series(r, "eval/accuracy") for r in runs], leg)
+            minutes = [series(r, "eval/accuracy", "time/elapsed")[0] / 60 for r in runs]
+            plot_band(ax_row[1], [(m, series(r, "eval/accuracy")[1]) for m, r in zip(minutes, runs)], leg)
+        for ax, xlabel in zip(ax_row, ["updates", "minutes (time/elapsed)"]):
+            ax.set_title(CONFIGS[name][0], fontsize=9)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("held-out accuracy")
+        ax_row[0].legend()
     table = "\n".join(rows)
     print(table)
     write_table("vllm_learning.md", table, args.out_dir)
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for leg, runs in legs.items():
-        plot_band(axes[0], [series(r, "eval/accuracy") for r in runs], leg)
-        minutes = [series(r, "eval/accuracy", "time/elapsed")[0] / 60 for r in runs]
-        plot_band(axes[1], [(m, series(r, "eval/accuracy")[1]) for m, r in zip(minutes, runs)], leg)
-    for ax, xlabel in zip(axes, ["updates", "minutes (time/elapsed)"]):
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("held-out accuracy")
-    axes[0].legend()
-    fig.suptitle(f"grpo_llm.py with and without --vllm, the 2-head arith-sft, CPU: mean and min-max of {seeds} seeds")
+    fig.suptitle("With and without --vllm, the 2-head arith-sft, CPU: mean and min-max over seeds")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out_dir, "vllm_learning.png"), dpi=80)
 
