@@ -620,14 +620,15 @@ def vllm_rows(name, legs):
                 f"{', '.join(f'{x:.3f}' for x in v)} | {'yes' if inside[-1] else 'no'} |"
             )
     diff_last = [series(r, "vllm/logprob_diff_max")[1][-1] for r in legs["vLLM"]]
-    diff_all = [series(r, "vllm/logprob_diff_max")[1].max() for r in legs["vLLM"]]
+    diff_all = [series(r, "vllm/logprob_diff_max")[1] for r in legs["vLLM"]]
     minutes = {leg: [r[-1]["time/elapsed"] / 60 for r in runs] for leg, runs in legs.items()}
     same = "yes" if np.mean(gaps) <= np.mean(spreads) else "no"
     rows += [
         "",
         f"Rows: {len(shown)} of the {len(updates)} evaluations. `vllm/logprob_diff_max` at the last update: "
         f"{', '.join(f'{x:.1e}' for x in diff_last)}; the largest over every update: "
-        f"{', '.join(f'{x:.1e}' for x in diff_all)}. Minutes a run (`time/elapsed`): generate() "
+        f"{', '.join(f'{x.max():.1e}' for x in diff_all)}; updates above 1e-5: "
+        f"{', '.join(f'{(x > 1e-5).sum()} of {len(x)}' for x in diff_all)}. Minutes a run (`time/elapsed`): generate() "
         f"{', '.join(f'{x:.1f}' for x in minutes['generate()'])}, "
         f"vLLM {', '.join(f'{x:.1f}' for x in minutes['vLLM'])}.",
         "",

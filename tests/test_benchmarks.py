@@ -155,7 +155,7 @@ def test_llm_learning_vllm_table_and_verdict_from_the_curves(monkeypatch, tmp_pa
                 records[u]["eval/accuracy"] = a
             if name.endswith("vllm"):
                 for u in range(1, last + 1):
-                    records[u]["vllm/logprob_diff_max"] = 1e-6 * seed if u == last else 4e-6
+                    records[u]["vllm/logprob_diff_max"] = 1e-6 * seed if u == last else 4e-6 * seed**3
             fake_run(runs, name, seed, last, records)
     args = llm_learning.Args(seeds=[1, 2], runs_dir=str(runs), out_dir=str(out))
     for name in accuracy:
@@ -174,8 +174,10 @@ def test_llm_learning_vllm_table_and_verdict_from_the_curves(monkeypatch, tmp_pa
     # spreads 0, 0.25 and 0.125 average 0.125: 0.083 <= 0.125
     assert "within generate()'s seeds' min-max at 2 of 3 evaluations" in grpo
     assert "differ by 0.083 on average, generate()'s seeds by 0.125" in grpo and grpo.rstrip().endswith(": yes.")
-    # the last update's diff 1e-6 and 2e-6, the largest 4e-6; 20 updates of 6 s = 2.0 min
-    assert "at the last update: 1.0e-06, 2.0e-06; the largest over every update: 4.0e-06, 4.0e-06" in grpo
+    # the last update's diff 1e-6 and 2e-6; the others' 4e-6 * 1 and 4e-6 * 8 = 3.2e-5: the largest, and above 1e-5 in
+    # seed 2's 19 updates before its last; 20 updates of 6 s = 2.0 min
+    assert "at the last update: 1.0e-06, 2.0e-06; the largest over every update: 4.0e-06, 3.2e-05" in grpo
+    assert "updates above 1e-5: 0 of 20, 19 of 20." in grpo
     assert "generate() 2.0, 2.0, vLLM 2.0, 2.0." in grpo
     # ppo: a row for each of its 5 evaluations, the same in both legs: means (0.5 + 0.625) / 2 = 0.5625
     assert (
@@ -199,7 +201,7 @@ def test_the_committed_curves_rebuild_every_committed_learning_table_and_figure(
     its tables and figures byte for byte as committed: after it, git diff is empty."""
     llm_learning = importlib.import_module("llm_learning")
     shutil.copytree(os.path.join(RESULTS, "llm_curves"), tmp_path / "llm_curves")
-    groups = ["arithmetic", "trace", "trace-family", "calc"]
+    groups = ["arithmetic", "trace", "trace-family", "calc", "vllm"]
     run_main(monkeypatch, llm_learning, ["--no-run", "--configs", *groups, "--out-dir", str(tmp_path)])
     written = sorted(path.name for path in tmp_path.iterdir() if path.is_file())
     assert written == [
@@ -212,6 +214,8 @@ def test_the_committed_curves_rebuild_every_committed_learning_table_and_figure(
         "trace_family.png",
         "trace_learning.md",
         "trace_learning.png",
+        "vllm_learning.md",
+        "vllm_learning.png",
     ]
     for name in written:
         with open(os.path.join(RESULTS, name), "rb") as f:
