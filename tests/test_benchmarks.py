@@ -187,6 +187,15 @@ def test_llm_learning_vllm_table_and_verdict_from_the_curves(monkeypatch, tmp_pa
     assert "at 5 of 5 evaluations; the two means differ by 0.000 on average, generate()'s seeds by 0.125" in ppo
 
 
+def test_llm_learning_vllm_without_the_vllm_venv_says_so_and_runs_nothing(monkeypatch, tmp_path):
+    llm_learning = importlib.import_module("llm_learning")
+    monkeypatch.setattr(llm_learning, "VLLM_PYTHON", str(tmp_path / "no-venv" / "bin" / "python"))
+    args = llm_learning.Args(seeds=[1], runs_dir=str(tmp_path / "runs"), out_dir=str(tmp_path / "out"))
+    with pytest.raises(SystemExit, match="^error: --configs vllm runs in .*no-venv/bin/python, which is missing: the"):
+        llm_learning.run_all(args, ["grpo-2heads"])
+    assert not list(tmp_path.iterdir())
+
+
 def test_llm_learning_collect_names_a_seed_without_a_finished_run(tmp_path):
     llm_learning = importlib.import_module("llm_learning")
     fake_run(tmp_path / "runs", "trace-ppo", 1, 3, [{"update": 0, "episode": 0}, {"update": 1, "episode": 128}])
