@@ -26,6 +26,16 @@ The calculator task (assets/calc-sft on assets/calc/*.jsonl, assets/README.md), 
 `--tools calculator`, and each with a control whose every tool call fails: benchmarks/results/calc_learning.md and
 calc_learning.png, held-out accuracy and tool calls per response at the start, after 15 minutes and at the end.
 
+vLLM against generate() (docs/scaling.md#vllm), `--configs vllm`: grpo_llm.py with its defaults and ppo_llm.py with
+its defaults stopped at 100 updates, each with and without `--vllm`, from an SFT policy whose head size vLLM's CPU
+attention serves: assets/make_arith_models.py's policy with 2 heads (head size 80; the embedded one's 4 heads give 40,
+which it does not serve), built into benchmarks/runs/arith-2heads/ when it is missing. BOTH legs run in the vLLM venv's
+python, .venv-vllm/bin/python (the README's third command builds it), so that only `--vllm` differs:
+benchmarks/results/vllm_learning.md and vllm_learning.png, held-out accuracy at the same evaluations, the mean and each
+seed of each leg, and a verdict.
+
+    python benchmarks/llm_learning.py --configs vllm --seeds 1 2 --jobs 1
+
 On a GPU (benchmarks/gpu.py runs it), `--configs gpu`: the README's first command, `ppo_llm.py`, for 100 updates:
 benchmarks/results/llm_learning_cuda.md, the arithmetic table's columns.
 
@@ -111,9 +121,21 @@ for script, short in [("ppo_llm.py", "ppo"), ("grpo_llm.py", "grpo")]:
     CONFIGS[f"calc-{short}"] = [script, *CALC, "--tools", "calculator", "--total-steps", CALC_STEPS[script]]
     CONFIGS[f"calc-{short}-control"] = [script, *CALC, "--tools", "benchmarks/calc_control.py:calculator"]
     CONFIGS[f"calc-{short}-control"] += ["--total-steps", CALC_STEPS[script]]
+# --vllm against generate(): GRPO's and PPO's defaults from the embedded SFT policy's builder with 2 heads (head size
+# 80, which vLLM's CPU attention serves; 4 give 40, which it does not), in the vLLM venv for both legs. No reward model
+# is used: --rm-steps 0. PPO is the README's first command stopped at 100 of its 300 updates, as gpu-ppo (the ~70 it
+# took to reach 90% are among them).
+VLLM_PYTHON = ".venv-vllm/bin/python"
+ARITH2 = os.path.join("benchmarks", "runs", "arith-2heads")
+ARITH2_BUILD = ["assets/make_arith_models.py", "--n-head", "2", "--rm-steps", "0", "--out-dir", ARITH2, "--overwrite"]
+CONFIGS["grpo-2heads"] = ["grpo_llm.py", "--model", os.path.join(ARITH2, "arith-sft")]
+CONFIGS["ppo-2heads"] = ["ppo_llm.py", "--model", os.path.join(ARITH2, "arith-sft"), "--total-steps", "100"]
+for name in ["grpo-2heads", "ppo-2heads"]:
+    CONFIGS[f"{name}-vllm"] = [*CONFIGS[name], "--vllm"]
 GROUPS = {"arithmetic": ARITHMETIC, "trace": ["trace-ppo", "trace-grpo"], "trace-family": list(VARIANT)}
 GROUPS["calc"] = ["calc-ppo", "calc-grpo", "calc-ppo-control", "calc-grpo-control"]
 GROUPS["gpu"] = ["gpu-ppo"]
+GROUPS["vllm"] = ["grpo-2heads", "grpo-2heads-vllm", "ppo-2heads", "ppo-2heads-vllm"]
 TRACE_MINUTES = 15
 SHARED = "Seconds are wall clock, two runs at a time on 2 CPU cores shared with other work: they depend on its load."
 
@@ -121,7 +143,7 @@ SHARED = "Seconds are wall clock, two runs at a time on 2 CPU cores shared with 
 @dataclass
 class Args:
     configs: list[str] = field(default_factory=lambda: ["arithmetic"])
-    """configurations to run and summarise: names of CONFIGS, or of GROUPS (arithmetic, trace, trace-family)"""
+    """configurations to run and summarise: of CONFIGS or GROUPS (arithmetic, trace, trace-family, calc, gpu, vllm)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds of each configuration"""
     jobs: int = 2
@@ -144,7 +166,8 @@ CURVES = "llm_curves"  # out_dir/llm_curves/<configuration>.csv
 # the metrics the tables and figures read; a configuration's file has the columns its runs log
 KEYS = """update episode time/elapsed eval/accuracy eval/accuracy_stderr eval/mean_length_right eval/mean_length_wrong
 objective/kl kl objective/scores objective/accuracy completions/mean_length entropy clip_ratio/region_mean
-cispo_clip_ratio importance_ratio/mean tools/call_frequency eval/tools/call_frequency""".split()
+cispo_clip_ratio importance_ratio/mean tools/call_frequency eval/tools/call_frequency vllm/logprob_diff_max
+vllm/logprob_diff_mean""".split()
 
 
 def curves_path(out_dir, name):
@@ -269,12 +292,15 @@ def run_all(args, names):
     jobs = [(name, seed) for name in names for seed in args.seeds]
     if args.reuse:
         jobs = [(name, seed) for name, seed in jobs if seed not in finished_runs(args.runs_dir, name)]
+    if set(GROUPS["vllm"]) & {name for name, _ in jobs}:
+        prepare_vllm(args)
     running = []
     while jobs or running:
         while jobs and len(running) < args.jobs:
             name, seed = jobs.pop(0)
             out = os.path.join(args.runs_dir, name)
-            cmd = [sys.executable, *CONFIGS[name], "--seed", str(seed), "--output-dir", out, "--sample-every", "0"]
+            python = VLLM_PYTHON if name in GROUPS["vllm"] else sys.executable  # both legs: only --vllm differs
+            cmd = [python, *CONFIGS[name], "--seed", str(seed), "--output-dir", out, "--sample-every", "0"]
             if args.total_steps:
                 cmd += ["--total-steps", str(args.total_steps)]
             os.makedirs(out, exist_ok=True)
@@ -285,6 +311,18 @@ def run_all(args, names):
         for process, log in [r for r in running if r[0].poll() is not None]:
             log.close()
             running.remove((process, log))
+
+
+def prepare_vllm(args):
+    """The vLLM venv is there, and the 2-head SFT policy: built by the vLLM venv's python when it is missing."""
+    if not os.path.exists(os.path.join(ROOT, VLLM_PYTHON)):
+        raise SystemExit(f"error: --configs vllm runs in {VLLM_PYTHON}, which is missing: the README's third command")
+    if os.path.exists(os.path.join(ROOT, ARITH2, "arith-sft", "tokenizer.json")):
+        return
+    os.makedirs(args.runs_dir, exist_ok=True)
+    print("building:", " ".join(ARITH2_BUILD), flush=True)
+    with open(os.path.join(args.runs_dir, "arith-2heads.log"), "w") as log:
+        subprocess.run([VLLM_PYTHON, *ARITH2_BUILD], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
 
 
 def accuracy_rows(args, data):
@@ -558,6 +596,82 @@ def summarise_gpu(args, data):
     write_table("llm_learning_cuda.md", table, args.out_dir)
 
 
+def vllm_rows(name, legs):
+    """One script's rows of vllm_learning.md: held-out accuracy of each leg at the same updates, and the verdict."""
+    accuracy = {leg: [dict(zip(*series(r, "eval/accuracy"))) for r in runs] for leg, runs in legs.items()}
+    updates = sorted(set.intersection(*(set(a) for seeds in accuracy.values() for a in seeds)))
+    shown = set(updates[:: max(len(updates) // 10, 1)] + updates[-1:])  # about 11 rows; the verdict reads them all
+    rows = [
+        f"`{VLLM_PYTHON} {' '.join(CONFIGS[name])} --seed S [--vllm]`, {len(legs['vLLM'])} seeds a leg:",
+        "",
+        "| update | generate(): mean | each seed | vLLM: mean | each seed | vLLM's mean within generate()'s seeds |",
+        "|---|---|---|---|---|---|",
+    ]
+    inside, gaps, spreads = [], [], []
+    for u in updates:
+        g = [a[u] for a in accuracy["generate()"]]
+        v = [a[u] for a in accuracy["vLLM"]]
+        inside.append(min(g) <= np.mean(v) <= max(g))
+        gaps.append(abs(np.mean(v) - np.mean(g)))
+        spreads.append(max(g) - min(g))
+        if u in shown:
+            rows.append(
+                f"| {u} | {np.mean(g):.3f} | {', '.join(f'{x:.3f}' for x in g)} | {np.mean(v):.3f} | "
+                f"{', '.join(f'{x:.3f}' for x in v)} | {'yes' if inside[-1] else 'no'} |"
+            )
+    diff_last = [series(r, "vllm/logprob_diff_max")[1][-1] for r in legs["vLLM"]]
+    diff_all = [series(r, "vllm/logprob_diff_max")[1] for r in legs["vLLM"]]
+    minutes = {leg: [r[-1]["time/elapsed"] / 60 for r in runs] for leg, runs in legs.items()}
+    same = "yes" if np.mean(gaps) <= np.mean(spreads) else "no"
+    rows += [
+        "",
+        f"Rows: {len(shown)} of the {len(updates)} evaluations. `vllm/logprob_diff_max` at the last update: "
+        f"{', '.join(f'{x:.1e}' for x in diff_last)}; the largest over every update: "
+        f"{', '.join(f'{x.max():.1e}' for x in diff_all)}; updates above 1e-5: "
+        f"{', '.join(f'{(x > 1e-5).sum()} of {len(x)}' for x in diff_all)}. Minutes a run (`time/elapsed`): generate() "
+        f"{', '.join(f'{x:.1f}' for x in minutes['generate()'])}, "
+        f"vLLM {', '.join(f'{x:.1f}' for x in minutes['vLLM'])}.",
+        "",
+        f"Verdict: vLLM's mean lies within generate()'s seeds' min-max at {sum(inside)} of {len(updates)} "
+        f"evaluations; the two means differ by {np.mean(gaps):.3f} on average, generate()'s seeds by "
+        f"{np.mean(spreads):.3f}: the same curve within the seeds' spread (the first at most the second): {same}.",
+    ]
+    return rows
+
+
+def summarise_vllm(args, data):
+    """vllm_learning.md and vllm_learning.png: held-out accuracy with and without --vllm at the same updates, the
+    mean and each seed of each leg, the log-prob check of the vLLM runs, and a verdict computed from them."""
+    rows = [
+        "Both legs in the vLLM venv (the README's third command), so that only `--vllm` differs: run by `python "
+        "benchmarks/llm_learning.py --configs vllm --seeds 1 2 --jobs 1`, one run at a time, one torch thread, on 2 "
+        f"CPU cores shared with other work. The policy: `{VLLM_PYTHON} {' '.join(ARITH2_BUILD[:-1])}` (the embedded "
+        "SFT policy's builder with 2 heads, head size 80; no reward model is used). Held-out accuracy: "
+        "`eval/accuracy`, 256 problems sampled at temperature 1, each seed in order. `vllm/logprob_diff_max`: "
+        "|vLLM's log-prob - the trainer's|, the largest over an update's tokens.",
+    ]
+    names = [name for name in data if not name.endswith("-vllm")]
+    fig, axes = plt.subplots(len(names), 2, figsize=(11, 4 * len(names)), squeeze=False)
+    for name, ax_row in zip(names, axes):
+        legs = {"generate()": data[name], "vLLM": data[f"{name}-vllm"]}
+        rows += ["", *vllm_rows(name, legs)]
+        for leg, runs in legs.items():
+            plot_band(ax_row[0], [series(r, "eval/accuracy") for r in runs], leg)
+            minutes = [series(r, "eval/accuracy", "time/elapsed")[0] / 60 for r in runs]
+            plot_band(ax_row[1], [(m, series(r, "eval/accuracy")[1]) for m, r in zip(minutes, runs)], leg)
+        for ax, xlabel in zip(ax_row, ["updates", "minutes (time/elapsed)"]):
+            ax.set_title(CONFIGS[name][0], fontsize=9)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("held-out accuracy")
+        ax_row[0].legend()
+    table = "\n".join(rows)
+    print(table)
+    write_table("vllm_learning.md", table, args.out_dir)
+    fig.suptitle("With and without --vllm, the 2-head arith-sft, CPU: mean and min-max over seeds")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out_dir, "vllm_learning.png"), dpi=80)
+
+
 def main():
     args = tyro.cli(Args)
     names = expand(args.configs)
@@ -574,7 +688,7 @@ def main():
             f"written; run them first (python benchmarks/llm_learning.py --configs {' '.join(missing)})"
         )
     summaries = {"arithmetic": summarise_arithmetic, "trace": summarise_trace, "trace-family": summarise_family,
-                 "gpu": summarise_gpu, "calc": summarise_calc}  # fmt: skip
+                 "gpu": summarise_gpu, "calc": summarise_calc, "vllm": summarise_vllm}  # fmt: skip
     for group in groups:
         summaries[group](args, {name: load(args.out_dir, name) for name in GROUPS[group]})
 

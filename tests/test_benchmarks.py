@@ -48,6 +48,7 @@ def run_main(monkeypatch, module, argv):
         ("classic", ["--only-existing", "--merge", "--skip-speed"], ["classic.csv"]),
         ("psi_variance", ["--from-csv"], ["--from-csv", "psi_variance.csv does not exist"]),
         ("llm_learning", ["--no-run", "--configs", "trace"], ["trace-ppo trace-grpo", "--configs trace-ppo"]),
+        ("llm_learning", ["--no-run", "--configs", "vllm"], ["grpo-2heads grpo-2heads-vllm", "--configs grpo-2heads"]),
         ("trl_learning", ["--part", "table"], ["--part table", "trl_learning.json does not exist"]),
         ("trl_learning", ["--task", "calc", "--part", "table"], ["--part table", "trl_calc.json does not exist"]),
         ("eval_noise", ["--table"], ["--table", "eval_noise.json does not exist"]),
@@ -136,6 +137,66 @@ def test_llm_learning_keeps_each_seeds_curves_and_writes_its_tables_from_them_al
     assert "3 updates in 20.0 min; 3 updates in 20.0 min |" in table
 
 
+def test_llm_learning_vllm_table_and_verdict_from_the_curves(monkeypatch, tmp_path):
+    llm_learning = importlib.import_module("llm_learning")
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    # held-out accuracy of each seed (seed 1, seed 2): grpo's at updates 0, 10, 20 of 20; ppo's at 0, 10, .., 40 of 40,
+    # the same in both legs
+    accuracy = {
+        "grpo-2heads": [[0.5, 0.5, 0.75], [0.5, 0.75, 0.875]],
+        "grpo-2heads-vllm": [[0.5, 0.75, 0.75], [0.5, 0.875, 0.75]],
+        "ppo-2heads": [[0.5] * 5, [0.625] * 5],
+        "ppo-2heads-vllm": [[0.5] * 5, [0.625] * 5],
+    }
+    for name, seeds in accuracy.items():
+        for seed, acc in enumerate(seeds, start=1):
+            last = 10 * (len(acc) - 1)
+            records = [{"update": u, "episode": 64 * u, "time/elapsed": 6.0 * u} for u in range(last + 1)]
+            for u, a in zip(range(0, last + 1, 10), acc):
+                records[u]["eval/accuracy"] = a
+            if name.endswith("vllm"):
+                for u in range(1, last + 1):
+                    records[u]["vllm/logprob_diff_max"] = 1e-6 * seed if u == last else 4e-6 * seed**3
+            fake_run(runs, name, seed, last, records)
+    args = llm_learning.Args(seeds=[1, 2], runs_dir=str(runs), out_dir=str(out))
+    for name in accuracy:
+        llm_learning.collect(args, name)
+    run_main(monkeypatch, llm_learning, ["--no-run", "--configs", "vllm", "--out-dir", str(out)])
+    grpo, ppo = (out / "vllm_learning.md").read_text().split("\n\n`.venv-vllm/bin/python ")[1:]
+    assert grpo.startswith("grpo_llm.py --model benchmarks/runs/arith-2heads/arith-sft --seed S [--vllm]`, 2 seeds")
+    assert ppo.startswith("ppo_llm.py --model benchmarks/runs/arith-2heads/arith-sft --total-steps 100 --seed S")
+    # grpo: a row for each of its 3 evaluations (every 3 // 10 -> 1st); the means: update 0 0.5 and 0.5; update 10
+    # (0.5 + 0.75) / 2 = 0.625 and (0.75 + 0.875) / 2 = 0.8125, above [0.5, 0.75]; update 20 (0.75 + 0.875) / 2 = 0.8125
+    # and (0.75 + 0.75) / 2 = 0.75, within [0.75, 0.875]
+    assert "| 0 | 0.500 | 0.500, 0.500 | 0.500 | 0.500, 0.500 | yes |" in grpo
+    assert "| 10 | 0.625 | 0.500, 0.750 | 0.812 | 0.750, 0.875 | no |" in grpo
+    assert "| 20 | 0.812 | 0.750, 0.875 | 0.750 | 0.750, 0.750 | yes |" in grpo
+    # inside at 2 of 3; the gaps 0, 0.8125 - 0.625 = 0.1875 and 0.8125 - 0.75 = 0.0625 average 0.25 / 3 = 0.083; the
+    # spreads 0, 0.25 and 0.125 average 0.125: 0.083 <= 0.125
+    assert "within generate()'s seeds' min-max at 2 of 3 evaluations" in grpo
+    assert "differ by 0.083 on average, generate()'s seeds by 0.125" in grpo and grpo.rstrip().endswith(": yes.")
+    # the last update's diff 1e-6 and 2e-6; the others' 4e-6 * 1 and 4e-6 * 8 = 3.2e-5: the largest, and above 1e-5 in
+    # seed 2's 19 updates before its last; 20 updates of 6 s = 2.0 min
+    assert "at the last update: 1.0e-06, 2.0e-06; the largest over every update: 4.0e-06, 3.2e-05" in grpo
+    assert "updates above 1e-5: 0 of 20, 19 of 20." in grpo
+    assert "generate() 2.0, 2.0, vLLM 2.0, 2.0." in grpo
+    # ppo: a row for each of its 5 evaluations, the same in both legs: means (0.5 + 0.625) / 2 = 0.5625
+    assert (
+        "Rows: 5 of the 5 evaluations" in ppo
+        and ppo.count("| 0.562 | 0.500, 0.625 | 0.562 | 0.500, 0.625 | yes |") == 5
+    )
+    assert "at 5 of 5 evaluations; the two means differ by 0.000 on average, generate()'s seeds by 0.125" in ppo
+
+
+def test_llm_learning_vllm_without_the_vllm_venv_says_so_and_runs_nothing(monkeypatch, tmp_path):
+    llm_learning = importlib.import_module("llm_learning")
+    monkeypatch.setattr(llm_learning, "VLLM_PYTHON", str(tmp_path / "no-venv" / "bin" / "python"))
+    args = llm_learning.Args(seeds=[1], runs_dir=str(tmp_path / "runs"), out_dir=str(tmp_path / "out"))
+    with pytest.raises(SystemExit, match="^error: --configs vllm runs in .*no-venv/bin/python, which is missing: the"):
+        llm_learning.run_all(args, ["grpo-2heads"])
+    assert not list(tmp_path.iterdir())
+
+
 def test_llm_learning_collect_names_a_seed_without_a_finished_run(tmp_path):
     llm_learning = importlib.import_module("llm_learning")
     fake_run(tmp_path / "runs", "trace-ppo", 1, 3, [{"update": 0, "episode": 0}, {"update": 1, "episode": 128}])
@@ -150,7 +211,7 @@ def test_the_committed_curves_rebuild_every_committed_learning_table_and_figure(
     its tables and figures byte for byte as committed: after it, git diff is empty."""
     llm_learning = importlib.import_module("llm_learning")
     shutil.copytree(os.path.join(RESULTS, "llm_curves"), tmp_path / "llm_curves")
-    groups = ["arithmetic", "trace", "trace-family", "calc"]
+    groups = ["arithmetic", "trace", "trace-family", "calc", "vllm"]
     run_main(monkeypatch, llm_learning, ["--no-run", "--configs", *groups, "--out-dir", str(tmp_path)])
     written = sorted(path.name for path in tmp_path.iterdir() if path.is_file())
     assert written == [
@@ -163,6 +224,8 @@ def test_the_committed_curves_rebuild_every_committed_learning_table_and_figure(
         "trace_family.png",
         "trace_learning.md",
         "trace_learning.png",
+        "vllm_learning.md",
+        "vllm_learning.png",
     ]
     for name in written:
         with open(os.path.join(RESULTS, name), "rb") as f:
