@@ -1304,9 +1304,9 @@ def start_vllm(args, policy):
     if not set(config.architectures or []) & set(vllm.ModelRegistry.get_supported_archs()):
         raise SystemExit(f"error: --vllm: vLLM cannot load --model {args.model} ({config.architectures})")
     options = dict(kv_cache_memory_bytes=int(args.vllm_kv_cache_gb * 2**30))
-    if cuda:  # each rank its own engine, as TRL's colocate mode
+    if cuda:
         options = dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization)
-        options["distributed_executor_backend"] = "external_launcher" if dist.is_initialized() else None
+    options["distributed_executor_backend"] = "external_launcher" if dist.is_initialized() else None  # TRL's colocate
     options |= dict(load_format="dummy", seed=args.seed, skip_tokenizer_init=True, enforce_eager=True)
     options |= dict(logprobs_mode="processed_logprobs", max_model_len=args.max_prompt_length + args.max_new_tokens)
     with tempfile.TemporaryDirectory() as path:
@@ -1325,7 +1325,8 @@ def vllm_pushed(policy, enabled=True):
             if hasattr(module, "get_delta_weight"):  # a LoRA layer: (alpha / r) B A, in the base layer's layout
                 key = f"{name}.base_layer.weight"
                 weights[key] = weights[key] + module.get_delta_weight("default")
-        weights = [(k.replace(".base_layer.", "."), v) for k, v in weights.items() if ".lora_" not in k]
+        named = [(k.replace(".base_layer.", "."), v) for k, v in weights.items() if ".lora_" not in k]
+        weights = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in named)  # FSDP: a tensor at a time
         VLLM[0].collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         VLLM[0].reset_prefix_cache()
     yield
@@ -1401,7 +1402,6 @@ def check_run(args, world):
         (args.eval_only and not reward_fn_names(args), "--eval-only beside --reward-model needs a --reward-fn"),
         (args.vllm and not importlib.util.find_spec("vllm"), "--vllm needs vLLM: its venv is in the README"),
         (args.vllm and args.eval_only, "--vllm does not run --eval-only yet: evaluate without it"),
-        (args.vllm and world > 1 and not torch.cuda.is_available(), "--vllm under torchrun needs GPUs"),
     ]:
         if bad:
             raise SystemExit(f"error: {message}")
