@@ -1965,7 +1965,8 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
             traceback.print_exception(cause)
         if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
             dist.barrier()
-            dist.destroy_process_group()
+            if not VLLM:  # else the engine's exit destroys its groups in this world, then the world (not twice)
+                dist.destroy_process_group()
         line = f"stopped in update {run['update']} ({what}); {saved}: {go_on}"
         if rank == 0 or not together:
             print(line, file=sys.stderr)

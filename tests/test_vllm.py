@@ -245,18 +245,27 @@ on_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 GPUs")
 
 @needs_vllm
 @pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=on_gpus)])
-def test_two_torchrun_ranks_each_generate_with_their_own_engine_and_resume(cuda, served, tmp_path):
+def test_two_torchrun_ranks_each_generate_with_their_own_engine_stop_and_resume(cuda, served, tmp_path):
     # each rank builds its engine (external_launcher) in torchrun's world and pushes the weights gathered from its FSDP
-    # shards; on the CPU in fp32, on GPUs with bf16 autocast on both sides
+    # shards; on the CPU in fp32, on GPUs with bf16 autocast on both sides. Each rank's second reward call sends it
+    # SIGTERM: both stop in update 2, and the engine's exit, not the stop, destroys the world (once)
+    reward = tmp_path / "stop.py"
+    reward.write_text(
+        "import os, signal\ncalls = []\n\n\ndef r(completions, **columns):\n    calls.append(1)\n"
+        "    if len(calls) == 2:\n        os.kill(os.getpid(), signal.SIGTERM)\n    return [0.0] * len(completions)\n"
+    )
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo_llm.py", "--vllm",
-               "--model", served["tied"], "--dataset", served["jsonl"], "--total-steps", "2", "--prompts-per-update",
+               "--model", served["tied"], "--dataset", served["jsonl"], "--total-steps", "3", "--prompts-per-update",
                "4", "--num-generations", "2", "--micro-batch-size", "4", "--max-new-tokens", "6", "--eval-every", "0",
-               "--vllm-gpu-memory-utilization", "0.2", "--output-dir", str(tmp_path)]  # fmt: skip
+               "--vllm-gpu-memory-utilization", "0.2", "--reward-fn", f"{reward}:r", "--output-dir",
+               str(tmp_path / "runs")]  # fmt: skip
     command.append("--cuda" if cuda else "--no-cuda")
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (run_dir,) = tmp_path.iterdir()
-    resume = command[:6] + ["--resume", str(run_dir), "--total-steps", "3"]  # torchrun grpo_llm.py --resume
+    assert done.returncode != 0 and "stopped in update 2 (SIGTERM" in done.stderr, done.stderr[-3000:]
+    assert "Invalid process group" not in done.stderr, done.stderr[-3000:]  # vLLM destroying a destroyed world
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    reward.write_text("def r(completions, **columns):\n    return [0.0] * len(completions)\n")  # no more stops
+    resume = command[:6] + ["--resume", str(run_dir)]  # torchrun grpo_llm.py --resume
     done = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = untimed_metrics(run_dir)
