@@ -1275,9 +1275,9 @@ def start_vllm(args, policy):
     if not set(config.architectures or []) & set(vllm.ModelRegistry.get_supported_archs()):
         raise SystemExit(f"error: --vllm: vLLM cannot load --model {args.model} ({config.architectures})")
     options = dict(kv_cache_memory_bytes=int(args.vllm_kv_cache_gb * 2**30))
-    if cuda:  # each rank its own engine, as TRL's colocate mode, asleep but in rollouts (vllm_pushed)
+    if cuda:  # asleep but in rollouts (vllm_pushed)
         options = dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=True)
-        options["distributed_executor_backend"] = "external_launcher" if dist.is_initialized() else None
+    options["distributed_executor_backend"] = "external_launcher" if dist.is_initialized() else None  # TRL's colocate
     options |= dict(load_format="dummy", seed=args.seed, skip_tokenizer_init=True, enforce_eager=True)
     options |= dict(logprobs_mode="processed_logprobs", max_model_len=args.max_prompt_length + args.max_new_tokens)
     with tempfile.TemporaryDirectory() as path:
@@ -1287,19 +1287,17 @@ def start_vllm(args, policy):
 
 @contextlib.contextmanager
 def vllm_pushed(policy, enabled=True):
-    """--vllm: the policy's weights into the engine by reload_weights, in the checkpoint's names (a tied LM head too), a
-    LoRA run's merged, W + (alpha / r) B A, its adapters left as they are; the prefix cache emptied. A GPU's engine
-    sleeps after the rollout (sleep mode, TRL's colocate mode): its KV cache freed, its weights in CPU memory."""
+    """--vllm: the policy's weights into the engine by reload_weights, a tensor at a time (FSDP's gathered), named as
+    in the checkpoint (a tied LM head too), a LoRA run's merged (W + (alpha / r) B A, its adapters as they are); the
+    prefix cache emptied. On a GPU the engine sleeps outside rollouts (sleep mode): KV cache freed, weights in RAM."""
     if enabled and VLLM[0].llm_engine.is_sleeping():  # on a GPU, since the last rollout
         VLLM[0].wake_up()
     if enabled:
         model = policy.get_base_model() if hasattr(policy, "peft_config") else policy
-        weights = dict(model.state_dict())
-        for name, module in model.named_modules():
-            if hasattr(module, "get_delta_weight"):  # a LoRA layer: (alpha / r) B A, in the base layer's layout
-                key = f"{name}.base_layer.weight"
-                weights[key] = weights[key] + module.get_delta_weight("default")
-        weights = [(k.replace(".base_layer.", "."), v) for k, v in weights.items() if ".lora_" not in k]
+        lora = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}  # LoRA layers
+        state = ((k.replace(".base_layer.", "."), v) for k, v in model.state_dict().items() if ".lora_" not in k)
+        merged = ((k, v + lora[k].get_delta_weight("default") if k in lora else v) for k, v in state)
+        weights = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in merged)
         VLLM[0].collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         VLLM[0].reset_prefix_cache()
     yield
@@ -1376,7 +1374,6 @@ def check_run(args, world):
         (args.eval_only and not reward_fn_names(args), "--eval-only beside --reward-model needs a --reward-fn"),
         (args.vllm and not importlib.util.find_spec("vllm"), "--vllm needs vLLM: its venv is in the README"),
         (args.vllm and args.eval_only, "--vllm does not run --eval-only yet: evaluate without it"),
-        (args.vllm and world > 1 and not torch.cuda.is_available(), "--vllm under torchrun needs GPUs"),
     ]:
         if bad:
             raise SystemExit(f"error: {message}")
@@ -1940,7 +1937,8 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
             traceback.print_exception(cause)
         if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
             dist.barrier()
-            dist.destroy_process_group()
+            if not VLLM:  # else the engine's exit destroys its groups in this world, then the world (not twice)
+                dist.destroy_process_group()
         line = f"stopped in update {run['update']} ({what}); {saved}: {go_on}"
         if rank == 0 or not together:
             print(line, file=sys.stderr)
