@@ -94,14 +94,32 @@ def test_refusals_before_anything_loads(script, monkeypatch):
         script.check_args(script.Args(vllm=True, eval_only=True), 1)
 
 
+def gpt1_model(path):
+    """A tiny GPT-1 (OpenAIGPTLMHeadModel, which transformers loads and vLLM 0.32 does not), head size 64 / 2 = 32."""
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+
+    torch.manual_seed(0)
+    tok = char_tokenizer([chr(c) for c in range(32, 127)])
+    config = OpenAIGPTConfig(vocab_size=len(tok), n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    OpenAIGPTLMHeadModel(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
 @needs_vllm
-def test_a_head_size_the_cpu_does_not_serve_is_one_line_and_no_run_directory(tmp_path):
-    model = served_model(tmp_path / "four_heads", n_head=4)  # 64 / 4 = 16
+@pytest.mark.parametrize("case", ["head size", "architecture"])
+def test_a_model_the_engine_cannot_serve_is_one_line_and_no_run_directory(case, tmp_path):
+    if case == "head size":
+        model, why = served_model(tmp_path / "four_heads", n_head=4), "has head size 16, which"  # 64 / 4 = 16
+    else:
+        model, why = gpt1_model(tmp_path / "gpt1"), "vLLM cannot load --model"
     command = [sys.executable, "grpo_llm.py", "--vllm", "--model", model, "--output-dir", str(tmp_path / "runs")]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     last = done.stderr.strip().splitlines()[-1]
-    assert done.returncode == 1 and last.startswith("error: --vllm: --model") and "head size 16" in last, last
-    assert "a GPU's does" in last and not (tmp_path / "runs").exists()
+    assert done.returncode == 1 and last.startswith("error: --vllm:") and why in last, last
+    assert "a GPU's does" in last if case == "head size" else "OpenAIGPTLMHeadModel" in last
+    assert not (tmp_path / "runs").exists()
 
 
 def engine_logprobs(script, policy, tokenizer, args, prompts, push=True, **sampling):
@@ -239,6 +257,10 @@ def tool_turns_match_generate(tmp_path):
     assert (generate["turns"] == 2).sum() >= 3 and (generate["mask"] == 0).any()  # tool turns, a result's tokens
     for key in ["responses", "mask", "attention_mask", "turns", "tool_calls", "tool_failures", "ended"]:
         assert torch.equal(engine[key], generate[key]), key
+    with torch.no_grad():  # the engine's log-prob of each of the policy's tokens in both turns (greedy: of T = 1)
+        logprobs = script.policy_forward(policy, engine, torch.arange(len(prompts)), args)[1]
+    assert ((logprobs - engine["vllm_logprobs"]).abs() * engine["mask"]).max() < TOL
+    assert (engine["vllm_logprobs"][engine["mask"] == 0] == 0).all()  # the results' tokens: the tool's, no log-prob
 
 
 on_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 GPUs")
