@@ -42,6 +42,7 @@ import contextlib
 import copy
 import datetime
 import fcntl
+import functools
 import importlib.util
 import itertools
 import json
@@ -63,6 +64,7 @@ import traceback
 import warnings
 import zlib
 from dataclasses import asdict, dataclass, fields
+from types import SimpleNamespace
 from typing import Literal
 
 import datasets
@@ -267,58 +269,22 @@ def importance_weights(logprobs, vllm_logprobs, cap):
 def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, **sampling):
     """Step 1: the prompts left-padded (detail 6), cut on the left to --max-prompt-length; a response sampled for each
     from softmax(logits / temperature) (detail 4: the generation_config load_models sets, or evaluation's `sampling`),
-    cut after its first EOS (detail 2); with stop (generate()'s stopping_criteria), all at the next token once it says
-    so. With tools, in turns: a turn's calls get their results (the chat template's tool messages), then the next turn.
-    A response ends on a turn without a call, or is cut off (done, not ended) by a stop, on its call (cut_on_call: past
-    --max-tool-calls, or the results do not fit) or at --max-new-tokens (all tokens); `going`: the rows not done. Batch:
+    cut after its first EOS (detail 2); a stop (generate()'s stopping_criteria) ends them all at the next token. With
+    tools, a response is turns, each call's result appended (run_episodes). Batch:
         query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens (a tool's too)
         responses, mask                  (B, R)      the response tokens (pad after them), 1.0 on the policy's own
         ended, cut_on_call, lengths      (B,)        ended (a turn without a call), cut off on a call, the length
-        tool_calls, tool_failures, turns (B,)        the tool calls, the failed ones, the policy's turns"""
+        tool_calls, tool_failures, turns (B,)        the tool calls, the failed ones, the policy's turns
+        vllm_logprobs                    (B, R)      --vllm: the engine's log-prob of each token (a tool's: 0)"""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
-    eos_ids, B, going = policy.generation_config.eos_token_id, len(prompts), list(range(len(prompts)))
-    contexts = [ids[real.bool()].tolist() for ids, real in zip(inputs.input_ids, inputs.attention_mask)]
-    responses, masks, turn_starts, turns = [[] for _ in prompts], [[] for _ in prompts], [0] * B, [1] * B
-    ended, done, cut_on_call, tool_calls, tool_failures = [False] * B, [False] * B, [False] * B, [0] * B, [0] * B
-    sampled_logprobs = [[] for _ in prompts]  # --vllm: the engine's log-prob of each token it sampled (a tool's: 0)
     policy.eval()
-    with autocast, unsharded(policy), vllm_pushed(policy, enabled=args.vllm):  # FSDP: one gather for every turn
-        while going:  # one generate() for the rows going, each after its own ids, as many tokens as the longest's room
-            context = tokenizer.pad({"input_ids": [contexts[i] + responses[i] for i in going]}, return_tensors="pt")
-            context, room = context.to(policy.device), args.max_new_tokens - max(len(responses[i]) for i in going)
-            logprobs = torch.zeros(len(going), room)
-            if args.vllm:  # the engine samples the turn as generate() would, from the same ids (vllm_generate)
-                out, logprobs = vllm_generate(context, room, policy.generation_config, stop, **sampling)
-            else:  # FSDP: no collective in generate (ranks' turns differ)
-                out = policy.generate(
-                    **context, max_new_tokens=room, stopping_criteria=stop, synced_gpus=False, **sampling
-                )
-            new, new_mask, _ = truncate_after_eos(out[:, context.input_ids.shape[1] :], eos_ids, tokenizer.pad_token_id)
-            for i, ids, length, logps in zip(going, new.tolist(), new_mask.sum(1).tolist(), logprobs.tolist()):
-                responses[i], masks[i] = responses[i] + ids[:length], masks[i] + [1.0] * length
-                sampled_logprobs[i] += logps[:length]
-                turn_length, left = len(responses[i]) - turn_starts[i], args.max_new_tokens - len(responses[i])
-                turn_ended = length > 0 and responses[i][-1] in eos_ids  # none: a stop before its first token
-                calls = tool_calls_in(tokenizer, contexts[i] + responses[i], turn_length, tools) if turn_ended else []
-                if not turn_ended:  # it filled the room: the turn goes on in the next generate(); else a stop came
-                    done[i] = length < room
-                elif not calls:  # a turn without a call: the response ended
-                    ended[i] = done[i] = True
-                elif turns[i] > args.max_tool_calls:  # cut off on its call: past --max-tool-calls
-                    cut_on_call[i] = done[i] = True
-                else:  # the calls' results, then the policy's next turn; cut off on its call if they do not fit
-                    result, failed = run_tools(tokenizer, tools, calls, args.tool_timeout, eos_ids, left)
-                    tool_calls[i], tool_failures[i] = tool_calls[i] + len(calls), tool_failures[i] + failed
-                    cut_on_call[i] = done[i] = result is None or len(result) > left
-                    if not cut_on_call[i]:
-                        responses[i], masks[i] = responses[i] + result, masks[i] + [0.0] * len(result)
-                        sampled_logprobs[i] += [0.0] * len(result)
-                        turn_starts[i], turns[i] = len(responses[i]), turns[i] + 1
-            going = [i for i in going if not done[i] and len(responses[i]) < args.max_new_tokens]  # else no room left
-    batch = padded_batch(inputs, responses, masks, ended, tokenizer.pad_token_id)
-    counts = dict(cut_on_call=cut_on_call, tool_calls=tool_calls, tool_failures=tool_failures, turns=turns)
-    counts["vllm_logprobs"] = nn.utils.rnn.pad_sequence([torch.tensor(x) for x in sampled_logprobs], True).tolist()
-    return batch | {name: torch.tensor(v, device=batch["ended"].device) for name, v in counts.items()}
+    with autocast, unsharded(policy), vllm_pushed(policy, enabled=args.vllm):  # FSDP: one gather for all the turns
+        if tools:
+            return run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling)
+        new, n_sampled, vllm_logprobs = generate_turn(policy, inputs, args.max_new_tokens, stop, args, sampling)
+    responses, mask, ended = truncate_after_eos(new, policy.generation_config.eos_token_id, tokenizer.pad_token_id)
+    mask &= torch.arange(new.shape[1], device=new.device) < n_sampled[:, None]  # a stop ends the engine's rows early
+    return padded_batch(inputs, responses, mask, mask.sum(1), ended=ended, vllm_logprobs=vllm_logprobs)
 
 
 def position_ids(attention_mask):
@@ -670,18 +636,18 @@ def reward_fn_scores(reward_fns, completions, rows, transcripts, device):
     return torch.tensor(scores, dtype=torch.float, device=device).reshape(len(reward_fns), len(completions)).T
 
 
-def padded_batch(inputs, responses, masks, ended, pad_token_id):
-    """rollout()'s batch from the left-padded prompts and each response's ids, mask and end, right-padded."""
-    device, lengths = inputs.input_ids.device, torch.tensor([len(response) for response in responses])
-    responses = nn.utils.rnn.pad_sequence([torch.tensor(r) for r in responses], True, pad_token_id).to(device)
-    real = (torch.arange(responses.shape[1]) < lengths[:, None]).long().to(device)  # (B, R): a tool's tokens too
-    return {
+def padded_batch(inputs, responses, mask, lengths, **counts):
+    """rollout()'s batch from the left-padded prompts, the right-padded responses (B, R), mask 1 on the policy's tokens
+    and their lengths (B,); counts: ended, vllm_logprobs and the tools' (none without them, a turn each)."""
+    device, none = responses.device, torch.zeros(len(responses), dtype=torch.long)
+    counts = dict(cut_on_call=none.bool(), tool_calls=none, tool_failures=none, turns=none + 1) | counts
+    real = torch.arange(responses.shape[1]) < lengths.cpu()[:, None]  # every token of a response, a tool's too
+    return {key: value.to(device) for key, value in counts.items()} | {
         "query_responses": torch.cat([inputs.input_ids, responses], 1),
-        "attention_mask": torch.cat([inputs.attention_mask, real], 1),
+        "attention_mask": torch.cat([inputs.attention_mask, real.long().to(device)], 1),
         "responses": responses,
-        "mask": nn.utils.rnn.pad_sequence([torch.tensor(m) for m in masks], True).to(device),
-        "ended": torch.tensor(ended, device=device),
-        "lengths": lengths.to(device),  # every token of the response, a tool's too
+        "mask": mask.float().to(device),
+        "lengths": lengths.to(device),
         "prompt_width": inputs.input_ids.shape[1],
     }
 
@@ -859,6 +825,92 @@ def tool_result_ids(tokenizer, messages, eos_ids):
         why = "renders a turn otherwise once a tool message follows (Qwen3's: install TRL, for its training template)"
         raise SystemExit(f"error: --tools: the chat template of {tokenizer.name_or_path} {why}")
     return ids[end:]
+
+
+def generate_turn(policy, context, room, stop, args, sampling):
+    """Up to `room` new tokens for each row of context (left-padded ids), by generate() or by --vllm's engine as
+    generate() samples them (details 2, 4; each row seeded from torch's generator, per update): the new ids (B, W), how
+    many each row sampled (B,) (a stop's signal aborts the engine within a step) and the engine's log-prob of each (B,
+    W; 0 without it), on the device of context."""
+    if not args.vllm:  # FSDP: synced_gpus=False, no collective (the ranks' turns differ)
+        out = policy.generate(**context, max_new_tokens=room, stopping_criteria=stop, synced_gpus=False, **sampling)
+        new = out[:, context.input_ids.shape[1] :]
+        return new, torch.full((len(new),), new.shape[1], device=new.device), torch.zeros(new.shape, device=new.device)
+    import vllm
+
+    config, engine = policy.generation_config.to_dict() | sampling, VLLM[0].llm_engine
+    params = dict(temperature=config["temperature"] if config["do_sample"] else 0.0, max_tokens=room, logprobs=0)
+    params |= dict(stop_token_ids=config["eos_token_id"], ignore_eos=True, detokenize=False)  # detail 2's, not vLLM's
+    ids = [row[real.bool()].tolist() for row, real in zip(context.input_ids, context.attention_mask)]
+    for i, seed in enumerate(torch.randint(2**31, (len(ids),)).tolist()):
+        engine.add_request(str(i), {"prompt_token_ids": ids[i]}, vllm.SamplingParams(seed=seed, **params))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        if stop is not None and STOP:  # the rows keep what they have: main() stops after the rollout
+            engine.abort_request([str(i) for i in range(len(ids))])
+            break
+        for output in engine.step():  # each request's tokens so far
+            outputs[int(output.request_id)] = output.outputs[0]
+    rows = [outputs.get(i, SimpleNamespace(token_ids=[], logprobs=[])) for i in range(len(ids))]  # none: aborted
+    logprobs = [torch.tensor([p[t].logprob for p, t in zip(row.logprobs, row.token_ids)]) for row in rows]
+    new = [torch.tensor(row.token_ids, dtype=torch.long) for row in rows]
+    pad, device = functools.partial(nn.utils.rnn.pad_sequence, batch_first=True), context.input_ids.device
+    n_sampled = torch.tensor([len(row.token_ids) for row in rows], device=device)
+    return pad(new, padding_value=config["pad_token_id"]).to(device), n_sampled, pad(logprobs).to(device)
+
+
+def run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling):
+    """rollout() with tools: each row's episode in turns, one record each (end_turn's): the prompt's ids; the response's
+    so far, its mask (1.0 on the policy's tokens, 0.0 on a tool's) and the engine's log-prob of each (a tool's: 0);
+    where its last turn starts; its counts; its outcome (None while it goes on). One generate_turn() serves the
+    episodes that go on, each after its own ids, with as many new tokens as the longest has room for."""
+    eos_ids, pad_id, device = policy.generation_config.eos_token_id, tokenizer.pad_token_id, inputs.input_ids.device
+    fresh = dict(ids=[], mask=[], logprobs=[], turn_start=0, turns=1, tool_calls=0, tool_failures=0, outcome=None)
+    prompts = [ids[real.bool()].tolist() for ids, real in zip(inputs.input_ids, inputs.attention_mask)]
+    episodes = [SimpleNamespace(prompt=prompt, **copy.deepcopy(fresh)) for prompt in prompts]
+    going = episodes
+    while going:
+        context = tokenizer.pad({"input_ids": [e.prompt + e.ids for e in going]}, return_tensors="pt").to(device)
+        room = args.max_new_tokens - max(len(e.ids) for e in going)
+        new, n_sampled, logprobs = generate_turn(policy, context, room, stop, args, sampling)
+        new, new_mask, _ = truncate_after_eos(new, eos_ids, pad_id)
+        lengths = torch.minimum(new_mask.sum(1), n_sampled)  # each row's new tokens, to its first EOS (detail 2)
+        for e, ids, length, logps in zip(going, new.tolist(), lengths.tolist(), logprobs.tolist()):
+            e.ids, e.mask, e.logprobs = e.ids + ids[:length], e.mask + [1.0] * length, e.logprobs + logps[:length]
+            e.outcome = end_turn(e, length, room, tokenizer, tools, args, eos_ids)
+        going = [e for e in going if e.outcome is None]
+    pad = functools.partial(nn.utils.rnn.pad_sequence, batch_first=True)
+    responses = pad([torch.tensor(e.ids, dtype=torch.long) for e in episodes], padding_value=pad_id).to(device)
+    mask, vllm_logprobs = (pad([torch.tensor(getattr(e, key)) for e in episodes]) for key in ("mask", "logprobs"))
+    counts = {k: torch.tensor([getattr(e, k) for e in episodes]) for k in ("tool_calls", "tool_failures", "turns")}
+    counts |= {key: torch.tensor([e.outcome == key for e in episodes]) for key in ("ended", "cut_on_call")}
+    lengths = torch.tensor([len(e.ids) for e in episodes])
+    return padded_batch(inputs, responses, mask, lengths, vllm_logprobs=vllm_logprobs, **counts)
+
+
+def end_turn(episode, length, room, tokenizer, tools, args, eos_ids):
+    """The outcome of an episode that has just sampled `length` tokens of `room`: None while it goes on. It is done when
+    it ended (a turn without a call), was cut off on a call (past --max-tool-calls, or results that do not fit), was
+    stopped, or has no room left (--max-new-tokens). A turn's calls get their results (the chat template's tool
+    messages, mask 0), and the policy's next turn follows them."""
+    e, left = episode, args.max_new_tokens - len(episode.ids)
+    turn_ended = length > 0 and e.ids[-1] in eos_ids  # none: a stop before its first token
+    if not turn_ended and length < room:  # neither an end nor a full room: a stop came
+        return "stopped"
+    if not turn_ended:  # it filled the room: the turn goes on in the next generate_turn(), if there is room left
+        return None if left else "no_room"
+    calls = tool_calls_in(tokenizer, e.prompt + e.ids, len(e.ids) - e.turn_start, tools)
+    if not calls:  # a turn without a call
+        return "ended"
+    if e.turns > args.max_tool_calls:  # a call past --max-tool-calls
+        return "cut_on_call"
+    result, failed = run_tools(tokenizer, tools, calls, args.tool_timeout, eos_ids, left)
+    e.tool_calls, e.tool_failures = e.tool_calls + len(calls), e.tool_failures + failed
+    if result is None or len(result) > left:  # a stop during the calls, or results that do not fit
+        return "cut_on_call"
+    e.ids, e.mask, e.logprobs = e.ids + result, e.mask + [0.0] * len(result), e.logprobs + [0.0] * len(result)
+    e.turn_start, e.turns = len(e.ids), e.turns + 1
+    return None if len(result) < left else "no_room"
 
 
 def tool_metrics(batch):
@@ -1257,7 +1309,7 @@ def prepare(args, trained):
     return params, optimizer
 
 
-VLLM = []  # --vllm's engine (start_vllm): rollout() samples with it instead of generate()
+VLLM = []  # --vllm's engine (start_vllm): generate_turn() samples with it instead of generate()
 
 
 def start_vllm(args, policy):
@@ -1303,31 +1355,6 @@ def vllm_pushed(policy, enabled=True):
     yield
     if enabled and policy.device.type == "cuda":  # sleep mode (start_vllm) during the update
         VLLM[0].sleep(level=1)
-
-
-def vllm_generate(context, room, generation_config, stop=None, **sampling):
-    """A turn through the engine as generate() samples it (details 2, 4; each row seeded from torch's generator, per
-    update): generate()'s ids (B, Q + room) and each token's log-prob (B, room); a stop's signal aborts it in a step."""
-    import vllm
-
-    config, engine = generation_config.to_dict() | sampling, VLLM[0].llm_engine
-    params = dict(temperature=config["temperature"] if config["do_sample"] else 0.0, max_tokens=room, logprobs=0)
-    params |= dict(stop_token_ids=config["eos_token_id"], ignore_eos=True, detokenize=False)  # detail 2's, not vLLM's
-    ids = [row[real.bool()].tolist() for row, real in zip(context.input_ids, context.attention_mask)]
-    for i, seed in enumerate(torch.randint(2**31, (len(ids),)).tolist()):
-        engine.add_request(str(i), {"prompt_token_ids": ids[i]}, vllm.SamplingParams(seed=seed, **params))
-    outputs, new, logprobs = {}, torch.full((len(ids), room), config["pad_token_id"]), torch.zeros(len(ids), room)
-    while engine.has_unfinished_requests():
-        if stop is not None and STOP:  # the rows keep what they have: main() stops after the rollout
-            engine.abort_request([str(i) for i in range(len(ids))])
-            break
-        for output in engine.step():  # each request's tokens so far
-            outputs[int(output.request_id)] = output.outputs[0]
-    for i, output in outputs.items():  # a request aborted before its first step: all pad
-        tokens = list(output.token_ids)
-        new[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        logprobs[i, : len(tokens)] = torch.tensor([p[t].logprob for p, t in zip(output.logprobs, tokens)])
-    return torch.cat([context.input_ids, new.to(context.input_ids.device)], 1), logprobs
 
 
 def vllm_metrics(logprobs, batch):

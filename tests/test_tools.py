@@ -87,6 +87,17 @@ def compact_tokenizer():
     return tok
 
 
+def right_padded_batch(tok, inputs, ids, masks, ended, cut_on_call, **counts):
+    """padded_batch of responses given as each one's ids and mask values, right-padded as run_episodes pads them."""
+    responses = torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in ids], True, tok.pad_token_id)
+    mask, lengths = (
+        torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in masks], True),
+        torch.tensor(list(map(len, ids))),
+    )
+    outcomes = dict(ended=torch.tensor(ended), cut_on_call=torch.tensor(cut_on_call))
+    return ppo_llm.padded_batch(inputs, responses, mask, lengths, **outcomes, **counts)
+
+
 def slow(seconds: float) -> str:
     """Sleeps.
 
@@ -283,8 +294,7 @@ def test_the_reward_reads_the_last_turn_and_a_response_ending_on_a_tool_result_s
     masks = [[1.0] * len(call) + [0.0] * len(result) + [1.0] * len(answer), [1.0] * len(call) + [0.0] * len(result)]
     masks.append([1.0] * 3)
     inputs = tok(["6*7", "6*7", "6*7"], return_tensors="pt")
-    batch = ppo_llm.padded_batch(inputs, responses, masks, [True, False, True], tok.pad_token_id)
-    batch["cut_on_call"] = torch.tensor([False, False, False])
+    batch = right_padded_batch(tok, inputs, responses, masks, [True, False, True], [False, False, False])
     completions, transcripts, _ = ppo_llm.decode_responses(tok, batch)
     assert completions == ["42", "", "42"]  # the tool's 42 is never the policy's answer
     assert transcripts[0] == CALL + "[tool: \nR:42\nA:]42" and transcripts[1] == CALL + "[tool: \nR:42\nA:]"
@@ -501,10 +511,10 @@ def call_batch(tok, prompts, responses, ended, cut_on_call):
             if text.endswith("<eos>"):
                 part.append(tok.eos_token_id)
             ids[i], masks[i] = ids[i] + part, masks[i] + [float(own)] * len(part)
-    batch = ppo_llm.padded_batch(tok(prompts, padding=True, return_tensors="pt"), ids, masks, ended, tok.pad_token_id)
-    n = len(prompts)
-    counts = dict(cut_on_call=cut_on_call, tool_calls=[1] * n, tool_failures=[0] * n, turns=[1] * n)
-    return batch | {name: torch.tensor(v) for name, v in counts.items()}
+    inputs = tok(prompts, padding=True, return_tensors="pt")
+    return right_padded_batch(
+        tok, inputs, ids, masks, ended, cut_on_call, tool_calls=torch.ones(len(prompts), dtype=torch.long)
+    )
 
 
 def test_a_response_cut_off_on_its_call_has_no_answer_and_abstains_from_the_vote():

@@ -128,10 +128,9 @@ def engine_logprobs(script, policy, tokenizer, args, prompts, push=True, **sampl
         batch = script.rollout(policy, tokenizer, prompts, args, torch.autocast("cpu", enabled=False), **sampling)
     else:  # the engine as it is: a stale one after an optimizer step
         context = script.tokenize_texts(tokenizer, prompts, args.max_prompt_length)
-        out, logprobs = script.vllm_generate(context, args.max_new_tokens, policy.generation_config, **sampling)
-        new, mask, _ = script.truncate_after_eos(out[:, context.input_ids.shape[1] :], [tokenizer.eos_token_id], 0)
-        batch = script.padded_batch(context, new.tolist(), mask.float().tolist(), [False] * len(prompts), 0)
-        batch |= {"vllm_logprobs": logprobs * mask, "mask": mask.float()}
+        new, _, logprobs = script.generate_turn(policy, context, args.max_new_tokens, None, args, sampling)
+        new, mask, ended = script.truncate_after_eos(new, [tokenizer.eos_token_id], 0)
+        batch = script.padded_batch(context, new, mask, mask.sum(1), ended=ended, vllm_logprobs=logprobs * mask)
     with torch.no_grad():
         logprobs = script.policy_forward(policy, batch, torch.arange(len(prompts)), args)[1]
     return ((logprobs - batch["vllm_logprobs"]).abs() * batch["mask"]).max().item()
