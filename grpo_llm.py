@@ -41,12 +41,14 @@ CUDA, LoRA, torchrun (FSDP2); nothing is lost when a run stops (checkpoint/, --r
 """
 
 import ast
+import asyncio
 import contextlib
 import copy
 import datetime
 import fcntl
 import functools
 import importlib.util
+import inspect
 import itertools
 import json
 import logging
@@ -128,6 +130,7 @@ class Args:
     tools: tuple[str, ...] = ()  # tools the policy may call: calculator (built in), file.py:function (docs: Tools)
     max_tool_calls: int = 4  # tool turns in a response; a call past them cuts the response off
     tool_timeout: float = 10.0  # seconds a tool call may run before it fails (an error result)
+    environment: str | None = None  # TRL's environment_factory: file.py:Class or module:Class (docs: Environments)
     vllm: bool = False  # generate with a vLLM engine in this process (its own venv: docs/scaling.md)
     vllm_kv_cache_gb: float = 0.25  # --vllm on a CPU: the engine's KV cache in GiB
     vllm_gpu_memory_utilization: float = 0.3  # --vllm on a GPU: the engine's share of its memory (TRL's)
@@ -161,7 +164,7 @@ class Args:
     overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N lengths up to --max-new-tokens (0: off)
     overlong_penalty: float = 1.0  # reward lost by a completion of --max-new-tokens tokens, with --overlong-buffer
     # ---- evaluation and logging
-    eval_every: int = 10  # held-out accuracy every N updates (0: off), with the first --reward-fn
+    eval_every: int = 10  # held-out accuracy every N updates (0: off); right: the first reward source's score > 0
     eval_split: str | None = None  # a split of --dataset, or a prompt file (unset: test.jsonl beside a train.jsonl)
     eval_size: int = 256  # distinct prompts drawn from --eval-split
     eval_num_generations: int = 1  # samples of each held-out prompt; above 1, pass@k and maj@n too (docs: Evaluation)
@@ -287,21 +290,22 @@ def importance_weights(logprobs, vllm_logprobs, cap):
 
 
 @torch.no_grad()
-def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, **sampling):
+def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, environments=None, **sampling):
     """Step 1: the prompts left-padded (detail 6), cut on the left to --max-prompt-length; a response sampled for each
     from softmax(logits / temperature) (detail 4: the generation_config load_models sets, or evaluation's `sampling`),
     cut after its first EOS (detail 2); a stop (generate()'s stopping_criteria) ends them all at the next token. With
-    tools, a response is turns, each call's result appended (run_episodes). Batch:
+    tools, a response is turns, each call's result appended (run_episodes; environments: each row's own). Batch:
         query_responses, attention_mask  (B, Q + R)  the prompts and responses, 1 on the real tokens (a tool's too)
         responses, mask                  (B, R)      the response tokens (pad after them), 1.0 on the policy's own
         ended, cut_on_call, lengths      (B,)        ended (a turn without a call), cut off on a call, the length
         tool_calls, tool_failures, turns (B,)        the tool calls, the failed ones, the policy's turns
-        vllm_logprobs                    (B, R)      --vllm: the engine's log-prob of each token (a tool's: 0)"""
+        vllm_logprobs, turn_rewards      (B, R)      --vllm's log-probs (a tool's: 0); each turn's reward at its end
+        messages                         B lists     each response's turns and tool results as messages (TRL's)"""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
     with autocast, unsharded(policy), vllm_pushed(policy, enabled=args.vllm):  # FSDP: one gather for all the turns
         if tools:
-            return run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling)
+            return run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling, environments)
         new, n_sampled, vllm_logprobs = generate_turn(policy, inputs, args.max_new_tokens, stop, args, sampling)
     responses, mask, ended = truncate_after_eos(new, policy.generation_config.eos_token_id, tokenizer.pad_token_id)
     mask &= torch.arange(new.shape[1], device=new.device) < n_sampled[:, None]  # a stop ends the engine's rows early
@@ -379,13 +383,14 @@ def main(args: Args | None = None):
     G = args.num_generations
     batch_size = args.prompts_per_update // world * G  # this process's share of the completions
     micro_batch_size = min(args.micro_batch_size, batch_size)  # at most the batch
-    reward_fns = [load_reward_fn(name, args.reward_timeout) for name in reward_fn_names(args)]  # fails before loading
-    tools = load_tools(args.tools)  # {name: function}, as reward functions are loaded
+    tools, environment = load_environment(args, load_tools(args.tools))  # --tools; --environment's instances (TRL's)
+    reward_fns = load_reward_fns(args, environment)  # --reward-fn's, then the environment's get_reward; before loading
     tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device, tools)  # rm_tokenizer None: our ids
     eval_problems = eval_rows(args, tokenizer, reward_fns, tools)
+    held_out = (policy, tokenizer, eval_problems, reward_fns, args, autocast, batch_size, tools, environment)
     if args.eval_only:  # no training, no run directory; a stop ends it after a batch, with one line
         with stoppable():
-            return evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
+            return evaluate(*held_out)
     ref_policy = None  # beta 0, TRL's default: no KL term, no reference (details 5, 10)
     if args.beta:
         ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
@@ -393,7 +398,10 @@ def main(args: Args | None = None):
     names = [name.rpartition(":")[2] for name in reward_fn_names(args)]
     if args.reward_model:
         names = [os.path.basename(args.reward_model)]
-    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(names), device=device)
+    weights = list(args.reward_weights or [1.0] * len(names))
+    if len(reward_fns) > len(reward_fn_names(args)):  # the environment's get_reward: a source of weight 1 (TRL's)
+        names, weights = names + [args.environment.rpartition(":")[2]], weights + [1.0]
+    reward_weights = torch.tensor(weights, device=device)
     models = nn.ModuleDict({"policy": policy})  # what checkpoint/ and policy/ hold; the reference is --model's
     resumed, prompts, run_dir, writer = start_run(args, given, (rank, world), models, optimizer, tokenizer, tools)
     first_update = resumed.get("update", 0)
@@ -401,7 +409,7 @@ def main(args: Args | None = None):
     clock = Stopwatch(device, first_update, args.total_steps)
     with guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         if eval_problems and not resumed:  # the initial policy, at update 0
-            initial = evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
+            initial = evaluate(*held_out)
             stop_if_signalled()  # a stopped evaluation ({}) is not logged
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
@@ -413,14 +421,15 @@ def main(args: Args | None = None):
             # ALGO LOGIC: 1. rollout, G completions of each prompt, contiguous (detail 1), in turns with tools
             prompt_rows = [next(prompts) for _ in range(batch_size // G)]
             rows = [row for row in prompt_rows for _ in range(G)]
-            batch = rollout(policy, tokenizer, [row["prompt"] for row in rows], args, autocast, [signalled], tools)
+            rows, envs = reset_environments(environment, rows, tokenizer, tools, args)  # each its own instance (TRL's)
+            batch = rollout(policy, tokenizer, [r["prompt"] for r in rows], args, autocast, [signalled], tools, envs)
             stop_if_signalled()  # every rank, before the update changes anything
             mask = batch["mask"]  # (B, R)
             clock.lap("generation")
             # 2. rewards: the weighted reward functions, or the reward model (detail 11); DAPO's overlong penalty
             completions, transcripts, conversations = decode_responses(tokenizer, batch)  # see there
             if reward_model is None:
-                scores = reward_fn_scores(reward_fns, completions, rows, transcripts, device)  # (B, reward functions)
+                scores = reward_fn_scores(reward_fns, completions, rows, transcripts, envs, device)  # (B, sources)
             else:
                 scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, conversations, args)[:, None]
             lengths = batch["lengths"]  # every token, a tool's too
@@ -469,7 +478,7 @@ def main(args: Args | None = None):
             metrics, line = grpo_metrics(update, args, batch, names, stats, losses, grad_norms, optimizer, clock)
             metrics |= vllm_metrics(batch["old_logprobs"], batch) if args.vllm and has_loss_tokens else {}
             if eval_problems and due(update, args.eval_every, args.total_steps):
-                metrics |= evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
+                metrics |= evaluate(*held_out)
             values = dict(reward=rewards[::G], advantage=advantages[::G])  # one of each group
             log(writer, metrics, line, samples_to_log(args, update, rows[::G], transcripts[::G], **values))
             if update < args.total_steps and due(update, args.save_every):  # the last is saved below
@@ -560,7 +569,7 @@ def grpo_metrics(update, args, batch, names, stats, losses, grad_norms, optimize
     for name, reward in zip(names, batch["scores"].T):
         metrics[f"rewards/{name}/mean"] = reward.mean().item()
         metrics[f"rewards/{name}/std"] = global_std(reward).item()
-    metrics |= tool_metrics(batch) if args.tools else {}
+    metrics |= tool_metrics(batch) if args.tools or args.environment else {}
     if losses:  # grpo_loss's stats (importance_ratio/mean, clip_ratio/* or cispo_clip_ratio, kl) and entropy
         metrics["loss"] = global_mean(losses)
         metrics["grad_norm"] = torch.stack(grad_norms).mean().item()
@@ -619,23 +628,55 @@ def import_function(spec, flag, known):
         raise SystemExit(f"error: {flag} {spec}: {choices}{why}") from None
 
 
-def load_reward_fn(spec, timeout):
-    """--reward-fn as f(completions, rows, transcripts): REWARD_FNS[name], or file.py:fn / module:fn as TRL calls it."""
+def load_reward_fn(spec, timeout, environment=False):
+    """--reward-fn as f(completions, rows, transcripts, environments): REWARD_FNS[name], or file.py:fn / module:fn as
+    TRL calls it, with completions=, transcripts=, prompts= and each other column by name (environments= too with
+    --environment): one line, as it loads, if it takes none of them as **kwargs and misses one it names."""
     if spec in REWARD_FNS:
-        return lambda completions, rows, transcripts: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
-    fn = import_function(spec, "--reward-fn", REWARD_FNS)
+        return lambda completions, rows, *_: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
+    fn, keywords = import_function(spec, "--reward-fn", REWARD_FNS), ["completions", "transcripts", "prompts"]
+    if environment:
+        keywords.append("environments")
+    parameters = inspect.signature(fn).parameters.values()
+    if all(p.kind != p.VAR_KEYWORD for p in parameters) and not set(keywords) <= {p.name for p in parameters}:
+        takes = f"takes ({', '.join(p.name for p in parameters)}), but is called with {'=, '.join(keywords)}="
+        raise SystemExit(f"error: --reward-fn {spec} {takes} and each other column by name: give it **kwargs")
 
-    def user_fn(completions, rows, transcripts):
+    def user_fn(completions, rows, transcripts, environments=None):
         columns = {key: [row["columns"][key] for row in rows] for key in rows[0]["columns"]}
+        if environments is not None:  # as TRL passes them
+            columns["environments"] = environments
         with time_limit(timeout, f"--reward-fn {spec}"):  # --reward-timeout: a judge or sandbox that hangs
-            values = list(fn(completions=completions, transcripts=transcripts, **columns))
+            values = fn(completions=completions, transcripts=transcripts, **columns)
         return finite_scores(values, f"--reward-fn {spec}", completions)
 
     return user_fn
 
 
+def load_reward_fns(args, environment):
+    """The reward sources, each f(completions, rows, transcripts, environments) -> a score per completion: --reward-fn's
+    (reward_fn_names), then --environment's get_reward (TRL's: each episode's total, one more source of weight 1)."""
+    fns = [load_reward_fn(name, args.reward_timeout, environment is not None) for name in reward_fn_names(args)]
+    source = f"--environment {args.environment}"
+    if environment is not None and environment.scores and args.reward_model:
+        raise SystemExit(f"error: {source} scores with get_reward: use --reward-fn beside it, not --reward-model")
+    if environment is not None and not (environment.scores or fns or args.reward_model):
+        raise SystemExit(f"error: {source} has no get_reward and no --reward-fn is given: nothing scores its episodes")
+
+    def get_reward(completions, rows, transcripts, environments):
+        with time_limit(args.reward_timeout, f"{source}'s get_reward"):  # --reward-timeout, as a reward function's
+            values = [awaited(environment.get_reward()) for environment in environments]
+        return finite_scores(values, f"{source}'s get_reward()", completions)
+
+    if environment is not None and environment.scores:
+        fns.append(get_reward)
+    return fns
+
+
 def finite_scores(values, source, completions):
     """A float per completion, or one line naming their source and the miscount or the first with no finite number."""
+    if isinstance(values, str | dict) or not hasattr(values, "__len__"):  # one number, None, a text: not a list
+        raise SystemExit(f"error: {source} returned {values!r:.60}, not a list of a number per completion")
     if len(values) != len(completions):
         raise SystemExit(f"error: {source} returned {len(values)} numbers for {len(completions)} completions")
     scores = []
@@ -654,14 +695,14 @@ def finite_scores(values, source, completions):
 
 def reward_fn_names(args):
     """--reward-fn's names; unset, arithmetic (the embedded tasks' check), none beside a reward model (docs)."""
-    if args.reward_fn is None:
-        return () if args.reward_model else ("arithmetic",)
+    if args.reward_fn is None:  # with --environment: its get_reward, if it has one
+        return () if args.reward_model or args.environment else ("arithmetic",)
     return (args.reward_fn,) if isinstance(args.reward_fn, str) else args.reward_fn
 
 
-def reward_fn_scores(reward_fns, completions, rows, transcripts, device):
-    """Each reward function's scores (B, reward functions); an error of one, on any rank, stops every rank here."""
-    scores = on_every_rank(lambda: [reward_fn(completions, rows, transcripts) for reward_fn in reward_fns])
+def reward_fn_scores(reward_fns, completions, rows, transcripts, environments, device):
+    """Each reward source's scores (B, sources); an error of one, on any rank, stops every rank here."""
+    scores = on_every_rank(lambda: [fn(completions, rows, transcripts, environments) for fn in reward_fns])
     return torch.tensor(scores, dtype=torch.float, device=device).reshape(len(reward_fns), len(completions)).T
 
 
@@ -670,8 +711,9 @@ def padded_batch(inputs, responses, mask, lengths, **counts):
     and their lengths (B,); counts: ended, vllm_logprobs and the tools' (none without them, a turn each)."""
     device, none = responses.device, torch.zeros(len(responses), dtype=torch.long)
     counts = dict(cut_on_call=none.bool(), tool_calls=none, tool_failures=none, turns=none + 1) | counts
+    counts = dict(turn_rewards=torch.zeros(responses.shape), messages=[[] for _ in responses]) | counts
     real = torch.arange(responses.shape[1]) < lengths.cpu()[:, None]  # every token of a response, a tool's too
-    return {key: value.to(device) for key, value in counts.items()} | {
+    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in counts.items()} | {
         "query_responses": torch.cat([inputs.input_ids, responses], 1),
         "attention_mask": torch.cat([inputs.attention_mask, real.long().to(device)], 1),
         "responses": responses,
@@ -684,18 +726,23 @@ def padded_batch(inputs, responses, mask, lengths, **counts):
 def decode_responses(tokenizer, batch):
     """(completions, transcripts, conversations): each response's text after its last tool result (what the reward
     functions score: a tool's output is never the answer; "" for one cut off on a call, whose last operand is not its
-    answer either), the whole response, tool results as [tool: ...], and its turns as messages, the assistant's (its
-    calls in them) and the tools' (what a reward model with a tokenizer of its own reads; without tools one turn)."""
+    answer either), the whole response with each tool's result as [tool: ...], and its turns as messages, TRL's: the
+    assistant's, its calls parsed, and each tool's, its result (what a reward model with a tokenizer of its own reads;
+    without tools, one turn)."""
     real, mask = batch["attention_mask"][:, batch["prompt_width"] :].bool(), batch["mask"].bool()
     completions, transcripts, conversations = [], [], []
-    rows = zip(batch["responses"].tolist(), (real & ~mask).tolist(), batch["cut_on_call"].tolist())
-    for ids, is_tool, cut_on_call in rows:  # the pad after a response: not a tool's
+    rows = zip(batch["responses"].tolist(), (real & ~mask).tolist(), batch["cut_on_call"].tolist(), batch["messages"])
+    for ids, is_tool, cut_on_call, messages in rows:  # the pad after a response: not a tool's
         parts = [(tool, [i for i, _ in part]) for tool, part in itertools.groupby(zip(ids, is_tool), lambda x: x[1])]
         texts = [tokenizer.decode(part, skip_special_tokens=True) for _, part in parts]
         completions.append("" if parts[-1][0] or cut_on_call else texts[-1])  # cut off on a call or its result: none
-        transcripts.append("".join(f"[tool: {text}]" if tool else text for (tool, _), text in zip(parts, texts)))
-        turns = [{"role": "tool" if tool else "assistant", "content": text} for (tool, _), text in zip(parts, texts)]
-        conversations.append(turns)
+        results = iter([list(m) for tool, m in itertools.groupby(messages, lambda m: m["role"] == "tool") if tool])
+        tool_texts = (
+            "".join(f"[tool: {m['content']}]" for m in next(results)) if tool else text
+            for (tool, _), text in zip(parts, texts)
+        )
+        transcripts.append("".join(tool_texts))
+        conversations.append(messages or [{"role": "assistant", "content": texts[0]}])
     return completions, transcripts, conversations
 
 
@@ -728,6 +775,57 @@ def load_tools(specs):
     """--tools as {name: function}: a built-in one, or file.py:fn / module:fn with type hints and an Args: docstring."""
     built_in = {"calculator": calculator}  # --tools NAME
     return {tool.__name__: tool for tool in [import_function(spec, "--tools", built_in) for spec in specs]}
+
+
+def load_environment(args, tools):
+    """--environment as TRL's environment_factory: (tools, with its first instance's methods, which the prompts
+    describe; the class, its pool of instances, whether get_reward scores), or (tools, None); one line without reset."""
+    if args.environment is None:
+        return tools, None
+    factory, flag = import_function(args.environment, "--environment", {}), f"error: --environment {args.environment}"
+    if isinstance(factory, dict):  # TRL's several environments, chosen by a column
+        raise SystemExit(f"{flag}: a dict of several environments is not supported yet; give one class")
+    instance = factory()
+    if not callable(getattr(instance, "reset", None)):
+        raise SystemExit(f"{flag} has no reset(**row) method, with which every episode starts (TRL's contract)")
+    scores = callable(getattr(instance, "get_reward", None))
+    return tools | environment_tools(instance), SimpleNamespace(factory=factory, pool=[instance], scores=scores)
+
+
+def environment_tools(environment):
+    """An environment's tools, as TRL takes them: its public methods but reset and get_reward, bound to it."""
+    names = [name for name, _ in inspect.getmembers(type(environment), inspect.isfunction) if name[0] != "_"]
+    return {name: getattr(environment, name) for name in names if name not in ("reset", "get_reward")}
+
+
+def reset_environments(environment, rows, tokenizer, tools, args):
+    """--environment: each row's episode starts as TRL's do, an instance of the pool (none serves two; more are made as
+    needed) reset(**row) with the row's columns as read; a str it returns is appended to the last user message (or a
+    plain prompt), and the prompt rendered again: (rows, instances); (rows, None) without it."""
+    if environment is None:
+        return rows, None
+    environment.pool += [environment.factory() for _ in range(len(rows) - len(environment.pool))]
+
+    def reset(row, instance):
+        try:
+            observation = awaited(instance.reset(**row["row"]))
+        except Exception as e:
+            why = f"reset() raised on the row {row['row']!r:.100} ({type(e).__name__}: {e})"
+            raise SystemExit(f"error: --environment {args.environment}: {why}") from None
+        if observation is None or row["messages"] is None:  # a plain prompt: what it says, after it
+            return row | {"prompt": row["prompt"] + str(observation or "")}
+        messages = copy.deepcopy(row["messages"])
+        messages[-1]["content"] += str(observation)
+        text = tokenizer.apply_chat_template(messages, list(tools.values()), tokenize=False, add_generation_prompt=True)
+        return row | {"prompt": text, "messages": messages}
+
+    instances = environment.pool[: len(rows)]
+    return on_every_rank(lambda: [reset(row, instance) for row, instance in zip(rows, instances)]), instances
+
+
+def awaited(value):
+    """value, or what it returns once awaited if it is a coroutine (an async tool, reset or get_reward, as TRL's)."""
+    return asyncio.run(value) if inspect.iscoroutine(value) else value
 
 
 def setup_tool_parsing(tokenizer, tools, eos_ids, model):
@@ -776,7 +874,7 @@ def setup_tool_parsing(tokenizer, tools, eos_ids, model):
         tokenizer.one_call_a_turn, parsed = False, None
         with contextlib.suppress(Exception):
             ids, start, end = rendered_turn(tokenizer, turn, eos_ids, [{"type": "function", "function": probe}])
-            parsed = tool_calls_in(tokenizer, ids[:end], end - start, {"probe": probe})
+            parsed = parse_turn(tokenizer, ids[:end], end - start, {"probe": probe})["tool_calls"]
         if parsed != calls and k == 1:
             why = f"a turn that calls probe(n=7), to its first end id, did not parse back as rendered ({parsed})"
             raise SystemExit(f"{flag}: {why}: {fix}")
@@ -784,19 +882,24 @@ def setup_tool_parsing(tokenizer, tools, eos_ids, model):
     tool_result_ids(tokenizer, [{"role": "tool", "name": next(iter(tools)), "content": "1"}], eos_ids)
 
 
-def tool_calls_in(tokenizer, ids, turn_length, tools):
-    """The tool calls of the last turn, ids[-turn_length:], by parse_response with the tools' JSON schemas (a=7 of an
-    XML-style template reaches add(a: int) as 7): [] if none; a failed call is the str of its reason (run_tools')."""
-    if not tools:  # a run without them
-        return []
+def parse_turn(tokenizer, ids, turn_length, tools):
+    """The last turn, ids[-turn_length:], as the message parse_response reads with the tools' JSON schemas (a=7 of an
+    XML-style template reaches add(a: int) as 7): role, content, tool_calls ([] if none; a failed call is the str of
+    its reason, run_tools')."""
     text, prefix = tokenizer.decode(ids[-turn_length:]), tokenizer.decode(ids[:-turn_length])
+    message = {"role": "assistant", "content": text, "tool_calls": []}
+    if not tools:  # a run without them
+        return message
     try:
-        calls = tokenizer.parse_response(text, prefix=prefix, tools=list(tools.values())).get("tool_calls") or []
+        message |= tokenizer.parse_response(text, prefix=prefix, tools=list(tools.values()))
     except ValueError:  # malformed JSON: a failed call
-        return ["the call is not valid JSON"]
-    if len(calls) > 1 and getattr(tokenizer, "one_call_a_turn", False):  # the template renders one a turn
-        return ["this model calls one tool a turn"]
-    return calls
+        return message | {"tool_calls": ["the call is not valid JSON"]}
+    message |= {"content": message.get("content") or "", "tool_calls": message.get("tool_calls") or []}
+    for token in tokenizer.all_special_tokens:  # an end of turn that the parser leaves in the content
+        message["content"] = message["content"].replace(token, "")
+    if len(message["tool_calls"]) > 1 and getattr(tokenizer, "one_call_a_turn", False):  # the template renders one
+        message["tool_calls"] = ["this model calls one tool a turn"]
+    return message
 
 
 def rendered_turn(tokenizer, turn, eos_ids, tools=None):
@@ -812,34 +915,33 @@ def rendered_turn(tokenizer, turn, eos_ids, tools=None):
 
 
 def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
-    """The ids of the calls' tool messages (each result an encodable str), and how many failed: a failed call (not JSON,
-    no such tool, an error, past --tool-timeout, not rendered) gets {'error': ...} as its result (as TRL), which the
-    policy reads. None after a stop, or for a result longer than `room` of the vocabulary's longest tokens (unread)."""
+    """The ids of the calls' tool messages, how many failed, and the messages: each result str()'d (an async tool's
+    awaited) and made encodable, as TRL does; a failed call (not JSON, no such tool, an error, past --tool-timeout, not
+    rendered) gets {'error': ...} as its result (TRL's), which the policy reads. None after a stop, or for a result
+    longer than `room` of the vocabulary's longest tokens (unread)."""
     messages, failed = [], 0
     for call in calls:
         name = None
         try:  # a call without a name or arguments fails here, as one that names no tool
             if STOP:  # a Ctrl-C or SIGTERM came: no more calls (the rollout ends at its next token)
                 raise Stopped("a stop was requested")
-            if isinstance(call, str):  # tool_calls_in's failed call: its reason
+            if isinstance(call, str):  # parse_turn's failed call: its reason
                 raise ValueError(call)
             name, arguments = call["function"]["name"], call["function"].get("arguments", {})
             if name not in tools or not isinstance(arguments, dict):
                 raise ValueError(f"no tool {name!r}" if name not in tools else "the arguments are not a JSON object")
             with time_limit(timeout, f"tool {name}"):
-                result = tools[name](**arguments)
-            if not isinstance(result, str):
-                raise TypeError(f"the tool returned {type(result).__name__}, not str")
+                result = str(awaited(tools[name](**arguments)))
             result = result.encode("utf-8", "replace").decode()  # lone surrogates (os.fsdecode's) become ?
             if len(result) > room and len(result) > room * max(map(len, tokenizer.get_vocab())):  # 1st: no vocab read
-                return None, failed
+                return None, failed, messages
             tool_result_ids(tokenizer, [{"role": "tool", "name": name, "content": result}], eos_ids)  # renders
         except Stopped:  # Ctrl-C or SIGTERM in the call: a stop, not a failure, and no result reaches the policy
-            return None, failed
+            return None, failed, messages
         except (Exception, SystemExit) as e:  # the tool's own errors (sys.exit too), TimedOut: the policy reads them
             result, failed = {"error": f"{type(e).__name__}: {e}"}, failed + 1
         messages.append({"role": "tool", "name": str(name).encode("utf-8", "replace").decode(), "content": str(result)})
-    return tool_result_ids(tokenizer, messages, eos_ids), failed
+    return tool_result_ids(tokenizer, messages, eos_ids), failed, messages
 
 
 def tool_result_ids(tokenizer, messages, eos_ids):
@@ -888,15 +990,16 @@ def generate_turn(policy, context, room, stop, args, sampling):
     return pad(new, padding_value=config["pad_token_id"]).to(device), n_sampled, pad(logprobs).to(device)
 
 
-def run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling):
-    """rollout() with tools: each row's episode in turns, one record each (end_turn's): the prompt's ids; the response's
-    so far, its mask (1.0 on the policy's tokens, 0.0 on a tool's) and the engine's log-prob of each (a tool's: 0);
-    where its last turn starts; its counts; its outcome (None while it goes on). One generate_turn() serves the
-    episodes that go on, each after its own ids, with as many new tokens as the longest has room for."""
+def run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling, environments=None):
+    """rollout() with tools: each row's episode in turns, a record each: the prompt's ids, the response's and per
+    token its mask, engine's log-prob and turn reward; its messages, environment, tools, turn start, counts, outcome
+    (None: it goes on). One generate_turn() serves the episodes that go on, with the longest one's room."""
     eos_ids, pad_id, device = policy.generation_config.eos_token_id, tokenizer.pad_token_id, inputs.input_ids.device
-    fresh = dict(ids=[], mask=[], logprobs=[], turn_start=0, turns=1, tool_calls=0, tool_failures=0, outcome=None)
     prompts = [ids[real.bool()].tolist() for ids, real in zip(inputs.input_ids, inputs.attention_mask)]
-    episodes = [SimpleNamespace(prompt=prompt, **copy.deepcopy(fresh)) for prompt in prompts]
+    fresh = dict(ids=[], mask=[], vllm_logprobs=[], turn_rewards=[], messages=[], turn_start=0, turns=1)
+    episodes = [SimpleNamespace(prompt=p, tool_calls=0, tool_failures=0, **copy.deepcopy(fresh)) for p in prompts]
+    for e, environment in zip(episodes, environments or [None] * len(episodes)):
+        e.environment, e.tools = environment, tools | environment_tools(environment)
     going = episodes
     while going:
         context = tokenizer.pad({"input_ids": [e.prompt + e.ids for e in going]}, return_tensors="pt").to(device)
@@ -905,40 +1008,50 @@ def run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling):
         new, new_mask, _ = truncate_after_eos(new, eos_ids, pad_id)
         lengths = torch.minimum(new_mask.sum(1), n_sampled)  # each row's new tokens, to its first EOS (detail 2)
         for e, ids, length, logps in zip(going, new.tolist(), lengths.tolist(), logprobs.tolist()):
-            e.ids, e.mask, e.logprobs = e.ids + ids[:length], e.mask + [1.0] * length, e.logprobs + logps[:length]
-            e.outcome = end_turn(e, length, room, tokenizer, tools, args, eos_ids)
+            e.ids, e.mask = e.ids + ids[:length], e.mask + [1.0] * length
+            e.vllm_logprobs, e.turn_rewards = e.vllm_logprobs + logps[:length], e.turn_rewards + [0.0] * length
+            e.outcome = end_turn(e, length, room, tokenizer, args, eos_ids)
         going = [e for e in going if e.outcome is None]
     pad = functools.partial(nn.utils.rnn.pad_sequence, batch_first=True)
     responses = pad([torch.tensor(e.ids, dtype=torch.long) for e in episodes], padding_value=pad_id).to(device)
-    mask, vllm_logprobs = (pad([torch.tensor(getattr(e, key)) for e in episodes]) for key in ("mask", "logprobs"))
-    counts = {k: torch.tensor([getattr(e, k) for e in episodes]) for k in ("tool_calls", "tool_failures", "turns")}
-    counts |= {key: torch.tensor([e.outcome == key for e in episodes]) for key in ("ended", "cut_on_call")}
-    lengths = torch.tensor([len(e.ids) for e in episodes])
-    return padded_batch(inputs, responses, mask, lengths, vllm_logprobs=vllm_logprobs, **counts)
+    counts = {
+        k: pad([torch.tensor(getattr(e, k)) for e in episodes]) for k in ("mask", "vllm_logprobs", "turn_rewards")
+    }
+    counts |= {k: torch.tensor([getattr(e, k) for e in episodes]) for k in ("tool_calls", "tool_failures", "turns")}
+    counts |= {k: torch.tensor([e.outcome == k for e in episodes]) for k in ("ended", "cut_on_call")}
+    counts["messages"], lengths = [e.messages for e in episodes], torch.tensor([len(e.ids) for e in episodes])
+    return padded_batch(inputs, responses, counts.pop("mask"), lengths, **counts)
 
 
-def end_turn(episode, length, room, tokenizer, tools, args, eos_ids):
-    """The outcome of an episode that has just sampled `length` tokens of `room`: None while it goes on. It is done when
-    it ended (a turn without a call), was cut off on a call (past --max-tool-calls, or results that do not fit), was
-    stopped, or has no room left (--max-new-tokens). A turn's calls get their results (the chat template's tool
-    messages, mask 0), and the policy's next turn follows them."""
+def end_turn(episode, length, room, tokenizer, args, eos_ids):
+    """The outcome of an episode that has just sampled `length` tokens of `room` (None: it goes on). It is done when it
+    ended (a turn without a call), was cut off on a call (past --max-tool-calls, or results that do not fit), was
+    stopped, or has no room left. A turn's calls get their results (mask 0), and what they append to the environment's
+    turn_rewards list is the turn's reward, on its last token; the policy's next turn follows."""
     e, left = episode, args.max_new_tokens - len(episode.ids)
     turn_ended = length > 0 and e.ids[-1] in eos_ids  # none: a stop before its first token
-    if not turn_ended and length < room:  # neither an end nor a full room: a stop came
-        return "stopped"
-    if not turn_ended:  # it filled the room: the turn goes on in the next generate_turn(), if there is room left
-        return None if left else "no_room"
-    calls = tool_calls_in(tokenizer, e.prompt + e.ids, len(e.ids) - e.turn_start, tools)
+    if not turn_ended and length == room and left:  # it filled the room: the turn goes on in the next generate_turn()
+        return None
+    if not turn_ended:  # a stop came (neither an end nor a full room), or no room is left: the turn as it is
+        e.messages = e.messages + [{"role": "assistant", "content": tokenizer.decode(e.ids[e.turn_start :])}]
+        return "stopped" if length < room else "no_room"
+    message = parse_turn(tokenizer, e.prompt + e.ids, len(e.ids) - e.turn_start, e.tools)
+    calls = message["tool_calls"]  # the failed ones as their reasons, which the message leaves out
+    e.messages = e.messages + [message | {"tool_calls": [call for call in calls if isinstance(call, dict)]}]
     if not calls:  # a turn without a call
         return "ended"
     if e.turns > args.max_tool_calls:  # a call past --max-tool-calls
         return "cut_on_call"
-    result, failed = run_tools(tokenizer, tools, calls, args.tool_timeout, eos_ids, left)
+    before = len(getattr(e.environment, "turn_rewards", ()))
+    result, failed, messages = run_tools(tokenizer, e.tools, calls, args.tool_timeout, eos_ids, left)
     e.tool_calls, e.tool_failures = e.tool_calls + len(calls), e.tool_failures + failed
+    appended = list(getattr(e.environment, "turn_rewards", ()))[before:]  # this turn's calls' rewards
+    e.turn_rewards[-1] += math.fsum(finite_scores(appended, "--environment's turn_rewards", appended))
     if result is None or len(result) > left:  # a stop during the calls, or results that do not fit
         return "cut_on_call"
-    e.ids, e.mask, e.logprobs = e.ids + result, e.mask + [0.0] * len(result), e.logprobs + [0.0] * len(result)
-    e.turn_start, e.turns = len(e.ids), e.turns + 1
+    zeros = [0.0] * len(result)
+    e.ids, e.mask, e.turn_start, e.turns = e.ids + result, e.mask + zeros, len(e.ids) + len(result), e.turns + 1
+    e.vllm_logprobs, e.turn_rewards, e.messages = e.vllm_logprobs + zeros, e.turn_rewards + zeros, e.messages + messages
     return None if len(result) < left else "no_room"
 
 
@@ -956,8 +1069,10 @@ def tool_metrics(batch):
     }
 
 
-def load_prompts(args, tokenizer, needs_answers, tools=None):
-    """--dataset's rows: {prompt (the text the policy sees), answer (text or None), messages, columns (reward fns')}."""
+def load_prompts(args, tokenizer, needs_answers, tools=None, flag=None):
+    """--dataset's rows (or flag's, eval_rows'): {prompt (the text the policy sees), answer (text or None), messages,
+    columns (TRL's keywords for the reward functions)}."""
+    flag = flag or f"--dataset {args.dataset}"
     datasets.disable_progress_bars()
     file_format = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(args.dataset.split(".")[-1])
     try:  # read whole: a byte that is not UTF-8 fails as the rows are read
@@ -969,14 +1084,14 @@ def load_prompts(args, tokenizer, needs_answers, tools=None):
         cause = e.__cause__ or e
         why = f"{type(cause).__name__}: {(str(cause).strip() or 'no rows').splitlines()[0]}"
         hint = "" if file_format else "; a hub dataset needs the network, a local file does not"
-        raise SystemExit(f"error: --dataset {args.dataset} could not be loaded ({why}){hint}") from None
+        raise SystemExit(f"error: {flag} could not be loaded ({why}){hint}") from None
     rows = []
     for i, row in enumerate(data, 1):
         prompt, answer = row.get(args.prompt_column), row.get(args.answer_column)
         if prompt in (None, ""):  # nothing to generate from
             columns = ", ".join(k for k, v in row.items() if v not in (None, ""))
             why = f"row {i} has no --prompt-column {args.prompt_column} (columns: {columns})"
-            raise SystemExit(f"error: --dataset {args.dataset}: {why}")
+            raise SystemExit(f"error: {flag}: {why}")
         if isinstance(answer, float) and answer.is_integer():  # a CSV column with a gap is read as floats: 2.0 is "2"
             answer = int(answer)
         if answer is not None:
@@ -986,7 +1101,7 @@ def load_prompts(args, tokenizer, needs_answers, tools=None):
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             if not (isinstance(messages, list) and messages and all({"role", "content"} <= set(m) for m in messages)):
                 why = "the prompt is neither a string nor a list of {role, content} messages"
-                raise SystemExit(f"error: --dataset {args.dataset}, row {i}: {why}")
+                raise SystemExit(f"error: {flag}, row {i}: {why}")
             if args.system_prompt is not None and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": args.system_prompt}] + messages
             if tokenizer.chat_template is None:
@@ -995,11 +1110,11 @@ def load_prompts(args, tokenizer, needs_answers, tools=None):
             functions = list((tools or {}).values()) or None  # the tools the template describes, if any
             text = tokenizer.apply_chat_template(messages, functions, tokenize=False, add_generation_prompt=True)
         columns = {"prompts": prompt} | {k: v for k, v in row.items() if k != args.prompt_column}  # TRL's keywords
-        rows.append({"prompt": text, "answer": answer, "messages": messages, "columns": columns})
+        rows.append({"prompt": text, "answer": answer, "messages": messages, "columns": columns, "row": row})
     missing = [i for i, row in enumerate(rows, 1) if row["answer"] is None]
     if missing and (needs_answers or len(missing) < len(rows)):
         why = f"row {missing[0]} has no --answer-column {args.answer_column}, which the reward function needs"
-        raise SystemExit(f"error: --dataset {args.dataset}: {why}")
+        raise SystemExit(f"error: {flag}: {why}")
     return rows
 
 
@@ -1011,16 +1126,22 @@ def prompt_stream(rows, seed, start, rank, world):
 
 
 def eval_rows(args, tokenizer, reward_fns, tools=None):
-    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None."""
+    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None (and a
+    line that says why, when an evaluation was asked for)."""
     split, beside = args.eval_split, args.dataset.removesuffix("train.jsonl") + "test.jsonl"
+    flag = f"--eval-split {split}"
     if split is None and args.dataset.endswith("train.jsonl") and os.path.isfile(beside):
-        split = beside
+        split, flag = beside, f"--eval-split {beside}, found beside {args.dataset},"
     if split is None and args.eval_only:
-        split = args.dataset_split
+        split, flag = args.dataset_split, None  # --dataset's own rows
     if split is None or not reward_fns or not (args.eval_every or args.eval_only):
+        why = "no --eval-split given or found beside --dataset" if split is None else "no reward function to score it"
+        if args.eval_every and not args.eval_only:
+            print(f"note: no held-out evaluation (--eval-every {args.eval_every}): {why}")
         return None
     source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
-    rows = load_prompts(Args(**asdict(args) | source), tokenizer, needs_answers=True, tools=tools)
+    needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))  # as training's
+    rows = load_prompts(Args(**asdict(args) | source), tokenizer, needs_answers, tools, flag)
     return list({row["prompt"]: row for row in rows}.values())[: args.eval_size]
 
 
@@ -1106,8 +1227,9 @@ def tokenize_texts(tokenizer, texts, max_length):
 def rm_text(rm_tokenizer, row, turns):
     """What a reward model with a tokenizer of its own reads: the whole conversation, the response's turns (messages)
     after the prompt, through its own chat template, if any (as TRL's _calculate_rewards), else their texts."""
-    if rm_tokenizer.chat_template is None:
-        return row["prompt"] + "".join(turn["content"] for turn in turns)
+    if rm_tokenizer.chat_template is None:  # the contents, each call as its JSON
+        calls = [[json.dumps(call["function"]) for call in turn.get("tool_calls") or []] for turn in turns]
+        return row["prompt"] + "".join(turn["content"] + "".join(c) for turn, c in zip(turns, calls))
     messages = row["messages"] or [{"role": "user", "content": row["prompt"]}]
     return rm_tokenizer.apply_chat_template(messages + turns, tokenize=False)
 
@@ -1617,12 +1739,13 @@ def global_metrics(metrics, ops):
     return {key: type(value)(reduced[ops.get(key)][i].item()) for i, (key, value) in enumerate(metrics.items())}
 
 
-def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, tools=None):
-    """n = --eval-num-generations samples of each held-out prompt at --eval-temperature (0: greedy), right when their
-    reward is > 0: eval/accuracy, pass@1, the mean over the n, its standard error over the prompts (a prompt's samples
-    are not independent); above n = 1 eval/pass@k (k = 1, 2, ... below n, and n), eval/maj@n; the shares cut off (with
-    tools: at a call); right and wrong lengths (--eval-only: a table). Under torchrun ranks take every world-th batch of
-    prompts x samples, as many each (one short repeats the first, uncounted). A stop: {}, after the batch, all ranks."""
+def evaluate(policy, tokenizer, rows, reward_fns, args, autocast, batch_size, tools=None, environment=None):
+    """n = --eval-num-generations samples of each held-out prompt at --eval-temperature (0: greedy), right when the
+    first reward source scores them > 0 (--environment: episodes reset with the held-out rows): eval/accuracy, pass@1,
+    the mean over the n, its standard error over the prompts (a prompt's samples are not independent), the mean reward;
+    above n = 1 eval/pass@k (k = 1, 2, ... below n, and n), eval/maj@n; the shares cut off (with tools: at a call);
+    right and wrong lengths (--eval-only: a table). Under torchrun ranks take every world-th batch of prompts x
+    samples, as many each (one short repeats the first, uncounted). A stop: {}, after the batch, all ranks."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     n, temperature = args.eval_num_generations, args.eval_temperature
     temperature = args.temperature if temperature is None else temperature
@@ -1633,11 +1756,13 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, too
     records, stop = [], [signalled]  # each sample's index, score, length, calls, failures, cut-offs, answer
     for chunk in batches[rank::world]:
         chunk_rows = [rows[s // n] for s in chunk or batches[0]]
-        batch = rollout(policy, tokenizer, [r["prompt"] for r in chunk_rows], args, autocast, stop, tools, **sampling)
+        chunk_rows, envs = reset_environments(environment, chunk_rows, tokenizer, tools, args)
+        prompts = [r["prompt"] for r in chunk_rows]
+        batch = rollout(policy, tokenizer, prompts, args, autocast, stop, tools, envs, **sampling)
         if stop_requested():  # every rank, after each batch (each runs as many): a stopped evaluation is not logged
             return {}
         completions, transcripts, _ = decode_responses(tokenizer, batch)
-        scores = on_every_rank(lambda: reward_fn(completions, chunk_rows, transcripts) if chunk else [])  # all stop
+        scores = on_every_rank(lambda: reward_fns[0](completions, chunk_rows, transcripts, envs) if chunk else [])
         if chunk is not None:  # a repeat of the first batch is not counted
             counts = batch["lengths"].float().tolist(), batch["tool_calls"].tolist(), batch["tool_failures"].tolist()
             cut = (~batch["ended"] & ~batch["cut_on_call"]).tolist(), batch["cut_on_call"].tolist()  # no EOS; on a call
@@ -1651,10 +1776,14 @@ def evaluate(policy, tokenizer, rows, reward_fn, args, autocast, batch_size, too
     accuracy = right.double().view(-1, n).mean(1)  # each prompt's: pass@1
     metrics = {"eval/accuracy": accuracy.mean().item()}
     metrics["eval/accuracy_stderr"] = accuracy.std().nan_to_num().item() / len(accuracy) ** 0.5  # over n - 1
+    metrics["eval/mean_reward"] = sum(scores) / len(scores)
+    if not set(scores) <= {0.0, 1.0} and "partial" not in TRUNCATED:  # once a run
+        TRUNCATED.append("partial")
+        print("note: held-out scores are not all 0 or 1: eval/accuracy counts a response right when it scores > 0")
     if n > 1:
         for k in sorted({2**i for i in range(n.bit_length())} | {n}):
             metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in right.view(-1, n).sum(1).tolist()) / len(rows)
-        if reward_fn_names(args)[0] in ("arithmetic", "gsm8k"):  # a number to vote on, which final_answer reads
+        if reward_fn_names(args)[:1] in [("arithmetic",), ("gsm8k",)]:  # a number to vote on, which final_answer reads
             references = [final_answer(row["answer"]) for row in rows]
             votes = [majority_vote(answers[i * n : (i + 1) * n]) for i in range(len(rows))]
             metrics[f"eval/maj@{n}"] = sum(map(operator.eq, votes, references)) / len(rows)

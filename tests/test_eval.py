@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -52,13 +53,20 @@ def test_pass_at_k_grows_with_k_and_maj_at_n_is_logged(tmp_path, capsys):
     assert "(pass@1; two evaluations of one policy differ by < " in out and "greedy: " not in out
 
 
-def test_right_is_a_positive_reward_and_one_sample_keeps_the_keys(tmp_path):
-    # a graded reward (0.5 for every completion): each sample is right, the accuracy 1, not the mean score 0.5
+def test_right_is_a_positive_reward_and_one_sample_keeps_the_keys(tmp_path, capsys, monkeypatch):
+    # a graded reward (0.5 for every completion): each sample is right, the accuracy 1; the mean reward, 0.5, beside
+    # it, and one line, once, that says what right means when the scores are not all 0 or 1
+    monkeypatch.setattr(ppo_llm, "TRUNCATED", [])  # this run's notes
     (tmp_path / "half.py").write_text("def half(completions, **kw):\n    return [0.5] * len(completions)\n")
     args = ppo_llm.Args(eval_only=True, eval_size=16, reward_fn=f"{tmp_path / 'half.py'}:half")
     result = ppo_llm.main(args)
-    assert result["eval/accuracy"] == 1.0 and result["eval/accuracy_stderr"] == 0.0
-    assert set(result) == {"eval/accuracy", "eval/accuracy_stderr", "eval/clipped_ratio", "eval/mean_length_right"}
+    assert (
+        result["eval/accuracy"] == 1.0 and result["eval/accuracy_stderr"] == 0.0 and result["eval/mean_reward"] == 0.5
+    )
+    keys = {"eval/accuracy", "eval/accuracy_stderr", "eval/mean_reward", "eval/clipped_ratio", "eval/mean_length_right"}
+    assert set(result) == keys
+    note = "note: held-out scores are not all 0 or 1: eval/accuracy counts a response right when it scores > 0"
+    assert capsys.readouterr().out.count(note) == 1
     # 2 samples: pass@k, but no maj@2: a reward function of one's own has no answer that final_answer reads
     result = ppo_llm.main(ppo_llm.Args(**vars(args) | dict(eval_num_generations=2)))
     assert result["eval/pass@2"] == 1.0 and not any(key.startswith("eval/maj@") for key in result)
@@ -110,3 +118,55 @@ def test_evaluation_cut_off_at_max_new_tokens_says_so(module, capsys):
         and f"  clipped_ratio               {result['eval/clipped_ratio']:.3f}" in out
     )
     assert f"warning: {result['eval/clipped_ratio']:.0%} of the held-out responses were cut off, scored as wrong" in out
+
+
+def test_an_evaluation_asked_for_that_cannot_happen_says_so(tmp_path, capsys):
+    # --eval-every with no split found beside the dataset, or with no reward function to score it (a reward model's
+    # run): one line at the start naming --eval-split or the reward function, and no evaluation
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained("assets/arith-sft")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    args = ppo_llm.Args(dataset=str(tmp_path / "prompts.jsonl"))
+    assert ppo_llm.eval_rows(args, tok, [lambda *a: [1.0]]) is None
+    assert capsys.readouterr().out == (
+        "note: no held-out evaluation (--eval-every 10): no --eval-split given or found beside --dataset\n"
+    )
+    assert ppo_llm.eval_rows(ppo_llm.Args(), tok, []) is None  # test.jsonl is beside, but nothing scores
+    assert capsys.readouterr().out == "note: no held-out evaluation (--eval-every 10): no reward function to score it\n"
+    assert ppo_llm.eval_rows(ppo_llm.Args(eval_every=0), tok, []) is None and capsys.readouterr().out == ""
+
+
+def test_evaluation_needs_the_answer_column_as_training_does_and_names_its_split(tmp_path):
+    # a reward function of one's own reads `target`: the split found beside train.jsonl, with no answer column, is
+    # evaluated; with the built-in arithmetic, which reads it, the error names the split as what it is
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained("assets/arith-sft")
+    for split in ["train", "test"]:
+        rows = [{"prompt": f"{a}+{a}=", "target": str(2 * a)} for a in range(4)]
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    own = ppo_llm.Args(dataset=str(tmp_path / "train.jsonl"), reward_fn="mine.py:f")
+    assert len(ppo_llm.eval_rows(own, tok, [lambda *a: [1.0]])) == 4
+    beside = f"--eval-split {tmp_path / 'test.jsonl'}, found beside {tmp_path / 'train.jsonl'},"
+    with pytest.raises(SystemExit, match=f"^error: {beside}: row 1 has no --answer-column answer, which the reward"):
+        ppo_llm.eval_rows(ppo_llm.Args(dataset=str(tmp_path / "train.jsonl")), tok, [lambda *a: [1.0]])
+
+
+def test_a_reward_function_is_checked_as_it_loads(tmp_path):
+    # it is called with completions=, transcripts=, prompts= and each column (environments= with --environment): one
+    # that takes fewer and no **kwargs is refused in one line, before any model loads; one number instead of a list too
+    (tmp_path / "fns.py").write_text(
+        "def exact(completions, answer):\n    return [1.0] * len(completions)\n\n\n"
+        "def full(completions, transcripts, prompts, answer):\n    return [1.0] * len(completions)\n\n\n"
+        "def one(completions, **kwargs):\n    return 0.5\n"
+    )
+    spec = f"{tmp_path / 'fns.py'}"
+    takes = "takes (completions, answer), but is called with completions=, transcripts=, prompts="
+    with pytest.raises(SystemExit, match=f"^error: --reward-fn {spec}:exact {re.escape(takes)} and each other column"):
+        ppo_llm.load_reward_fn(f"{spec}:exact", 600)
+    assert ppo_llm.load_reward_fn(f"{spec}:full", 600)(["1"], [{"columns": {"prompts": "p", "answer": "1"}}], ["1"])
+    with pytest.raises(SystemExit, match="environments="):  # with an environment it is called with environments= too
+        ppo_llm.load_reward_fn(f"{spec}:full", 600, environment=True)
+    with pytest.raises(SystemExit, match=f"^error: --reward-fn {spec}:one returned 0.5, not a list of a number per"):
+        ppo_llm.load_reward_fn(f"{spec}:one", 600)(["1"], [{"columns": {"prompts": "p"}}], ["1"])

@@ -311,6 +311,7 @@ def test_default_variant_with_kl_eval_samples_and_saving(tiny, tmp_path, capsys)
         "episode": 0,
         "eval/accuracy": 0.0,
         "eval/accuracy_stderr": 0.0,
+        "eval/mean_reward": 0.0,  # arithmetic's: 0 on each
         "eval/clipped_ratio": records[0]["eval/clipped_ratio"],  # most of the random policy's responses
         "eval/mean_length_wrong": wrong,
     }
@@ -338,7 +339,9 @@ def test_eval_only_on_a_dataset_and_eval_split_during_training(tiny, tmp_path, c
                          eval_only=True, output_dir=str(tmp_path / "runs"))  # fmt: skip
     result = grpo_llm.main(args)
     assert "20 held-out prompts, 1 sample each" in capsys.readouterr().out and not os.path.exists(tmp_path / "runs")
-    assert set(result) == {"eval/accuracy", "eval/accuracy_stderr", "eval/clipped_ratio", "eval/mean_length_wrong"}
+    assert set(result) == {
+        "eval/accuracy", "eval/accuracy_stderr", "eval/mean_reward", "eval/clipped_ratio", "eval/mean_length_wrong"
+    }  # fmt: skip
     # --eval-split FILE: the periodic evaluation of a prompt file; a local --dataset has no split to name
     _, records = run(
         tiny, tmp_path, dataset=tiny["jsonl"], reward_fn=("gsm8k",), eval_split=tiny["jsonl"], eval_every=1

@@ -310,6 +310,7 @@ def test_run_logs_saves_and_loads_back(tiny, tmp_path, capsys):
             "episode",
             "eval/accuracy",
             "eval/accuracy_stderr",
+            "eval/mean_reward",
             "eval/clipped_ratio",
             "eval/mean_length_right",
             "eval/mean_length_wrong",

@@ -110,9 +110,9 @@ def test_a_family_round_trips_typed_calls_and_runs_two_turns(name):
     assert (tok.chat_template == trl.chat_template_utils.qwen3_training_chat_template) == (name == "qwen3")
     assert tok.one_call_a_turn == name.startswith(("llama3", "gptoss"))
     prompt, call, rest = turn_after(tok, eos_ids, [USER], CALL, RESULT)
-    (parsed,) = ppo_llm.tool_calls_in(tok, prompt + call, len(call), TOOLS)
+    (parsed,) = ppo_llm.parse_turn(tok, prompt + call, len(call), TOOLS)["tool_calls"]
     assert parsed["function"] == {"name": "add", "arguments": {"a": 7, "b": 5}}  # ints, as the tool's hints say
-    result, failed = ppo_llm.run_tools(tok, TOOLS, [parsed], 5.0, eos_ids, 10_000)
+    result, failed, _ = ppo_llm.run_tools(tok, TOOLS, [parsed], 5.0, eos_ids, 10_000)
     # the result's ids: the template's tool message and next assistant header, right after the model's end id
     assert failed == 0 and result == rest
     _, answer, _ = turn_after(tok, eos_ids, [USER, CALL, RESULT], {"role": "assistant", "content": "The sum is 12."})
@@ -163,7 +163,7 @@ def test_xml_arguments_reach_the_tool_typed():
     prompt, call, _ = turn_after(tok, eos_ids, [USER], CALL, RESULT)
     untyped = tok.parse_response(tok.decode(call), prefix=tok.decode(prompt))["tool_calls"]
     assert untyped[0]["function"]["arguments"] == {"a": "7", "b": "5"}
-    (typed,) = ppo_llm.tool_calls_in(tok, prompt + call, len(call), TOOLS)
+    (typed,) = ppo_llm.parse_turn(tok, prompt + call, len(call), TOOLS)["tool_calls"]
     assert add(**typed["function"]["arguments"]) == "12" and add(**untyped[0]["function"]["arguments"]) == "75"
 
 
@@ -173,7 +173,7 @@ def test_reasoning_before_a_call_ends_at_the_call_and_parses(name, field):
     ppo_llm.setup_tool_parsing(tok, TOOLS, eos_ids, name)
     prompt, call, _ = turn_after(tok, eos_ids, [USER], CALL | {field: "I should add 7 and 5."}, RESULT)
     assert "I should add 7 and 5." in tok.decode(call) and call[-1] in eos_ids  # one turn: reasoning, then the call
-    (parsed,) = ppo_llm.tool_calls_in(tok, prompt + call, len(call), TOOLS)
+    (parsed,) = ppo_llm.parse_turn(tok, prompt + call, len(call), TOOLS)["tool_calls"]
     assert parsed["function"] == {"name": "add", "arguments": {"a": 7, "b": 5}}
 
 
@@ -191,9 +191,9 @@ def test_two_calls_in_a_turn_of_a_one_call_family_are_a_failed_call():
     prompt = render(tok, [USER], add_generation_prompt=True)
     two = tok('{"name": "add", "parameters": {"a": 7, "b": 5}}; {"name": "add", "parameters": {"a": 1, "b": 2}}')
     turn = two.input_ids + [tok.convert_tokens_to_ids("<|eot_id|>")]
-    calls = ppo_llm.tool_calls_in(tok, prompt + turn, len(turn), TOOLS)
+    calls = ppo_llm.parse_turn(tok, prompt + turn, len(turn), TOOLS)["tool_calls"]
     assert calls == ["this model calls one tool a turn"]
-    result, failed = ppo_llm.run_tools(tok, TOOLS, calls, 5.0, eos_ids, 10_000)
+    result, failed, _ = ppo_llm.run_tools(tok, TOOLS, calls, 5.0, eos_ids, 10_000)
     assert failed == 1 and "ValueError: this model calls one tool a turn" in tok.decode(result)
 
 

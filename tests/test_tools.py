@@ -195,16 +195,16 @@ def test_calls_are_parsed_by_the_response_template_after_their_context():
     prompt = tok("calculator:6*7\nA:").input_ids
     turn = tok(CALL).input_ids + [tok.eos_token_id]
     tools = {"calculator": ppo_llm.calculator}
-    (call,) = ppo_llm.tool_calls_in(tok, prompt + turn, len(turn), tools)
+    (call,) = ppo_llm.parse_turn(tok, prompt + turn, len(turn), tools)["tool_calls"]
     assert call["function"] == {"name": "calculator", "arguments": {"expression": "6*7"}}
-    assert ppo_llm.tool_calls_in(tok, prompt + tok("42").input_ids, 2, tools) == []  # an answer
+    assert ppo_llm.parse_turn(tok, prompt + tok("42").input_ids, 2, tools)["tool_calls"] == []  # an answer
     broken = tok('<tool_call>{"name": "calculator", "arguments": {</tool_call>').input_ids
-    assert ppo_llm.tool_calls_in(tok, prompt + broken, len(broken), tools) == ["the call is not valid JSON"]
+    assert ppo_llm.parse_turn(tok, prompt + broken, len(broken), tools)["tool_calls"] == ["the call is not valid JSON"]
 
 
 def test_every_kind_of_bad_call_is_an_error_result_and_counted():
     def number() -> int:
-        """Returns a number, not a string."""
+        """Returns a number, not a string: str()'d, as TRL does."""
         return 3
 
     def broken(x: str) -> str:
@@ -229,12 +229,12 @@ def test_every_kind_of_bad_call_is_an_error_result_and_counted():
         {"function": {"name": "calculator", "arguments": {"expression": "9**9**9"}}},
     ]
     started = time.perf_counter()
-    ids, failed = ppo_llm.run_tools(tok, tools, calls, 0.5, [tok.eos_token_id], 1000)
+    ids, failed, _ = ppo_llm.run_tools(tok, tools, calls, 0.5, [tok.eos_token_id], 1000)
     assert time.perf_counter() - started < 10  # the 30 s sleep was cut at 0.5 s
-    assert failed == 8
+    assert failed == 7
     text = tok.decode(ids)
     assert text.startswith("\nR:42\nR:{'error': 'ValueError: the call is not valid JSON'}\nR:")
-    for why in ["no tool 'search'", "not a JSON object", "TypeError", "the tool broke", "returned int, not str"]:
+    for why in ["no tool 'search'", "not a JSON object", "TypeError", "the tool broke", "\nR:3\nR:"]:
         assert why in text
     assert "TimedOut: tool slow ran past 0.5 s" in text and "exponent" in text and text.endswith("\nA:")
 
@@ -282,7 +282,7 @@ def test_a_tool_call_template_gets_hermes_response_template_anchored_at_the_assi
     prompt = tok.apply_chat_template([{"role": "user", "content": "6*7"}], tokenize=False, add_generation_prompt=True)
     turn = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call><|im_end|>'
     ids, turn_ids = tok(prompt).input_ids, tok(turn).input_ids
-    (call,) = ppo_llm.tool_calls_in(tok, ids + turn_ids, len(turn_ids), tools)
+    (call,) = ppo_llm.parse_turn(tok, ids + turn_ids, len(turn_ids), tools)["tool_calls"]
     assert call["function"]["arguments"] == {"expression": "6*7"}
 
 
@@ -294,10 +294,13 @@ def test_the_reward_reads_the_last_turn_and_a_response_ending_on_a_tool_result_s
     masks = [[1.0] * len(call) + [0.0] * len(result) + [1.0] * len(answer), [1.0] * len(call) + [0.0] * len(result)]
     masks.append([1.0] * 3)
     inputs = tok(["6*7", "6*7", "6*7"], return_tensors="pt")
+    tool_turn = [{"role": "assistant", "content": "", "tool_calls": []}, {"role": "tool", "name": "f", "content": "42"}]
+    messages = [tool_turn + [{"role": "assistant", "content": "42"}], tool_turn, []]  # as run_episodes records them
     batch = right_padded_batch(tok, inputs, responses, masks, [True, False, True], [False, False, False])
+    batch["messages"] = messages
     completions, transcripts, _ = ppo_llm.decode_responses(tok, batch)
     assert completions == ["42", "", "42"]  # the tool's 42 is never the policy's answer
-    assert transcripts[0] == CALL + "[tool: \nR:42\nA:]42" and transcripts[1] == CALL + "[tool: \nR:42\nA:]"
+    assert transcripts[0] == CALL + "[tool: 42]42" and transcripts[1] == CALL + "[tool: 42]"  # the result's text
     rows = [{"answer": "42"}] * 3
     assert ppo_llm.load_reward_fn("arithmetic", 600)(completions, rows, transcripts) == [1.0, 0.0, 1.0]
     assert batch["attention_mask"][1, 3:].sum() == len(call + result) and batch["mask"][1].sum() == len(call)
@@ -329,8 +332,8 @@ def calc(tmp_path_factory):
     return {"policy": str(root / "policy"), "train": str(root / "train.jsonl")}
 
 
-def scripted(monkeypatch, sample=False):
-    """Every generate() afterwards writes each row's next scripted turn (then EOS), read from its context; with
+def scripted(monkeypatch, sample=False, script=SCRIPT):
+    """Every generate() afterwards writes each row's next turn of `script` (then EOS), read from its context; with
     sample, after the real generate() has run (its FSDP gathers and synced_gpus' all-reduces, if any, with it)."""
     real = transformers.GenerationMixin.generate
 
@@ -342,7 +345,7 @@ def scripted(monkeypatch, sample=False):
         for ids in input_ids.tolist():
             context = tok.decode(ids, skip_special_tokens=True)
             problem, written = context.split(":")[1].split("\n")[0], context.rsplit("\nA:", 1)[1]  # the turn so far
-            turn = tok(SCRIPT[problem][context.count("\nR:")][len(written) :]).input_ids + [tok.eos_token_id]
+            turn = tok(script[problem][context.count("\nR:")][len(written) :]).input_ids + [tok.eos_token_id]
             turns.append(turn[:max_new_tokens])
         width = max(len(turn) for turn in turns)
         new = torch.tensor([turn + [tok.pad_token_id] * (width - len(turn)) for turn in turns])
@@ -385,7 +388,7 @@ def test_ppo_with_tools_trains_on_the_policys_tokens_and_its_first_ratio_is_exac
         assert m["eval/accuracy"] == 0.5 and m["eval/tools/call_frequency"] == 0.75
     samples = [json.loads(line) for line in open(os.path.join(run_dir, "samples.jsonl"))]
     (six,) = [s for s in samples if s["update"] == 1 and s["prompt"].startswith("calculator:6*7")]
-    assert six["completion"] == CALL + "[tool: \nR:42\nA:]42"  # the tool's result marked as the tool's
+    assert six["completion"] == CALL + "[tool: 42]42"  # the tool's result (its content) marked as the tool's
 
 
 def test_grpo_with_tools_passes_the_whole_responses_to_reward_functions(calc, tmp_path, monkeypatch):
@@ -417,7 +420,7 @@ def test_a_result_that_fills_or_overflows_the_room_cuts_the_response_off(calc, t
     run_dir = tool_run(script, calc, tmp_path, monkeypatch, **kwargs)
     samples = [json.loads(line) for line in open(os.path.join(run_dir, "samples.jsonl"))]
     (six,) = [s for s in samples if s["prompt"].startswith("calculator:6*7")]
-    assert six["completion"] == CALL + ("[tool: \nR:42\nA:]" if spare == 0 else "")
+    assert six["completion"] == CALL + ("[tool: 42]" if spare == 0 else "")
     assert six.get("score", six.get("reward")) == 0.0
 
 
@@ -465,7 +468,7 @@ def test_a_stop_during_a_tool_call_is_no_failure():
     started = time.perf_counter()
     timer.start()
     try:
-        ids, failed = ppo_llm.run_tools(tok, {"slow": slow}, [call, call], 60, [tok.eos_token_id], 1000)
+        ids, failed, _ = ppo_llm.run_tools(tok, {"slow": slow}, [call, call], 60, [tok.eos_token_id], 1000)
         assert ppo_llm.STOP == [signal.SIGTERM]
     finally:
         timer.cancel()
@@ -485,7 +488,7 @@ def test_a_turn_longer_than_its_room_goes_on_in_the_next_generate(calc, monkeypa
     tok = AutoTokenizer.from_pretrained(calc["policy"], padding_side="left")
     tools = {"calculator": ppo_llm.calculator}
     first = [tok(SCRIPT[p][0]).input_ids + [tok.eos_token_id] for p in ["6*7", "2*3"]]
-    parsed = [ppo_llm.tool_calls_in(tok, ids, len(ids), tools) for ids in first]
+    parsed = [ppo_llm.parse_turn(tok, ids, len(ids), tools)["tool_calls"] for ids in first]
     results = [ppo_llm.run_tools(tok, tools, c, 1, [1], 10_000)[0] for c in parsed]
     longest = max(len(ids) + len(result) for ids, result in zip(first, results))  # 2*3's
     policy = AutoModelForCausalLM.from_pretrained(calc["policy"])
@@ -531,22 +534,33 @@ def test_a_response_cut_off_on_its_call_has_no_answer_and_abstains_from_the_vote
     assert ppo_llm.majority_vote([ppo_llm.final_answer(c) for c in completions]) == 7.0
 
 
-def test_a_reward_model_reads_the_whole_conversation_whatever_its_tokenizer():
-    # a tool run and a direct answer with the same last turn, 42: one with its own tokenizer reads the assistant's call,
-    # the tool's message and the answer through its chat template; one with the policy's reads the ids, which hold them
-    tok, rm_tok = compact_tokenizer(), tool_tokenizer(QWEN25, ["<|im_start|>", "<|im_end|>"])
-    tool_run = [(CALL + "<eos>", True), ("\nR:42\nA:", False), ("42<eos>", True)]
-    batch = call_batch(tok, ["6*7", "6*7"], [tool_run, [("42<eos>", True)]], [True, True], [False, False])
+def test_a_reward_model_reads_the_whole_conversation_whatever_its_tokenizer(calc, monkeypatch):
+    # a tool run and a direct answer with the same last turn, 42, from the rollout itself: one with its own tokenizer
+    # reads TRL's messages through its chat template, the assistant's with its call parsed (content "", the call in
+    # tool_calls), then the tool's with its result alone, 42 (not the template's wrapper, \nR:42\nA:), then the
+    # answer; one with the policy's reads the ids, which hold them all
+    monkeypatch.setenv("SCRIPTED_TOKENIZER", calc["policy"])
+    monkeypatch.setitem(SCRIPT, "7*6", ["42"])
+    scripted(monkeypatch)
+    tok, rm_tok = AutoTokenizer.from_pretrained(calc["policy"], padding_side="left"), tool_tokenizer(QWEN25)
+    policy = AutoModelForCausalLM.from_pretrained(calc["policy"])
+    policy.generation_config.update(eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    args = ppo_llm.Args(max_new_tokens=160, max_tool_calls=1)
+    prompts = ["calculator:6*7\nA:", "calculator:7*6\nA:"]
+    batch = ppo_llm.rollout(
+        policy, tok, prompts, args, contextlib.nullcontext(), None, {"calculator": ppo_llm.calculator}
+    )
     completions, _, conversations = ppo_llm.decode_responses(tok, batch)
     assert completions == ["42", "42"]
     row = {"prompt": "6*7", "messages": None}
     tool_text, direct_text = [ppo_llm.rm_text(rm_tok, row, turns) for turns in conversations]
     assert direct_text == "<|im_start|>user\n6*7<|im_end|>\n<|im_start|>assistant\n42<|im_end|>\n"
+    call = '{"name": "calculator", "arguments": {"expression": "6*7"}}'
     assert tool_text == (
-        f"<|im_start|>user\n6*7<|im_end|>\n<|im_start|>assistant\n{CALL}<|im_end|>\n"
-        "<|im_start|>user\n<tool_response>\n\nR:42\nA:\n</tool_response><|im_end|>\n<|im_start|>assistant\n42<|im_end|>\n"
+        f"<|im_start|>user\n6*7<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{call}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n42<|im_end|>\n"
     )
-    assert ppo_llm.rm_text(char_tokenizer(["x"]), row, conversations[0]) == "6*7" + CALL + "\nR:42\nA:42"  # no template
+    assert ppo_llm.rm_text(char_tokenizer(["x"]), row, conversations[0]) == "6*7" + call + "4242"  # no template
     real = batch["attention_mask"][:, batch["prompt_width"] :].sum(1)  # the policy's ids: the tool's tokens too
     assert real.tolist() == [len(tok(CALL).input_ids) + 1 + 8 + 3, 3]
 
@@ -599,14 +613,14 @@ def test_a_result_not_utf8_or_refused_by_the_template_or_too_long_for_the_room(m
     tools = {"calculator": ppo_llm.calculator, "latin1": latin1, "refused": refused, "huge": huge}
     calls = [{"function": {"name": name, "arguments": {}}} for name in ["latin1", "refused"]]
     calls.append({"function": {"name": "calculator", "arguments": {"expression": "6*7"}}})
-    ids, failed = ppo_llm.run_tools(tok, tools, calls, 10, [tok.eos_token_id], 1000)
+    ids, failed, _ = ppo_llm.run_tools(tok, tools, calls, 10, [tok.eos_token_id], 1000)
     assert failed == 1 and tok.decode(ids) == "\nR:caf?\nR:{'error': 'TemplateError: refused'}\nR:42\nA:"
     rendered, real = [], ppo_llm.tool_result_ids
     monkeypatch.setattr(
         ppo_llm, "tool_result_ids", lambda tok, messages, eos: rendered.append(1) or real(tok, messages, eos)
     )
     huge_call = {"function": {"name": "huge", "arguments": {}}}
-    assert ppo_llm.run_tools(tok, tools, [huge_call], 10, [tok.eos_token_id], 10) == (None, 0) and rendered == []
+    assert ppo_llm.run_tools(tok, tools, [huge_call], 10, [tok.eos_token_id], 10)[:2] == (None, 0) and rendered == []
     # 5 M > 10 tokens x 11 characters (<tool_call>, the longest token); one that fits in 99 tokens is kept
     assert ppo_llm.run_tools(tok, tools, calls[2:], 10, [tok.eos_token_id], 99)[0] == tok("\nR:42\nA:").input_ids
 
@@ -664,7 +678,7 @@ def test_a_run_whose_tool_returns_bytes_that_are_not_utf8_goes_on(calc, tmp_path
     samples = [json.loads(line) for line in open(run_dir / "samples.jsonl")]
     completions = "".join(s["completion"] for s in samples)  # under torchrun rank 0's prompts alone
     if processes == 1:
-        assert CALL + "[tool: \nR:?42\nA:]42" in completions and "{'error': 'TemplateError: refused'}" in completions
+        assert CALL + "[tool: ?42]42" in completions and "{'error': 'TemplateError: refused'}" in completions
     (metrics,) = untimed_metrics(run_dir)
     assert metrics["tools/failure_frequency"] == pytest.approx(2 / 3)
 

@@ -260,6 +260,38 @@ def tool_turns_match_generate(tmp_path):
         logprobs = script.policy_forward(policy, engine, torch.arange(len(prompts)), args)[1]
     assert ((logprobs - engine["vllm_logprobs"]).abs() * engine["mask"]).max() < TOL
     assert (engine["vllm_logprobs"][engine["mask"] == 0] == 0).all()  # the results' tokens: the tool's, no log-prob
+    # the same episodes in an environment (--environment): its calculator method, each call's turn rewarded 1
+    batches = []
+    for vllm in [True, False]:
+        environments = [Tally() for _ in prompts]
+        for environment in environments:
+            environment.reset()
+        options, tools = script.Args(**(vars(args) | {"vllm": vllm})), script.environment_tools(environments[0])
+        autocast = torch.autocast("cpu", enabled=False)
+        batch = script.rollout(
+            policy, tokenizer, prompts, options, autocast, None, tools, environments, do_sample=False
+        )
+        batches.append(batch)
+    engine, generate = batches
+    for key in ["responses", "mask", "turns", "tool_calls", "turn_rewards"]:
+        assert torch.equal(engine[key], generate[key]), key
+    assert engine["turn_rewards"].sum() == engine["tool_calls"].sum() > 0  # a reward on each call's turn
+
+
+class Tally:
+    """An environment whose tool is the calculator: each call's turn earns 1 (its turn_rewards)."""
+
+    def reset(self, **row):
+        self.turn_rewards = []
+
+    def calculator(self, expression: str) -> str:
+        """Evaluates an arithmetic expression.
+
+        Args:
+            expression: the expression, as 37*85
+        """
+        self.turn_rewards.append(1.0)
+        return grpo_llm.calculator(expression)
 
 
 on_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 GPUs")
