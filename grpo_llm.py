@@ -68,7 +68,7 @@ import time
 import traceback
 import warnings
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from types import SimpleNamespace
 from typing import Literal
 
@@ -110,6 +110,8 @@ class Args:
     reward_fn: tuple[str, ...] | None = None  # summed: arithmetic gsm8k format file.py:fn module:fn (unset: arithmetic)
     reward_timeout: float = 600.0  # seconds a --reward-fn call may take (a judge, a sandbox); then the run stops
     reward_weights: tuple[float, ...] | None = None  # weight of each reward function (unset: 1 each)
+    teacher: str | None = None  # on-policy distillation: a causal LM, the policy's tokenizer, grading every token
+    teacher_coef: float = 1.0  # --teacher: each token's advantage -coef (log pi - log pi_teacher), discount 0
     dataset: str = "assets/arith/train.jsonl"  # prompts: a .jsonl .json .csv .parquet file, or a hub dataset
     dataset_config: str | None = None  # hub dataset configuration (gsm8k: main)
     dataset_split: str = "train"  # hub dataset split
@@ -211,6 +213,13 @@ def group_advantages(rewards, group_size, scale, leave_one_out=False):
         advantages = advantages / (global_std(rewards) + 1e-4)
     zero_std = grouped.max(1).values == grouped.min(1).values  # (P,)
     return advantages.masked_fill(zero_std[:, None], 0.0).view(-1), zero_std
+
+
+def distillation_advantages(advantages, logprobs, teacher_logprobs, coef):
+    """On-policy distillation (Agarwal et al. 2024, GKD; Lu et al. 2025): each token's -coef (log pi(y_t) - log
+    pi_teacher(y_t)), the sampled reverse KL's negative, added to its advantage (B,) or (B, T) -> (B, T). Discount 0:
+    a token is graded for itself, as the teacher would have chosen it in the state the student reached."""
+    return advantages.view(len(advantages), -1) - coef * (logprobs - teacher_logprobs)
 
 
 def overlong_penalty(lengths, max_new_tokens, buffer, penalty):
@@ -348,9 +357,11 @@ def accumulate_gradients(policy, batch, micro_batches, args, autocast):
         with autocast:
             _, logprobs, entropy = policy_forward(policy, batch, micro_batch, args)
         old_logprobs = batch["old_logprobs"][micro_batch] if args.num_iterations > 1 else logprobs.detach()  # detail 5
-        ref_logprobs = batch["ref_logprobs"][micro_batch] if args.beta else None  # beta 0: no KL term
+        ref_logprobs = batch["ref_logprobs"][micro_batch] if "ref_logprobs" in batch else None  # beta 0: no KL
         advantages, mask = batch["advantages"][micro_batch], batch["loss_mask"][micro_batch]
         entropy_mask = batch["entropy_mask"][micro_batch]
+        if args.teacher:  # on-policy distillation, the teacher's log-probs in the reference's place (step 4)
+            advantages = distillation_advantages(advantages, old_logprobs, ref_logprobs, args.teacher_coef)
         loss, micro_stats = grpo_loss(
             logprobs, old_logprobs, ref_logprobs, advantages, mask, batch_size, n_tokens, args, entropy_mask
         )
@@ -359,6 +370,8 @@ def accumulate_gradients(policy, batch, micro_batches, args, autocast):
         loss.backward()
         loss_sum += loss.detach()  # no .item() per micro-batch: one sync at logging
         stats.append(micro_stats | {"entropy": masked_mean(entropy.detach(), mask)})
+        if args.teacher:  # the number to watch fall: the sampled reverse KL to the teacher, per policy token
+            stats[-1]["distill/reverse_kl"] = masked_mean(old_logprobs - ref_logprobs, mask)
     return loss_sum, stats
 
 
@@ -391,14 +404,16 @@ def main(args: Args | None = None):
     if args.eval_only:  # no training, no run directory; a stop ends it after a batch, with one line
         with stoppable():
             return evaluate(*held_out)
-    ref_policy = None  # beta 0, TRL's default: no KL term, no reference (details 5, 10)
-    if args.beta:
+    ref_policy, distill = load_teacher(args, device, held_out)  # --teacher: it grades every sampled token
+    if args.beta:  # TRL's default 0: no KL term, no reference (details 5, 10)
         ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
     params, optimizer = prepare(args, [policy])
     names = [name.rpartition(":")[2] for name in reward_fn_names(args)]
     if args.reward_model:
         names = [os.path.basename(args.reward_model)]
     weights = list(args.reward_weights or [1.0] * len(names))
+    if args.teacher and not args.reward_fn:  # pure distillation: the reward functions only measure
+        weights = [0.0] * len(names)
     if len(reward_fns) > len(reward_fn_names(args)):  # the environment's get_reward: a source of weight 1 (TRL's)
         names, weights = names + [args.environment.rpartition(":")[2]], weights + [1.0]
     reward_weights = torch.tensor(weights, device=device)
@@ -409,7 +424,7 @@ def main(args: Args | None = None):
     clock = Stopwatch(device, first_update, args.total_steps)
     with guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         if eval_problems and not resumed:  # the initial policy, at update 0
-            initial = evaluate(*held_out)
+            initial = evaluate(*held_out) | distill
             stop_if_signalled()  # a stopped evaluation ({}) is not logged
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
@@ -453,8 +468,8 @@ def main(args: Args | None = None):
                 batch["old_logprobs"], entropy = (torch.cat(x) for x in zip(*out))  # old ones read at mu > 1
                 if args.top_entropy_quantile < 1:  # the whole batch's, from the rollout policy
                     batch["entropy_mask"] = high_entropy_mask(entropy, loss_mask, args.top_entropy_quantile)
-            if args.beta:
-                with scoring(ref_policy, adapters_off=args.lora_r > 0), autocast:
+            if ref_policy is not None:  # the reference's (--beta), or the teacher's (--teacher)
+                with scoring(ref_policy, adapters_off=ref_policy is policy and args.lora_r > 0), autocast:
                     out = [policy_forward(ref_policy, batch, mb, args)[1] for mb in micro_batches]
                 batch["ref_logprobs"] = torch.cat(out)
             if args.vllm and has_loss_tokens:  # truncated importance sampling: vLLM sampled, not the trainer (TRL's)
@@ -518,6 +533,12 @@ def check_args(args, world):
     if args.off_policy_mask_threshold is not None and args.num_iterations == 1:  # old = current: it never acts
         why = "needs --num-iterations > 1 (at 1 no completion is off-policy)"
         raise SystemExit(f"error: --off-policy-mask-threshold {why}")
+    if args.teacher and args.beta:  # a KL term to which model? The teacher's is in every token's advantage
+        raise SystemExit("error: --teacher needs --beta 0: the teacher's reverse KL is each token's advantage already")
+    if args.teacher and args.dynamic_sampling and args.reward_fn is None:
+        raise SystemExit(
+            "error: --dynamic-sampling with --teacher needs a --reward-fn: else every group's rewards are 0"
+        )
     if args.reward_fn == ():
         raise SystemExit("error: --reward-fn needs at least one reward function")
     if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
@@ -1419,6 +1440,28 @@ def frozen_copy(model, device, bf16):
     copied.eval().requires_grad_(False)
     copied.train = lambda mode=True: copied  # models.train() leaves it in eval mode
     return copied
+
+
+def load_teacher(args, device, held_out):
+    """--teacher (on-policy distillation): a frozen causal LM loaded as the reward model is, which scores the policy's
+    sampled ids in its own softmax; one line if its vocabulary is not the policy's or its context is shorter than a
+    prompt and a response. (teacher, its held-out accuracy once, through generate()), or (None, {})."""
+    if args.teacher is None:
+        return None, {}
+    flag, (policy, tokenizer, problems) = f"error: --teacher {args.teacher}", held_out[:3]
+    added = {"[PAD]": tokenizer.pad_token_id}  # the pad token add_pad_token may have given the policy's tokenizer
+    if from_pretrained(AutoTokenizer, args.teacher, "--teacher").get_vocab() | added != tokenizer.get_vocab() | added:
+        raise SystemExit(f"{flag}: its vocabulary is not --model's, whose ids it must score")  # not its vocab_size
+    teacher = load_model(AutoModelForCausalLM, args.teacher, "--teacher", "auto", uses_bf16(args))
+    if getattr(teacher.config, "max_position_embeddings", math.inf) < args.max_prompt_length + args.max_new_tokens:
+        raise SystemExit(f"{flag}: its context is shorter than --max-prompt-length + --max-new-tokens")
+    add_pad_token(tokenizer, [teacher])
+    teacher.generation_config = copy.deepcopy(policy.generation_config)  # detail 4's sampling, the policy's
+    teacher = place(teacher.eval().requires_grad_(False), device, uses_bf16(args))
+    if problems is None or args.resume:
+        return teacher, {}
+    accuracy = evaluate(teacher, *held_out[1:4], replace(args, vllm=False), *held_out[5:])["eval/accuracy"]
+    return teacher, {"distill/teacher_accuracy": accuracy}
 
 
 @contextlib.contextmanager

@@ -65,7 +65,7 @@ import time
 import traceback
 import warnings
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from types import SimpleNamespace
 from typing import Literal
 
@@ -104,6 +104,7 @@ class Args:
     reward_model: str | None = None  # a sequence-classification reward model; without one, --reward-fn scores
     reward_label: int | None = None  # the reward model's logit that is the score, if it has several
     reward_fn: str | None = None  # arithmetic, gsm8k, format, file.py:fn, module:fn (unset: arithmetic; RM: none)
+    teacher: str | None = None  # on-policy distillation: a causal LM, the policy's tokenizer, as the KL's reference
     reward_timeout: float = 600.0  # seconds a --reward-fn call may take (a judge, a sandbox); then the run stops
     dataset: str = "assets/arith/train.jsonl"  # prompts: a .jsonl .json .csv .parquet file, or a hub dataset
     dataset_config: str | None = None  # hub dataset configuration (gsm8k: main)
@@ -388,8 +389,8 @@ def main(args: Args | None = None):
         with stoppable():
             return evaluate(*held_out)
     critic, value_head = build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer)
-    ref_policy = None  # beta 0 without --kl-target: no KL penalty, no reference
-    if args.kl_coef or args.kl_target:
+    ref_policy, distill = load_teacher(args, device, held_out)  # --teacher: the KL penalty is to it (distillation)
+    if ref_policy is None and (args.kl_coef or args.kl_target):  # beta 0 without --kl-target: no KL, no reference
         ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
     params, optimizer = prepare(args, [policy, critic, value_head])
     models = {"policy": policy, "critic": critic, "value_head": value_head}  # what checkpoint/ and policy/ hold
@@ -402,7 +403,7 @@ def main(args: Args | None = None):
     whiten = args.score_norm == "on" or (args.score_norm == "auto" and reward_model is not None)  # the scores (13)
     with guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         if eval_problems and not resumed:  # the initial policy, at update 0
-            initial = evaluate(*held_out)
+            initial = evaluate(*held_out) | distill
             stop_if_signalled()  # a stopped evaluation ({}) is not logged
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
@@ -426,7 +427,7 @@ def main(args: Args | None = None):
             old_logprobs, _, values = (torch.cat(x)[order] for x in zip(*out))
             ref_logprobs = old_logprobs
             if ref_policy is not None:
-                with scoring(ref_policy, adapters_off=args.lora_r > 0), autocast:
+                with scoring(ref_policy, adapters_off=ref_policy is policy and args.lora_r > 0), autocast:
                     out = [policy_forward(ref_policy, batch, mb, args)[1] for mb in micro_batches]
                 ref_logprobs = torch.cat(out)[order]
             # 3. scores; per-token rewards: -beta * KL on each token, the normalised score on the policy's last (3, 13)
@@ -436,6 +437,8 @@ def main(args: Args | None = None):
                 scores = fn_scores.sum(1)  # the reward function's, plus an environment's total (get_reward)
             else:
                 scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, conversations, args)
+            if args.teacher and not (args.reward_fn or args.reward_model or args.environment):  # pure distillation
+                scores = torch.zeros_like(scores)
             kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator) * mask
             non_score_reward = -kl_coef * kl
             rewards = (
@@ -475,7 +478,7 @@ def main(args: Args | None = None):
                 ref_policy.load_state_dict(policy.state_dict())
             run["state"] = {"update": update, "kl_coef": kl_coef}  # update done: a stop from here on resumes after it
             # TRY NOT TO MODIFY: 7. log (TRL's metric names), evaluate, show samples, save
-            batch |= {"scores": scores, "non_score_reward": non_score_reward, "fn_scores": fn_scores}
+            batch |= {"scores": scores, "non_score_reward": non_score_reward, "fn_scores": fn_scores, "kl": kl}
             metrics, line = ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock)
             metrics |= vllm_metrics(old_logprobs, batch) if args.vllm else {}
             if eval_problems and due(update, args.eval_every, args.total_steps):
@@ -512,6 +515,9 @@ def check_args(args, world):
         raise SystemExit("error: --ref-update-every needs a reference to refresh: --kl-coef > 0 or --kl-target")
     if args.prompts_per_update < 2 and (args.score_norm == "on" or (args.score_norm == "auto" and args.reward_model)):
         raise SystemExit("error: --score-norm on (auto: with --reward-model) needs --prompts-per-update >= 2")
+    if args.teacher and (args.kl_estimator != "k1" or args.kl_target or args.ref_update_every or not args.kl_coef):
+        why = "the KL penalty's model, its coefficient --kl-coef > 0: the reverse KL's sample --kl-estimator k1"
+        raise SystemExit(f"error: --teacher is {why}, without --kl-target or --ref-update-every")
     if args.kl_target and not args.kl_coef:
         raise SystemExit("error: --kl-target scales --kl-coef up or down: start it above 0 (got 0)")
 
@@ -539,6 +545,8 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
     if batch["fn_scores"].shape[1]:  # the reward function's verdict, beside a reward model when one is given
         metrics["objective/accuracy"] = (batch["fn_scores"][:, 0] > 0).double().sum().item() / batch_size  # right
     metrics |= tool_metrics(batch) if args.tools or args.environment else {}
+    if args.teacher:  # the number to watch fall: the sampled reverse KL to the teacher, a mean over the policy's tokens
+        metrics["distill/reverse_kl"] = (batch["kl"].sum() / mask.sum()).item()
     if args.environment and batch["fn_scores"].shape[1] > len(reward_fn_names(args)):  # get_reward's column, the last
         total, name = batch["fn_scores"][:, -1], args.environment.rpartition(":")[2]
         metrics |= {f"rewards/{name}/mean": total.mean().item(), f"rewards/{name}/std": total.std().item()}
@@ -1393,6 +1401,28 @@ def frozen_copy(model, device, bf16):
     copied.eval().requires_grad_(False)
     copied.train = lambda mode=True: copied  # models.train() leaves it in eval mode
     return copied
+
+
+def load_teacher(args, device, held_out):
+    """--teacher (on-policy distillation): a frozen causal LM loaded as the reward model is, which scores the policy's
+    sampled ids in its own softmax; one line if its vocabulary is not the policy's or its context is shorter than a
+    prompt and a response. (teacher, its held-out accuracy once, through generate()), or (None, {})."""
+    if args.teacher is None:
+        return None, {}
+    flag, (policy, tokenizer, problems) = f"error: --teacher {args.teacher}", held_out[:3]
+    added = {"[PAD]": tokenizer.pad_token_id}  # the pad token add_pad_token may have given the policy's tokenizer
+    if from_pretrained(AutoTokenizer, args.teacher, "--teacher").get_vocab() | added != tokenizer.get_vocab() | added:
+        raise SystemExit(f"{flag}: its vocabulary is not --model's, whose ids it must score")  # not its vocab_size
+    teacher = load_model(AutoModelForCausalLM, args.teacher, "--teacher", "auto", uses_bf16(args))
+    if getattr(teacher.config, "max_position_embeddings", math.inf) < args.max_prompt_length + args.max_new_tokens:
+        raise SystemExit(f"{flag}: its context is shorter than --max-prompt-length + --max-new-tokens")
+    add_pad_token(tokenizer, [teacher])
+    teacher.generation_config = copy.deepcopy(policy.generation_config)  # detail 4's sampling, the policy's
+    teacher = place(teacher.eval().requires_grad_(False), device, uses_bf16(args))
+    if problems is None or args.resume:
+        return teacher, {}
+    accuracy = evaluate(teacher, *held_out[1:4], replace(args, vllm=False), *held_out[5:])["eval/accuracy"]
+    return teacher, {"distill/teacher_accuracy": accuracy}
 
 
 @contextlib.contextmanager

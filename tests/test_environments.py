@@ -318,3 +318,21 @@ def test_the_docs_example_environment_runs_as_written(tmp_path):
     assert list(tools) == ["increment"] and counter.reset(prompt="count", target="5") == " Count to 5."
     assert [counter.increment(2), counter.increment(7)] == ["2", "5"]
     assert counter.get_reward() == pytest.approx(0.8)
+
+
+def test_a_teacher_grades_the_policys_tokens_of_an_episode_never_a_tools(calc, desk, tmp_path, monkeypatch):  # noqa: F811
+    # --teacher with an environment: another random model with the calc policy's tokenizer grades each token the
+    # policy sampled; a tool's result (mask 0) gets no reward, and the reverse KL is logged
+    torch.manual_seed(1)
+    teacher = ppo_llm.AutoModelForCausalLM.from_pretrained(calc["policy"])
+    for p in teacher.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    teacher.save_pretrained(tmp_path / "teacher")
+    ppo_llm.AutoTokenizer.from_pretrained(calc["policy"]).save_pretrained(tmp_path / "teacher")
+    seen, real = [], ppo_llm.compute_gae
+    monkeypatch.setattr(ppo_llm, "compute_gae", lambda r, v, m, *a: seen.append((r, m)) or real(r, v, m, *a))
+    run_dir = desk_run(ppo_llm, calc, desk, tmp_path, monkeypatch, teacher=str(tmp_path / "teacher"), kl_coef=0.1,
+                       total_steps=1, eval_every=0)  # fmt: skip
+    ((rewards, mask),) = seen
+    assert (rewards[mask == 0] == 0).all() and (rewards[mask == 1] != 0).all()
+    assert untimed_metrics(run_dir)[0]["distill/reverse_kl"] != 0

@@ -452,7 +452,7 @@ def test_entropy_bonus_raises_the_entropy(tiny):
     B, Q, R = 4, 3, 4
     qr, mask = torch.randint(3, 20, (B, Q + R)), torch.ones(B, R)
     r = dict(query_responses=qr, attention_mask=torch.ones_like(qr), responses=qr[:, Q:], loss_mask=mask,
-             prompt_width=Q, advantages=torch.zeros(B), old_logprobs=None, ref_logprobs=None,
+             prompt_width=Q, advantages=torch.zeros(B), old_logprobs=None,
              entropy_mask=torch.ones_like(mask))  # fmt: skip
     args = grpo_llm.Args(micro_batch_size=4, ent_coef=1.0, max_new_tokens=R)
     grpo_llm.accumulate_gradients(policy, r, [torch.arange(B)], args, torch.autocast("cpu", enabled=False))
