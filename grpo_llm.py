@@ -35,6 +35,10 @@ Implementation details, cited "detail N":
     and bonus; --off-policy-mask-threshold (DeepSeek-V3.2): completions with A < 0 far from pi_old leave it.
 14. Tools (--tools): a completion is turns, a tool's result appended as the chat template renders it; its tokens are
     context, not actions (mask 0): in no loss or normaliser, in every length.
+15. Environments (--environment, TRL's environment_factory): an episode's state is an instance reset with its row, its
+    get_reward() one more reward; without a critic every token gets the group advantage of the episode's total.
+16. On-policy distillation (--teacher): each token's advantage adds -coef (log pi - log pi_teacher), the sampled
+    reverse KL on the student's own states, discount 0.
 
 Each variant is a few flags (docs/grpo_llm.md). Running it for real: any causal LM, chat templates, bf16 autocast on
 CUDA, LoRA, torchrun (FSDP2); nothing is lost when a run stops (checkpoint/, --resume).

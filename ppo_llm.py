@@ -32,6 +32,10 @@ Implementation details (after "The N+ Implementation Details of RLHF with PPO", 
     or whitening would rescale it, and remove it when no response ends) and an optional clip.
 14. Tools (--tools): a response is turns, a tool's result appended as the chat template renders it; its tokens are
     context, not actions (mask 0): GAE skips them, the value bootstrapping from the policy's next token.
+15. Environments (--environment, TRL's environment_factory): an episode's state is an instance reset with its row; what
+    a turn's calls append to its turn_rewards goes on the turn's last token, the rest of its total on the last.
+16. On-policy distillation (--teacher): the teacher in the reference's place, each token's reward -beta (log pi - log
+    pi_teacher), the sampled reverse KL on the states the student visits.
 
 Running it for real (docs/ppo_llm.md): any causal LM, chat templates, bf16 autocast on a GPU, LoRA, torchrun (FSDP2),
 resuming (checkpoint/, --resume); CleanRL's and TRL's names for ours: docs/ppo_llm.md.

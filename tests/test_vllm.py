@@ -341,3 +341,18 @@ def test_gpu_py_vllm_part_measures_both_legs_the_push_and_the_difference(tmp_pat
     assert (generate["vllm"], engine["vllm"]) == (False, True) and "vllm/logprob_diff_max" not in generate
     assert all(row["s/update"] > 0 and row["time/generation"] > 0 for row in saved["rows"])
     assert engine["time/push"] > 0 and engine["vllm/logprob_diff_max"] < TOL
+
+
+@needs_vllm
+def test_a_teacher_grades_the_trainers_log_probs_of_the_engines_tokens(served, tmp_path):
+    # --teacher under --vllm: the engine samples; the student's side of the reverse KL is the trainer's log-prob of
+    # each token, not the engine's, so a student distilled from itself has exactly 0 in fp32 on the CPU
+    in_subprocess("distil_from_itself", served, str(tmp_path))
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    metrics = untimed_metrics(run_dir)
+    assert [m["distill/reverse_kl"] for m in metrics] == [0.0, 0.0]
+
+
+def distil_from_itself(served, tmp_path):
+    args = settings(grpo_llm, served, os.path.join(tmp_path, "runs"), teacher=served["tied"], total_steps=2)
+    grpo_llm.main(args)
