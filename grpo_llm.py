@@ -654,18 +654,16 @@ def import_function(spec, flag, known):
 
 
 def load_reward_fn(spec, timeout, environment=False):
-    """--reward-fn as f(completions, rows, transcripts, environments): REWARD_FNS[name], or file.py:fn / module:fn as
-    TRL calls it, with completions=, transcripts=, prompts= and each other column by name (environments= too with
-    --environment): one line, as it loads, if it takes none of them as **kwargs and misses one it names."""
+    """--reward-fn as f(completions, rows, transcripts, environments): REWARD_FNS[name], or file.py:fn / module:fn
+    called as TRL calls it (docs/ppo_llm.md#rewards), refused as it loads if it takes fewer keywords and no **kwargs."""
     if spec in REWARD_FNS:
         return lambda completions, rows, *_: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
-    fn, keywords = import_function(spec, "--reward-fn", REWARD_FNS), ["completions", "transcripts", "prompts"]
-    if environment:
-        keywords.append("environments")
-    parameters = inspect.signature(fn).parameters.values()
-    if all(p.kind != p.VAR_KEYWORD for p in parameters) and not set(keywords) <= {p.name for p in parameters}:
-        takes = f"takes ({', '.join(p.name for p in parameters)}), but is called with {'=, '.join(keywords)}="
-        raise SystemExit(f"error: --reward-fn {spec} {takes} and each other column by name: give it **kwargs")
+    fn, keywords = import_function(spec, "--reward-fn", REWARD_FNS), "completions transcripts prompts environments"
+    try:  # the columns are checked by name as they come
+        inspect.signature(fn).bind_partial(**dict.fromkeys(keywords.split()[: 4 if environment else 3]))
+    except TypeError as e:
+        why = f"{e}: it is called with {keywords.replace(' ', '=, ')}= (with --environment) and each column by name"
+        raise SystemExit(f"error: --reward-fn {spec}: {why}; give it **kwargs") from None
 
     def user_fn(completions, rows, transcripts, environments=None):
         columns = {key: [row["columns"][key] for row in rows] for key in rows[0]["columns"]}
@@ -803,16 +801,15 @@ def load_tools(specs):
 
 
 def load_environment(args, tools):
-    """--environment as TRL's environment_factory: (tools, with its first instance's methods, which the prompts
-    describe; the class, its pool of instances, whether get_reward scores), or (tools, None); one line without reset."""
+    """--environment as TRL's environment_factory: (tools and its first instance's methods, which the prompts describe;
+    the class, its pool of instances, whether get_reward scores), or (tools, None); one line for a dict or no reset."""
     if args.environment is None:
         return tools, None
-    factory, flag = import_function(args.environment, "--environment", {}), f"error: --environment {args.environment}"
-    if isinstance(factory, dict):  # TRL's several environments, chosen by a column
-        raise SystemExit(f"{flag}: a dict of several environments is not supported yet; give one class")
-    instance = factory()
+    factory = import_function(args.environment, "--environment", {})
+    instance = None if isinstance(factory, dict) else factory()  # a dict: TRL's several environments, by a column
     if not callable(getattr(instance, "reset", None)):
-        raise SystemExit(f"{flag} has no reset(**row) method, with which every episode starts (TRL's contract)")
+        why = "is not a class with a reset(**row) method (TRL's environment_factory; a dict of several: not yet)"
+        raise SystemExit(f"error: --environment {args.environment} {why}")
     scores = callable(getattr(instance, "get_reward", None))
     return tools | environment_tools(instance), SimpleNamespace(factory=factory, pool=[instance], scores=scores)
 
@@ -909,16 +906,13 @@ def setup_tool_parsing(tokenizer, tools, eos_ids, model):
 
 def parse_turn(tokenizer, ids, turn_length, tools):
     """The last turn, ids[-turn_length:], as the message parse_response reads with the tools' JSON schemas (a=7 of an
-    XML-style template reaches add(a: int) as 7): role, content, tool_calls ([] if none; a failed call is the str of
-    its reason, run_tools')."""
+    XML-style template reaches add(a: int) as 7): its content, special tokens out, and tool_calls ([] if none; a
+    failed call is the str of its reason, run_tools')."""
     text, prefix = tokenizer.decode(ids[-turn_length:]), tokenizer.decode(ids[:-turn_length])
-    message = {"role": "assistant", "content": text, "tool_calls": []}
-    if not tools:  # a run without them
-        return message
     try:
-        message |= tokenizer.parse_response(text, prefix=prefix, tools=list(tools.values()))
+        message = {"role": "assistant"} | tokenizer.parse_response(text, prefix=prefix, tools=list(tools.values()))
     except ValueError:  # malformed JSON: a failed call
-        return message | {"tool_calls": ["the call is not valid JSON"]}
+        return {"role": "assistant", "content": text, "tool_calls": ["the call is not valid JSON"]}
     message |= {"content": message.get("content") or "", "tool_calls": message.get("tool_calls") or []}
     for token in tokenizer.all_special_tokens:  # an end of turn that the parser leaves in the content
         message["content"] = message["content"].replace(token, "")
@@ -1021,8 +1015,8 @@ def run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling, environ
     (None: it goes on). One generate_turn() serves the episodes that go on, with the longest one's room."""
     eos_ids, pad_id, device = policy.generation_config.eos_token_id, tokenizer.pad_token_id, inputs.input_ids.device
     prompts = [ids[real.bool()].tolist() for ids, real in zip(inputs.input_ids, inputs.attention_mask)]
-    fresh = dict(ids=[], mask=[], vllm_logprobs=[], turn_rewards=[], messages=[], turn_start=0, turns=1)
-    episodes = [SimpleNamespace(prompt=p, tool_calls=0, tool_failures=0, **copy.deepcopy(fresh)) for p in prompts]
+    fresh = dict(ids=[], mask=[], vllm_logprobs=[], turn_rewards=[], messages=[], turn_start=0, turns=1, tool_calls=0)
+    episodes = [SimpleNamespace(prompt=p, tool_failures=0, **copy.deepcopy(fresh)) for p in prompts]
     for e, environment in zip(episodes, environments or [None] * len(episodes)):
         e.environment, e.tools = environment, tools | environment_tools(environment)
     going = episodes

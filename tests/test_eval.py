@@ -162,8 +162,8 @@ def test_a_reward_function_is_checked_as_it_loads(tmp_path):
         "def one(completions, **kwargs):\n    return 0.5\n"
     )
     spec = f"{tmp_path / 'fns.py'}"
-    takes = "takes (completions, answer), but is called with completions=, transcripts=, prompts="
-    with pytest.raises(SystemExit, match=f"^error: --reward-fn {spec}:exact {re.escape(takes)} and each other column"):
+    why = "got an unexpected keyword argument 'transcripts': it is called with completions=, transcripts=, prompts="
+    with pytest.raises(SystemExit, match=f"^error: --reward-fn {spec}:exact: {re.escape(why)}.*give it .*kwargs$"):
         ppo_llm.load_reward_fn(f"{spec}:exact", 600)
     assert ppo_llm.load_reward_fn(f"{spec}:full", 600)(["1"], [{"columns": {"prompts": "p", "answer": "1"}}], ["1"])
     with pytest.raises(SystemExit, match="environments="):  # with an environment it is called with environments= too
