@@ -1408,7 +1408,7 @@ def check_run(args, world):
 
 def all_reduce(x, op=dist.ReduceOp.SUM):
     """The tensor x summed (or op's: its max) over the torchrun ranks; x itself in one process."""
-    if not dist.is_initialized():
+    if not TORCHRUN:
         return x
     y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
     dist.all_reduce(y, op)
@@ -1436,6 +1436,7 @@ def setup(args):
         if cuda:
             torch.cuda.set_device(gpu)
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1), device_id=gpu)
+        TORCHRUN.append(True)
         if dist.get_rank():
             sys.stdout = open(os.devnull, "w")
     transformers.utils.logging.disable_progress_bar()
@@ -1709,6 +1710,7 @@ def due(update, every, total_steps=None):
 # TRY NOT TO MODIFY: stops and checkpoints
 
 STOP = []  # the signals received: Ctrl-C and SIGTERM (a preemption)
+TORCHRUN = []  # [True] once setup() has joined torchrun's ranks (vLLM's engine makes a one-rank world of its own)
 SAVING = []  # not empty while a checkpoint is gathered and written
 LOCK = contextlib.ExitStack()  # the run directory's lock, held while this process owns the run: LOCK.close() frees it
 
@@ -1778,7 +1780,7 @@ def on_every_rank(fn):
         result, error = None, e
     if not all_reduce(torch.tensor(float(error is not None))).item():
         return result
-    if not dist.is_initialized():
+    if not TORCHRUN:
         raise error
     raise EveryRank(error or "another rank's error") from error
 
@@ -1829,7 +1831,7 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
         try:  # every rank reaches the gather below, whatever fails here
             if rank == 0:  # a failed save's, or a hard kill's (no rank writes before dcp.save's first collective)
                 shutil.rmtree(path, ignore_errors=True)
-            dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not TORCHRUN)
             save_policy(os.path.join(path, "policy"), models, tokenizer, merged)
             names = [os.path.relpath(os.path.join(d, n), path) for d, _, ns in os.walk(path) for n in ns]
             mine = [n for n in names if n.startswith(f"__{rank}_") or (rank == 0 and not n.startswith("__"))]  # written
@@ -1837,7 +1839,7 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
         except (Exception, dcp.CheckpointException) as e:  # a full disk, a file-size limit, a directory gone
             failed = e
         every = [sums] * world  # one gather: each rank's checksums, None where it failed
-        if dist.is_initialized():
+        if TORCHRUN:
             dist.all_gather_object(every, sums)
         if rank == 0 and None not in every:  # state.json, then checksums.json with its CRC-32 too
             sums = {name: crc for part in every for name, crc in part.items()}
@@ -1918,7 +1920,7 @@ def load_checkpoint(args, models, optimizer):
         names = {k for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith("models.")}
         if names != {f"models.{k}" for k in state["models"]}:
             raise KeyError(f"its weights are of {', '.join(sorted({k.split('.')[1] for k in names}))}, other names")
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.load(state, checkpoint_id=path, no_dist=not TORCHRUN)
     except (Exception, dcp.CheckpointException) as e:
         run_model = json.load(open(os.path.join(args.resume, "args.json")))["model"]
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:100]}"
@@ -1946,7 +1948,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         rank = dist.get_rank() if dist.is_initialized() else 0
         together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
         what, saved = str(error) or type(error).__name__, None
-        if not together and dist.is_initialized():
+        if not together and TORCHRUN:
             what += "; one rank alone cannot save the sharded weights"
         elif not isinstance(error, SaveFailed):  # a failed save is not tried again
             try:
@@ -1962,7 +1964,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
         if not isinstance(cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit | Stopped | None):
             traceback.print_exception(cause)
-        if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
+        if together and TORCHRUN:  # torchrun ends every rank once one exits: they wait for rank 0's save
             dist.barrier()
             if not VLLM:  # else the engine's exit destroys its groups in this world, then the world (not twice)
                 dist.destroy_process_group()
