@@ -390,7 +390,7 @@ def main(args: Args | None = None):
     models = {"policy": policy, "critic": critic, "value_head": value_head}  # what checkpoint/ and policy/ hold
     models["ref_policy"] = ref_policy if args.ref_update_every else None  # else the reference is --model's
     models = nn.ModuleDict({name: model for name, model in models.items() if model is not None})
-    resumed, prompts, run_dir, writer = start_run(args, given, (rank, world), models, optimizer, tokenizer, tools)
+    resumed, prompts, run_dir, writer = start_run(args, given, models, optimizer, tokenizer, tools, eval_problems)
     first_update, kl_coef = resumed.get("update", 0), resumed.get("kl_coef", args.kl_coef)
     run = {"update": first_update, "state": {"update": first_update, "kl_coef": kl_coef}}  # what a stop saves
     clock = Stopwatch(device, first_update, args.total_steps)
@@ -1294,7 +1294,7 @@ def scoring(model, adapters_off=False):
 
 
 def prepare(args, trained):
-    """Gradient checkpointing, torch's threads, AdamW over the trained weights, --vllm's engine: (params, optimizer)."""
+    """Gradient checkpointing, torch's threads, AdamW over the trained weights: (params, optimizer)."""
     trained = [model for model in trained if model is not None]
     for model in trained:
         if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only
@@ -1304,57 +1304,79 @@ def prepare(args, trained):
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
-    if args.vllm:  # after torch's threads, which the engine binds
-        start_vllm(args, trained[0])
+    optimizer.register_step_post_hook(lambda *_: PUSHED.clear())  # --vllm: the engine's weights are old after a step
     return params, optimizer
 
 
 VLLM = []  # --vllm's engine (start_vllm): generate_turn() samples with it instead of generate()
+PUSHED = []  # not empty while the engine holds the policy's weights as they are (vllm_pushed)
 
 
-def start_vllm(args, policy):
+def start_vllm(args, policy, prompt_length):
     """--vllm: a vLLM engine in this process (docs/scaling.md) of the policy as load_models prepared it (its config and
-    dtype), its weights vllm_pushed's, log-probs detail 4's; it seeds python, numpy and torch with --seed."""
+    dtype), for prompt_length (the longest prompt) + --max-new-tokens tokens, which its KV cache must hold (else one
+    line); its weights vllm_pushed's, log-probs detail 4's; it seeds python, numpy and torch with --seed."""
+    config, cuda = policy.config, policy.device.type == "cuda"
+    dtype, flag = torch.bfloat16 if uses_bf16(args) else policy.dtype, "--vllm-kv-cache-gb"
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    length, cache = prompt_length + args.max_new_tokens, args.vllm_kv_cache_gb * 2**30
+    options = dict(kv_cache_memory_bytes=int(cache))
+    if cuda:  # asleep but in rollouts (vllm_pushed); its KV cache gets at most its share of the GPU, less its weights
+        options = dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=True)
+        share, flag = args.vllm_gpu_memory_utilization * torch.cuda.mem_get_info()[1], "--vllm-gpu-memory-utilization"
+        cache = share - policy.num_parameters() * dtype.itemsize
+    if 2 * config.num_hidden_layers * kv_heads * head_size * dtype.itemsize * length > cache:  # keys and values
+        why = f"{length} tokens (the longest prompt, --max-new-tokens) need more KV cache than {cache / 2**30:.2f} GiB"
+        raise SystemExit(f"error: --vllm: {why}: lower --max-prompt-length or raise {flag}")
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")  # in this process; quiet
     import vllm
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    config, cuda, served = policy.config, policy.device.type == "cuda", CPUAttentionBackend.get_supported_head_sizes()
-    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if not cuda:  # imported on a CPU alone: vLLM's CPU attention serves some head sizes (a GPU's serves the others)
+        cpu_attention = importlib.import_module("vllm.v1.attention.backends.cpu_attn").CPUAttentionBackend
+        served = cpu_attention.get_supported_head_sizes()
     if not cuda and head_size not in served:
         why = f"head size {head_size}, which vLLM's CPU attention does not serve ({served}); a GPU's does"
         raise SystemExit(f"error: --vllm: --model {args.model} has {why}")
     if not set(config.architectures or []) & set(vllm.ModelRegistry.get_supported_archs()):
         raise SystemExit(f"error: --vllm: vLLM cannot load --model {args.model} ({config.architectures})")
-    options = dict(kv_cache_memory_bytes=int(args.vllm_kv_cache_gb * 2**30))
-    if cuda:  # asleep but in rollouts (vllm_pushed)
-        options = dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=True)
-    options["distributed_executor_backend"] = "external_launcher" if dist.is_initialized() else None  # TRL's colocate
+    options["distributed_executor_backend"] = "external_launcher" if TORCHRUN else None  # TRL's colocate mode
     options |= dict(load_format="dummy", seed=args.seed, skip_tokenizer_init=True, enforce_eager=True)
-    options |= dict(logprobs_mode="processed_logprobs", max_model_len=args.max_prompt_length + args.max_new_tokens)
+    options |= dict(logprobs_mode="processed_logprobs", max_model_len=length)
     with tempfile.TemporaryDirectory() as path:
         config.save_pretrained(path)
-        VLLM[:] = [vllm.LLM(path, dtype=torch.bfloat16 if uses_bf16(args) else policy.dtype, **options)]
+        VLLM[:] = [vllm.LLM(path, dtype=dtype, **options)]
 
 
 @contextlib.contextmanager
 def vllm_pushed(policy, enabled=True):
-    """--vllm: the policy's weights into the engine by reload_weights, a tensor at a time (FSDP's gathered), named as
-    in the checkpoint (a tied LM head too), a LoRA run's merged (W + (alpha / r) B A, its adapters as they are); the
-    prefix cache emptied. On a GPU the engine sleeps outside rollouts (sleep mode): KV cache freed, weights in RAM."""
+    """--vllm: the policy's weights into the engine by reload_weights, unless it holds them already (PUSHED), and the
+    prefix cache emptied. On a GPU the engine sleeps outside rollouts as in TRL's colocate mode: level 2 frees its
+    weights and KV cache, and a rollout wakes the weights, pushes them, then wakes the KV cache."""
     if enabled and VLLM[0].llm_engine.is_sleeping():  # on a GPU, since the last rollout
-        VLLM[0].wake_up()
-    if enabled:
-        model = policy.get_base_model() if hasattr(policy, "peft_config") else policy
-        lora = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}  # LoRA layers
-        state = ((k.replace(".base_layer.", "."), v) for k, v in model.state_dict().items() if ".lora_" not in k)
-        merged = ((k, v + lora[k].get_delta_weight("default") if k in lora else v) for k, v in state)
-        weights = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in merged)
-        VLLM[0].collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        VLLM[0].wake_up(tags=["weights"])
+    if enabled and not PUSHED:  # none since the engine started, the last optimizer step or the last sleep
+        VLLM[0].collective_rpc("reload_weights", kwargs=dict(weights_iterator=pushed_weights(policy)))
         VLLM[0].reset_prefix_cache()
+        PUSHED.append(True)
+    if enabled and VLLM[0].llm_engine.is_sleeping():  # its KV cache still is
+        VLLM[0].wake_up(tags=["kv_cache"])
     yield
-    if enabled and policy.device.type == "cuda":  # sleep mode (start_vllm) during the update
-        VLLM[0].sleep(level=1)
+    if enabled and policy.device.type == "cuda":  # level 2 keeps no copy of the weights: the next rollout pushes them
+        VLLM[0].sleep(level=2)
+        PUSHED.clear()
+
+
+def pushed_weights(policy):
+    """The policy's weights a tensor at a time, named as in the checkpoint (a tied LM head too)."""
+    model = policy.get_base_model() if hasattr(policy, "peft_config") else policy
+    lora = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}  # LoRA layers
+    for name, weight in model.state_dict().items():
+        name = name.replace(".base_layer.", ".")
+        if name in lora:  # the LoRA merge: W + (alpha / r) B A, its adapters as they are
+            weight = weight + lora[name].get_delta_weight("default")
+        if ".lora_" not in name:  # an adapter is in its layer's merged weight
+            yield name, weight.full_tensor() if isinstance(weight, DTensor) else weight  # the FSDP gather
 
 
 def vllm_metrics(logprobs, batch):
@@ -1520,10 +1542,15 @@ def open_run(args, given, rank, resumed_update, run_dir):
     return SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
 
 
-def start_run(args, given, ranks, models, optimizer, tokenizer, tools=None):
-    """(a resumed run's state ({} if new), its weights and AdamW's loaded; the prompts from there; run dir; writer)."""
+def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
+    """(a resumed run's state ({} if new), its weights and AdamW's loaded; the prompts from there; run dir; writer);
+    --vllm's engine, for the longest prompt, training's or held_out's (evaluation's rows, or None)."""
+    ranks = (dist.get_rank(), dist.get_world_size()) if TORCHRUN else (0, 1)
     needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))
     rows = load_prompts(args, tokenizer, needs_answers=needs_answers, tools=tools)
+    if args.vllm:  # after torch's threads (prepare), which it binds; before the run directory: a refusal leaves none
+        ids = tokenizer([row["prompt"] for row in rows + (held_out or [])], verbose=False).input_ids  # or 1 more (BOS)
+        start_vllm(args, models["policy"], min(max(map(len, ids)), args.max_prompt_length or math.inf))
     try:  # the run directory owned before its checkpoint is read, and freed again on a refusal
         run_dir = own_run(args, ranks[0])
         resumed = load_checkpoint(args, models, optimizer)
