@@ -87,6 +87,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+CORRECTIONS = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # --vllm's, TRL's names
+
 
 @dataclass
 class Args:
@@ -131,7 +133,8 @@ class Args:
     vllm: bool = False  # generate with a vLLM engine in this process (its own venv: docs/scaling.md)
     vllm_kv_cache_gb: float = 0.25  # --vllm on a CPU: the engine's KV cache in GiB
     vllm_gpu_memory_utilization: float = 0.3  # --vllm on a GPU: the engine's share of its memory (TRL's)
-    vllm_importance_sampling_clip_max: float = 3.0  # --vllm: C of each token's weight min(pi / pi_vllm, C) (TRL's)
+    vllm_importance_sampling_mode: CORRECTIONS = "token_truncate"  # --vllm: how its sampling is corrected (TRL's modes)
+    vllm_importance_sampling_clip_max: float = 3.0  # --vllm: C, the bound of each weight pi / pi_vllm (TRL's)
     # ---- GRPO and its variants
     total_steps: int = 500  # GRPO updates (a generation batch and its --num-iterations each)
     prompts_per_update: int = 8  # prompts per update, each with --num-generations completions
@@ -231,10 +234,10 @@ def grpo_loss(
     old_logprobs) per token, or exp of their mean per completion (sequence, GSPO); per token, A the advantage:
       grpo, dapo, dr_grpo: -min(min(rho, delta) A, clip(rho, 1 - epsilon, 1 + epsilon_high) A)    (details 8, 12)
       cispo: -sg(min(rho, 1 + epsilon_high)) A logprobs (sg(): no gradient);  sapo: -sigmoid(tau (rho - 1)) 4 / tau A
-    times entropy_mask and the off-policy mask (detail 13), plus beta k3 (times rho, detail 10), k3 = exp(ref - logp)
-    - (ref - logp) - 1; the masked token sum / (each completion's length x completions) (grpo, sapo), / real tokens
-    (dapo, cispo) or / (completions x max_new_tokens) (dr_grpo), of the batch (batch_completions; batch_tokens, a mean
-    over the ranks) (detail 9). logprobs (B, T), advantages (B,) or (B, T)."""
+    times entropy_mask (detail 13: the high-entropy and off-policy masks), plus beta k3 (times rho, detail 10), k3 =
+    exp(ref - logp) - (ref - logp) - 1; the masked token sum / (each completion's length x completions) (grpo, sapo),
+    / real tokens (dapo, cispo) or / (completions x max_new_tokens) (dr_grpo), of the batch (batch_completions;
+    batch_tokens, a mean over the ranks) (detail 9). logprobs (B, T), advantages (B,) or (B, T)."""
     epsilon, epsilon_high = args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high
     log_ratio = logprobs - old_logprobs  # (B, T)
     if args.importance_sampling_level == "sequence":
@@ -250,10 +253,6 @@ def grpo_loss(
         capped_ratio = ratio if args.delta is None else ratio.clamp(max=args.delta)
         per_token_loss = -torch.min(capped_ratio * advantages, ratio.clamp(1 - epsilon, 1 + epsilon_high) * advantages)
     per_token_loss = per_token_loss * entropy_mask
-    if args.off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
-        off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
-        off_policy = (advantages < 0) & (off_policy_kl > args.off_policy_mask_threshold)
-        per_token_loss = per_token_loss.masked_fill(off_policy, 0.0)
     kl = None
     if args.beta:  # the reference's log-probs are there only then
         kl = kl_penalty(logprobs, ref_logprobs, "k3")
@@ -280,10 +279,15 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
     return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
 
 
-def importance_weights(logprobs, vllm_logprobs, cap):
-    """--vllm's correction (TRL's, token_truncate): the engine samples from pi_vllm, not quite the trainer's pi; each
-    token's weight min(pi / pi_vllm, C) = min(exp(logprobs - vllm_logprobs), C) (B, R) multiplies its advantage."""
-    return torch.exp(logprobs - vllm_logprobs).clamp(max=cap)
+def importance_weights(logprobs, vllm_logprobs, mask, args):
+    """--vllm's correction: the engine samples from pi_vllm, not quite the trainer's pi. TRL's four modes, C the clip:
+    w = pi / pi_vllm = exp(logprobs - vllm_logprobs) per token (B, R), or (sequence_*) exp of their sum over the row's
+    policy tokens (B, 1); *_truncate: min(w, C); *_mask: w, but 0 where w > C. Each advantage is multiplied by it."""
+    log_ratio, mode = (logprobs - vllm_logprobs) * mask, args.vllm_importance_sampling_mode  # a tool's tokens: out
+    if mode.startswith("sequence"):  # a sum over the row: the longer it is, the further from 0, and C masks it
+        log_ratio = log_ratio.sum(1, keepdim=True)
+    weights, cap = torch.exp(log_ratio), args.vllm_importance_sampling_clip_max
+    return weights.clamp(max=cap) if mode.endswith("truncate") else weights.masked_fill(weights > cap, 0.0)
 
 
 @torch.no_grad()
@@ -346,7 +350,14 @@ def accumulate_gradients(policy, batch, micro_batches, args, autocast):
         old_logprobs = batch["old_logprobs"][micro_batch] if args.num_iterations > 1 else logprobs.detach()  # detail 5
         ref_logprobs = batch["ref_logprobs"][micro_batch] if args.beta else None  # beta 0: no KL term
         advantages, mask = batch["advantages"][micro_batch], batch["loss_mask"][micro_batch]
-        entropy_mask = batch["entropy_mask"][micro_batch]
+        entropy_mask, sampling_logprobs = batch["entropy_mask"][micro_batch], old_logprobs  # pi_old sampled, or vLLM
+        if args.vllm:  # the engine sampled these tokens, not the trainer, so each token's weight makes A (B,) (B, R)
+            sampling_logprobs = batch["vllm_logprobs"][micro_batch]
+            advantages = advantages[:, None] * importance_weights(old_logprobs, sampling_logprobs, mask, args)
+            batch.setdefault("old_logprobs", torch.zeros_like(loss_mask))[micro_batch] = old_logprobs  # vllm_metrics'
+        if args.off_policy_mask_threshold is not None:  # detail 13: A < 0, far from what sampled it (mean k1 KL)
+            far = masked_mean(sampling_logprobs - logprobs.detach(), mask, axis=1) > args.off_policy_mask_threshold
+            entropy_mask = entropy_mask * ~((advantages.view(len(mask), -1) < 0) & far[:, None])
         loss, micro_stats = grpo_loss(
             logprobs, old_logprobs, ref_logprobs, advantages, mask, batch_size, n_tokens, args, entropy_mask
         )
@@ -438,7 +449,7 @@ def main(args: Args | None = None):
             # 4. old log-probs (mu > 1), entropies (detail 13) and reference log-probs: the training forward (detail 5)
             micro_batches = torch.arange(batch_size, device=device).split(micro_batch_size)
             has_loss_tokens = all_reduce(loss_mask.sum()) > 0  # on any rank; else no update
-            if has_loss_tokens and (args.num_iterations > 1 or args.top_entropy_quantile < 1 or args.vllm):
+            if has_loss_tokens and (args.num_iterations > 1 or args.top_entropy_quantile < 1):
                 with scoring(policy), autocast:
                     out = [policy_forward(policy, batch, mb, args)[1:] for mb in micro_batches]
                 batch["old_logprobs"], entropy = (torch.cat(x) for x in zip(*out))  # old ones read at mu > 1
@@ -448,10 +459,6 @@ def main(args: Args | None = None):
                 with scoring(ref_policy, adapters_off=args.lora_r > 0), autocast:
                     out = [policy_forward(ref_policy, batch, mb, args)[1] for mb in micro_batches]
                 batch["ref_logprobs"] = torch.cat(out)
-            if args.vllm and has_loss_tokens:  # truncated importance sampling: vLLM sampled, not the trainer (TRL's)
-                cap = args.vllm_importance_sampling_clip_max
-                weights = importance_weights(batch["old_logprobs"], batch["vllm_logprobs"], cap)
-                batch["advantages"] = advantages[:, None] * weights
             clock.lap("scoring")
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 9)
             policy.train()
@@ -506,8 +513,8 @@ def check_args(args, world):
         raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high})")
     if args.delta is not None and args.delta <= high:
         raise SystemExit(f"error: --delta must be > 1 + --epsilon-high (got {args.delta})")
-    if args.off_policy_mask_threshold is not None and args.num_iterations == 1:  # old = current: it never acts
-        why = "needs --num-iterations > 1 (at 1 no completion is off-policy)"
+    if args.off_policy_mask_threshold is not None and args.num_iterations == 1 and not args.vllm:  # it never acts
+        why = "needs --num-iterations > 1 or --vllm (at 1 the trainer sampled each completion: none is off-policy)"
         raise SystemExit(f"error: --off-policy-mask-threshold {why}")
     if args.reward_fn == ():
         raise SystemExit("error: --reward-fn needs at least one reward function")

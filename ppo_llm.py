@@ -83,6 +83,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+CORRECTIONS = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # --vllm's, TRL's names
+
 
 @dataclass
 class Args:
@@ -127,7 +129,8 @@ class Args:
     vllm: bool = False  # generate with a vLLM engine in this process (its own venv: docs/scaling.md)
     vllm_kv_cache_gb: float = 0.25  # --vllm on a CPU: the engine's KV cache in GiB
     vllm_gpu_memory_utilization: float = 0.3  # --vllm on a GPU: the engine's share of its memory (TRL's)
-    vllm_importance_sampling_clip_max: float = 3.0  # --vllm: C of each token's weight min(pi / pi_vllm, C) (TRL's)
+    vllm_importance_sampling_mode: CORRECTIONS = "token_truncate"  # --vllm: how its sampling is corrected (TRL's modes)
+    vllm_importance_sampling_clip_max: float = 3.0  # --vllm: C, the bound of each weight pi / pi_vllm (TRL's)
     # ---- PPO
     total_steps: int = 300  # PPO updates (a rollout batch and its epochs each)
     prompts_per_update: int = 128  # prompts per rollout batch, one response each
@@ -259,10 +262,15 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
     return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
 
 
-def importance_weights(logprobs, vllm_logprobs, cap):
-    """--vllm's correction (TRL's, token_truncate): the engine samples from pi_vllm, not quite the trainer's pi; each
-    token's weight min(pi / pi_vllm, C) = min(exp(logprobs - vllm_logprobs), C) (B, R) multiplies its advantage."""
-    return torch.exp(logprobs - vllm_logprobs).clamp(max=cap)
+def importance_weights(logprobs, vllm_logprobs, mask, args):
+    """--vllm's correction: the engine samples from pi_vllm, not quite the trainer's pi. TRL's four modes, C the clip:
+    w = pi / pi_vllm = exp(logprobs - vllm_logprobs) per token (B, R), or (sequence_*) exp of their sum over the row's
+    policy tokens (B, 1); *_truncate: min(w, C); *_mask: w, but 0 where w > C. Each advantage is multiplied by it."""
+    log_ratio, mode = (logprobs - vllm_logprobs) * mask, args.vllm_importance_sampling_mode  # a tool's tokens: out
+    if mode.startswith("sequence"):  # a sum over the row: the longer it is, the further from 0, and C masks it
+        log_ratio = log_ratio.sum(1, keepdim=True)
+    weights, cap = torch.exp(log_ratio), args.vllm_importance_sampling_clip_max
+    return weights.clamp(max=cap) if mode.endswith("truncate") else weights.masked_fill(weights > cap, 0.0)
 
 
 @torch.no_grad()
@@ -441,9 +449,8 @@ def main(args: Args | None = None):
             # 4. advantages: GAE over the policy's tokens, whitened once over the batch, not per minibatch (detail 9)
             advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)
-            if args.vllm:  # truncated importance sampling: the engine sampled these tokens, not the trainer (TRL's)
-                cap = args.vllm_importance_sampling_clip_max
-                advantages = advantages * importance_weights(old_logprobs, batch["vllm_logprobs"], cap)
+            if args.vllm:  # the engine sampled these tokens, not the trainer; the value loss's returns stay as they are
+                advantages = advantages * importance_weights(old_logprobs, batch["vllm_logprobs"], mask, args)
             batch |= {"old_logprobs": old_logprobs, "values": values, "advantages": advantages, "returns": returns}
             # 5. PPO update: epochs of shuffled minibatches, micro-batches accumulate gradients (details 10, 11)
             models.train()  # HF's activation checkpointing acts in train mode only (dropout is 0: eval's numbers)

@@ -69,15 +69,36 @@ def settings(script, served, tmp_path, **kwargs):
                        | shape | kwargs)  # fmt: skip
 
 
-def test_the_importance_weights_by_hand():
-    # w = min(exp(logprobs - vllm_logprobs), C), C = 3 (TRL's default):
-    # exp(0) = 1; exp(-1 - -2) = exp(1) = 2.718...; exp(0 - -5) = exp(5) = 148.4 -> 3; exp(-2 - -1) = exp(-1) = 0.3679
-    logprobs, vllm_logprobs = torch.tensor([[-0.5, -1.0, 0.0, -2.0]]), torch.tensor([[-0.5, -2.0, -5.0, -1.0]])
-    expected = torch.tensor([[1.0, 2.718282, 3.0, 0.367879]])
+# row 0: four policy tokens, logprobs - vllm_logprobs = 0, 1, 5, -1; row 1: two policy tokens (0.5, 0.2), then a
+# tool's token (mask 0: the trainer's -3 against the engine's 0, which no sum may read) and a pad
+LOGPROBS = torch.tensor([[-0.5, -1.0, 0.0, -2.0], [-1.0, -1.0, -3.0, 0.0]])
+VLLM_LOGPROBS = torch.tensor([[-0.5, -2.0, -5.0, -1.0], [-1.5, -1.2, 0.0, 0.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        # per token w = exp(diff): row 0 exp(0) = 1, exp(1) = 2.718282, exp(5) = 148.4, exp(-1) = 0.367879; row 1
+        # exp(0.5) = 1.648721, exp(0.2) = 1.221403, and exp(0) = 1 where the mask is 0; truncate: min(w, C = 3)
+        ("token_truncate", [[1.0, 2.718282, 3.0, 0.367879], [1.648721, 1.221403, 1.0, 1.0]]),
+        ("token_mask", [[1.0, 2.718282, 0.0, 0.367879], [1.648721, 1.221403, 1.0, 1.0]]),  # 148.4 > 3: 0
+        # per row w = exp(sum of the diffs over the mask): row 0 exp(0 + 1 + 5 - 1) = exp(5) = 148.4 (3, or 0); row 1
+        # exp(0.5 + 0.2) = exp(0.7) = 2.013753 (< 3, kept by both), where the tool's -3 would give exp(-2.3) = 0.1
+        ("sequence_truncate", [[3.0], [2.013753]]),
+        ("sequence_mask", [[0.0], [2.013753]]),
+    ],
+)
+def test_the_importance_weights_of_each_mode_by_hand(mode, expected):
+    args = grpo_llm.Args(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=3.0)
     for script in [ppo_llm, grpo_llm]:
-        weights = script.importance_weights(logprobs, vllm_logprobs, 3.0)
-        assert torch.allclose(weights, expected, atol=1e-6)
-    assert ppo_llm.Args().vllm_importance_sampling_clip_max == grpo_llm.Args().vllm_importance_sampling_clip_max == 3.0
+        weights = script.importance_weights(LOGPROBS, VLLM_LOGPROBS, MASK, args)
+        torch.testing.assert_close(weights, torch.tensor(expected), atol=1e-6, rtol=0)
+    for script in [ppo_llm, grpo_llm]:  # the vLLM learning results were measured with token_truncate, C = 3
+        assert (script.Args().vllm_importance_sampling_mode, script.Args().vllm_importance_sampling_clip_max) == (
+            "token_truncate",
+            3.0,
+        )
 
 
 def fake_policy(config):
@@ -201,6 +222,37 @@ def test_refusals_before_anything_loads(script, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", installed)
     with pytest.raises(SystemExit, match="^error: --vllm does not run --eval-only yet"):
         script.check_args(script.Args(vllm=True, eval_only=True), 1)
+
+
+@pytest.mark.parametrize("num_iterations, scoring_passes", [(1, 0), (2, 4)])
+def test_grpo_at_mu_1_under_vllm_runs_no_policy_forward_between_the_rollout_and_the_update(
+    num_iterations, scoring_passes, tiny, tmp_path, monkeypatch
+):
+    # the engine faked (Engine), its samples generate()'s; a policy forward without a gradient is a scoring pass. At
+    # mu = 1 there is none: the importance weights come from the training forward's log-probs, detached; at mu = 2 the
+    # old log-probs need one, per micro-batch: 2 updates x 2 micro-batches of 4 = 4
+    script, real, forwards = grpo_llm, importlib.util.find_spec, []
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: real("torch") if name == "vllm" else real(name, *a)
+    )
+    monkeypatch.setattr(script, "VLLM", [])
+    monkeypatch.setattr(script, "start_vllm", lambda *args: script.VLLM.append(Engine()))
+    generate_turn, policy_forward = script.generate_turn, script.policy_forward
+
+    def sampled(policy, context, room, stop, args, sampling):  # generate()'s tokens, the engine's log-probs 0
+        return generate_turn(policy, context, room, stop, script.Args(**vars(args) | {"vllm": False}), sampling)
+
+    def counted(*args):
+        forwards.append(torch.is_grad_enabled())
+        return policy_forward(*args)
+
+    monkeypatch.setattr(script, "generate_turn", sampled)
+    monkeypatch.setattr(script, "policy_forward", counted)
+    flags = dict(model=tiny["policy"], dataset=tiny["jsonl"], prompts_per_update=2, num_generations=4, total_steps=2)
+    flags |= dict(micro_batch_size=4, max_new_tokens=4, eval_every=0, sample_every=0, output_dir=str(tmp_path))
+    run_dir = script.main(script.Args(vllm=True, num_iterations=num_iterations, **flags))
+    assert forwards.count(False) == scoring_passes and forwards.count(True) == 2 * 2 * num_iterations
+    assert all("vllm/logprob_diff_max" in m for m in untimed_metrics(run_dir))
 
 
 def gpt1_model(path):
