@@ -303,7 +303,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, *
         vllm_logprobs                    (B, R)      --vllm: the engine's log-prob of each token (a tool's: 0)"""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
-    with autocast, unsharded(policy), vllm_pushed(policy, enabled=args.vllm):  # FSDP: one gather for all the turns
+    with autocast, unsharded(policy), vllm_pushed(policy, enabled=args.vllm):  # FSDP gathers once for all the turns
         if tools:
             return run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling)
         new, n_sampled, vllm_logprobs = generate_turn(policy, inputs, args.max_new_tokens, stop, args, sampling)
@@ -384,7 +384,7 @@ def optimizer_step(optimizer, params, max_grad_norm):
 
 def main(args: Args | None = None):
     args = parse_args() if args is None else args  # TRY NOT TO MODIFY: set-up, models, a resumed run, run directory
-    given = asdict(args)  # args.json: the flags as given, which --resume reads (what is derived is derived again)
+    given = asdict(args)  # the flags as given, for args.json: --resume reads them and derives the rest again
     (rank, world), device, autocast = setup(args)
     check_args(args, world)
     G = args.num_generations
@@ -392,12 +392,12 @@ def main(args: Args | None = None):
     micro_batch_size = min(args.micro_batch_size, batch_size)  # at most the batch
     reward_fns = [load_reward_fn(name, args.reward_timeout) for name in reward_fn_names(args)]  # fails before loading
     tools = load_tools(args.tools)  # {name: function}, as reward functions are loaded
-    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device, tools)  # rm_tokenizer None: our ids
+    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device, tools)  # the RM's own tokenizer, or None
     eval_problems = eval_rows(args, tokenizer, reward_fns, tools)
     if args.eval_only:  # no training, no run directory; a stop ends it after a batch, with one line
         with stoppable():
             return evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
-    ref_policy = None  # beta 0, TRL's default: no KL term, no reference (details 5, 10)
+    ref_policy = None  # with beta 0, TRL's default, there is no KL term and no reference (details 5, 10)
     if args.beta:
         ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
     params, optimizer = prepare(args, [policy])
@@ -417,7 +417,7 @@ def main(args: Args | None = None):
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
             run["update"] = update
-            torch.manual_seed(hash((args.seed, update, rank)))  # a resume repeats them (ints hash alike everywhere)
+            torch.manual_seed(hash((args.seed, update, rank)))  # ints hash alike anywhere, so a resume repeats it
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
             clock.lap()  # the update starts
@@ -469,7 +469,7 @@ def main(args: Args | None = None):
                     grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
                     stats += micro_stats
                     losses.append(loss)
-            run["state"] = {"update": update}  # update done: a stop from here on resumes after it
+            run["state"] = {"update": update}  # the update is done, and a stop from here on resumes after it
             clock.lap("update")
             # TRY NOT TO MODIFY: 6. log (TRL's GRPO metric names), evaluate, show samples, save
             batch |= {"scores": scores, "rewards": rewards, "zero_std": zero_std}
@@ -1037,7 +1037,8 @@ def from_pretrained(cls, name, flag, **kwargs):
         return cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         where = "holds no model it can load" if os.path.isdir(name) else "is no directory, nor reachable on the hub"
-        hint = "a hub id needs the network (with HF_HUB_OFFLINE=1, the cache alone); offline: assets/arith-sft"
+        offline = "assets/arith-rm" if flag == "--reward-model" else "assets/arith-sft"  # the embedded models
+        hint = f"a hub id needs the network (with HF_HUB_OFFLINE=1, the cache alone); offline: {offline}"
         if name.startswith("assets/"):  # a copy of the script, without the repository's assets/
             hint = "the embedded models ship in the repository's assets/: give --model (hub id or directory), --dataset"
         raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}); {hint}") from None

@@ -286,7 +286,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, *
         vllm_logprobs                    (B, R)      --vllm: the engine's log-prob of each token (a tool's: 0)"""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
-    with autocast, unsharded(policy), vllm_pushed(policy, enabled=args.vllm):  # FSDP: one gather for all the turns
+    with autocast, unsharded(policy), vllm_pushed(policy, enabled=args.vllm):  # FSDP gathers once for all the turns
         if tools:
             return run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling)
         new, n_sampled, vllm_logprobs = generate_turn(policy, inputs, args.max_new_tokens, stop, args, sampling)
@@ -378,20 +378,20 @@ def build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenize
 
 def main(args: Args | None = None):
     args = parse_args() if args is None else args  # TRY NOT TO MODIFY: set-up, models, a resumed run, run directory
-    given = asdict(args)  # args.json: the flags as given, which --resume reads (what is derived is derived again)
+    given = asdict(args)  # the flags as given, for args.json: --resume reads them and derives the rest again
     (rank, world), device, autocast = setup(args)
     check_args(args, world)
     batch_size = args.prompts_per_update // world  # this process's share of the prompts, one response each
     micro_batch_size = min(args.micro_batch_size, batch_size // args.num_mini_batches)  # at most a minibatch
     reward_fns = [load_reward_fn(name, args.reward_timeout) for name in reward_fn_names(args)]  # fails before loading
     tools = load_tools(args.tools)  # {name: function}, as reward functions are loaded
-    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device, tools)  # rm_tokenizer None: our ids
+    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device, tools)  # the RM's own tokenizer, or None
     eval_problems = eval_rows(args, tokenizer, reward_fns, tools)
     if args.eval_only:  # no training, no run directory; a stop ends it after a batch, with one line
         with stoppable():
             return evaluate(policy, tokenizer, eval_problems, reward_fns[0], args, autocast, batch_size, tools)
     critic, value_head = build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer)
-    ref_policy = None  # beta 0 without --kl-target: no KL penalty, no reference
+    ref_policy = None  # with beta 0 and no --kl-target there is no KL penalty, and no reference is loaded
     if args.kl_coef or args.kl_target:
         ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
     params, optimizer = prepare(args, [policy, critic, value_head])
@@ -410,7 +410,7 @@ def main(args: Args | None = None):
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
             run["update"] = update
-            torch.manual_seed(hash((args.seed, update, rank)))  # a resume repeats them (ints hash alike everywhere)
+            torch.manual_seed(hash((args.seed, update, rank)))  # ints hash alike anywhere, so a resume repeats it
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
             clock.lap()  # the update starts
@@ -422,6 +422,7 @@ def main(args: Args | None = None):
             clock.lap("generation")
             # 2. old log-probs, values, the reference's log-probs: the training forward in its micro-batches (detail 5)
             epochs = [torch.randperm(batch_size, device=device) for _ in range(args.num_ppo_epochs)]
+            # in the first epoch's micro-batches, since on CUDA a row's log-probs depend on the rows padded beside it
             micro_batches, order = epochs[0].split(micro_batch_size), epochs[0].argsort()
             with scoring(policy), autocast:
                 out = [training_forward(policy, critic, value_head, batch, mb, args) for mb in micro_batches]
@@ -439,10 +440,11 @@ def main(args: Args | None = None):
             else:
                 scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, conversations, args)
             kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator) * mask
-            non_score_reward = -kl_coef * kl
+            non_score_reward = -kl_coef * kl  # the KL part of the reward (TRL's name), the score is the rest
             rewards = non_score_reward.clone()
             normalized = normalize_scores(scores, batch["ended"], whiten, args.missing_eos_penalty, args.score_clip)
-            rewards[torch.arange(batch_size, device=device), mask.cumsum(1).argmax(1)] += normalized
+            last = mask.cumsum(1).argmax(1)  # the policy's last token: where the count of its tokens first peaks
+            rewards[torch.arange(batch_size, device=device), last] += normalized
             if args.whiten_rewards:
                 rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
             clock.lap("scoring")
@@ -456,12 +458,12 @@ def main(args: Args | None = None):
             models.train()  # HF's activation checkpointing acts in train mode only (dropout is 0: eval's numbers)
             stats = []
             for epoch in epochs:
-                first = len(stats)  # the epoch's micro-batches' stats: stats[first:]
+                first = len(stats)  # the epoch's micro-batches add their stats from here on
                 for minibatch in epoch.split(batch_size // args.num_mini_batches):
                     micro_batches = minibatch.split(micro_batch_size)
                     stats += accumulate_gradients(policy, critic, value_head, batch, micro_batches, args, autocast)
                     optimizer_step(optimizer, params, args.max_grad_norm)
-                approxkl = global_mean([s["policy/approxkl_avg"] for s in stats[first:]])  # every rank stops together
+                approxkl = global_mean([s["policy/approxkl_avg"] for s in stats[first:]])  # the same on every rank
                 if args.target_kl is not None and approxkl > args.target_kl:
                     break
             clock.lap("update")
@@ -471,7 +473,7 @@ def main(args: Args | None = None):
                 kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, args.prompts_per_update)
             if args.ref_update_every and update % args.ref_update_every == 0:
                 ref_policy.load_state_dict(policy.state_dict())
-            run["state"] = {"update": update, "kl_coef": kl_coef}  # update done: a stop from here on resumes after it
+            run["state"] = {"update": update, "kl_coef": kl_coef}  # the update is done, and a stop resumes after it
             # TRY NOT TO MODIFY: 7. log (TRL's metric names), evaluate, show samples, save
             batch |= {"scores": scores, "non_score_reward": non_score_reward, "fn_scores": fn_scores}
             metrics, line = ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock)
@@ -1008,7 +1010,8 @@ def from_pretrained(cls, name, flag, **kwargs):
         return cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         where = "holds no model it can load" if os.path.isdir(name) else "is no directory, nor reachable on the hub"
-        hint = "a hub id needs the network (with HF_HUB_OFFLINE=1, the cache alone); offline: assets/arith-sft"
+        offline = "assets/arith-rm" if flag == "--reward-model" else "assets/arith-sft"  # the embedded models
+        hint = f"a hub id needs the network (with HF_HUB_OFFLINE=1, the cache alone); offline: {offline}"
         if name.startswith("assets/"):  # a copy of the script, without the repository's assets/
             hint = "the embedded models ship in the repository's assets/: give --model (hub id or directory), --dataset"
         raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}); {hint}") from None

@@ -646,3 +646,6 @@ def test_unreachable_hub_id_names_the_default(tiny, tmp_path, monkeypatch):
         SystemExit, match="no-such-org/no-such-model is no directory, nor reachable on the hub.*arith-sft"
     ):
         run(tiny, tmp_path, model="no-such-org/no-such-model")
+    with pytest.raises(SystemExit) as refusal:  # the embedded reward model, not the policy
+        run(tiny, tmp_path, reward_model="no-such-org/no-such-rm")
+    assert str(refusal.value).endswith("; offline: assets/arith-rm")
