@@ -87,7 +87,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-CORRECTIONS = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # --vllm's, TRL's names
+CORRECTIONS = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # --vllm's, TRL's
 
 
 @dataclass
@@ -283,8 +283,8 @@ def importance_weights(logprobs, vllm_logprobs, mask, args):
     """--vllm's correction: the engine samples from pi_vllm, not quite the trainer's pi. TRL's four modes, C the clip:
     w = pi / pi_vllm = exp(logprobs - vllm_logprobs) per token (B, R), or (sequence_*) exp of their sum over the row's
     policy tokens (B, 1); *_truncate: min(w, C); *_mask: w, but 0 where w > C. Each advantage is multiplied by it."""
-    log_ratio, mode = (logprobs - vllm_logprobs) * mask, args.vllm_importance_sampling_mode  # a tool's tokens: out
-    if mode.startswith("sequence"):  # a sum over the row: the longer it is, the further from 0, and C masks it
+    log_ratio, mode = (logprobs - vllm_logprobs) * mask, args.vllm_importance_sampling_mode  # a tool's are 0
+    if mode.startswith("sequence"):  # exp of a sum drifts from 1 as a row grows: C then acts
         log_ratio = log_ratio.sum(1, keepdim=True)
     weights, cap = torch.exp(log_ratio), args.vllm_importance_sampling_clip_max
     return weights.clamp(max=cap) if mode.endswith("truncate") else weights.masked_fill(weights > cap, 0.0)
@@ -350,11 +350,11 @@ def accumulate_gradients(policy, batch, micro_batches, args, autocast):
         old_logprobs = batch["old_logprobs"][micro_batch] if args.num_iterations > 1 else logprobs.detach()  # detail 5
         ref_logprobs = batch["ref_logprobs"][micro_batch] if args.beta else None  # beta 0: no KL term
         advantages, mask = batch["advantages"][micro_batch], batch["loss_mask"][micro_batch]
-        entropy_mask, sampling_logprobs = batch["entropy_mask"][micro_batch], old_logprobs  # pi_old sampled, or vLLM
-        if args.vllm:  # the engine sampled these tokens, not the trainer, so each token's weight makes A (B,) (B, R)
+        entropy_mask, sampling_logprobs = batch["entropy_mask"][micro_batch], old_logprobs  # or the engine's, below
+        if args.vllm:  # the engine sampled these tokens, so each token's weight turns A (B,) into (B, R)
             sampling_logprobs = batch["vllm_logprobs"][micro_batch]
             advantages = advantages[:, None] * importance_weights(old_logprobs, sampling_logprobs, mask, args)
-            batch.setdefault("old_logprobs", torch.zeros_like(loss_mask))[micro_batch] = old_logprobs  # vllm_metrics'
+            batch.setdefault("old_logprobs", 0 * loss_mask)[micro_batch] = old_logprobs  # read by vllm_metrics
         if args.off_policy_mask_threshold is not None:  # detail 13: A < 0, far from what sampled it (mean k1 KL)
             far = masked_mean(sampling_logprobs - logprobs.detach(), mask, axis=1) > args.off_policy_mask_threshold
             entropy_mask = entropy_mask * ~((advantages.view(len(mask), -1) < 0) & far[:, None])
@@ -1341,12 +1341,12 @@ def prepare(args, trained):
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
-    optimizer.register_step_post_hook(lambda *_: PUSHED.clear())  # --vllm: the engine's weights are old after a step
+    optimizer.register_step_post_hook(lambda *_: PUSHED.clear())  # after a step the engine's weights are old
     return params, optimizer
 
 
 VLLM = []  # --vllm's engine (start_vllm): generate_turn() samples with it instead of generate()
-PUSHED = []  # not empty while the engine holds the policy's weights as they are (vllm_pushed)
+PUSHED = []  # the engine while it holds the policy's weights as they are, else empty (vllm_pushed)
 
 
 def start_vllm(args, policy, prompt_length):
@@ -1369,7 +1369,7 @@ def start_vllm(args, policy, prompt_length):
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")  # in this process; quiet
     import vllm
 
-    if not cuda:  # imported on a CPU alone: vLLM's CPU attention serves some head sizes (a GPU's serves the others)
+    if not cuda:  # imported on a CPU alone, whose attention serves some head sizes (a GPU's, the others)
         cpu_attention = importlib.import_module("vllm.v1.attention.backends.cpu_attn").CPUAttentionBackend
         served = cpu_attention.get_supported_head_sizes()
     if not cuda and head_size not in served:
@@ -1387,16 +1387,16 @@ def start_vllm(args, policy, prompt_length):
 
 @contextlib.contextmanager
 def vllm_pushed(policy, enabled=True):
-    """--vllm: the policy's weights into the engine by reload_weights, unless it holds them already (PUSHED), and the
+    """--vllm: the policy's weights into the engine by reload_weights, unless it holds them (PUSHED is it), and the
     prefix cache emptied. On a GPU the engine sleeps outside rollouts as in TRL's colocate mode: level 2 frees its
     weights and KV cache, and a rollout wakes the weights, pushes them, then wakes the KV cache."""
     if enabled and VLLM[0].llm_engine.is_sleeping():  # on a GPU, since the last rollout
         VLLM[0].wake_up(tags=["weights"])
-    if enabled and not PUSHED:  # none since the engine started, the last optimizer step or the last sleep
+    if enabled and PUSHED != VLLM:  # no push since the engine started, the last optimizer step or the last sleep
         VLLM[0].collective_rpc("reload_weights", kwargs=dict(weights_iterator=pushed_weights(policy)))
         VLLM[0].reset_prefix_cache()
-        PUSHED.append(True)
-    if enabled and VLLM[0].llm_engine.is_sleeping():  # its KV cache still is
+        PUSHED[:] = VLLM
+    if enabled and VLLM[0].llm_engine.is_sleeping():  # the KV cache is still asleep
         VLLM[0].wake_up(tags=["kv_cache"])
     yield
     if enabled and policy.device.type == "cuda":  # level 2 keeps no copy of the weights: the next rollout pushes them
@@ -1585,8 +1585,8 @@ def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
     ranks = (dist.get_rank(), dist.get_world_size()) if TORCHRUN else (0, 1)
     needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))
     rows = load_prompts(args, tokenizer, needs_answers=needs_answers, tools=tools)
-    if args.vllm:  # after torch's threads (prepare), which it binds; before the run directory: a refusal leaves none
-        ids = tokenizer([row["prompt"] for row in rows + (held_out or [])], verbose=False).input_ids  # or 1 more (BOS)
+    if args.vllm:  # after prepare() set torch's threads, and before the run directory, which a refusal leaves none of
+        ids = tokenizer([row["prompt"] for row in rows + (held_out or [])], verbose=False).input_ids  # or a BOS more
         start_vllm(args, models["policy"], min(max(map(len, ids)), args.max_prompt_length or math.inf))
     try:  # the run directory owned before its checkpoint is read, and freed again on a refusal
         run_dir = own_run(args, ranks[0])
