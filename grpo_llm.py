@@ -93,6 +93,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+CORRECTIONS = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # --vllm's, TRL's
+
 
 @dataclass
 class Args:
@@ -140,7 +142,8 @@ class Args:
     vllm: bool = False  # generate with a vLLM engine in this process (its own venv: docs/scaling.md)
     vllm_kv_cache_gb: float = 0.25  # --vllm on a CPU: the engine's KV cache in GiB
     vllm_gpu_memory_utilization: float = 0.3  # --vllm on a GPU: the engine's share of its memory (TRL's)
-    vllm_importance_sampling_clip_max: float = 3.0  # --vllm: C of each token's weight min(pi / pi_vllm, C) (TRL's)
+    vllm_importance_sampling_mode: CORRECTIONS = "token_truncate"  # --vllm: how its sampling is corrected (TRL's modes)
+    vllm_importance_sampling_clip_max: float = 3.0  # --vllm: C, the bound of each weight pi / pi_vllm (TRL's)
     # ---- GRPO and its variants
     total_steps: int = 500  # GRPO updates (a generation batch and its --num-iterations each)
     prompts_per_update: int = 8  # prompts per update, each with --num-generations completions
@@ -247,10 +250,10 @@ def grpo_loss(
     old_logprobs) per token, or exp of their mean per completion (sequence, GSPO); per token, A the advantage:
       grpo, dapo, dr_grpo: -min(min(rho, delta) A, clip(rho, 1 - epsilon, 1 + epsilon_high) A)    (details 8, 12)
       cispo: -sg(min(rho, 1 + epsilon_high)) A logprobs (sg(): no gradient);  sapo: -sigmoid(tau (rho - 1)) 4 / tau A
-    times entropy_mask and the off-policy mask (detail 13), plus beta k3 (times rho, detail 10), k3 = exp(ref - logp)
-    - (ref - logp) - 1; the masked token sum / (each completion's length x completions) (grpo, sapo), / real tokens
-    (dapo, cispo) or / (completions x max_new_tokens) (dr_grpo), of the batch (batch_completions; batch_tokens, a mean
-    over the ranks) (detail 9). logprobs (B, T), advantages (B,) or (B, T)."""
+    times entropy_mask (detail 13: the high-entropy and off-policy masks), plus beta k3 (times rho, detail 10), k3 =
+    exp(ref - logp) - (ref - logp) - 1; the masked token sum / (each completion's length x completions) (grpo, sapo),
+    / real tokens (dapo, cispo) or / (completions x max_new_tokens) (dr_grpo), of the batch (batch_completions;
+    batch_tokens, a mean over the ranks) (detail 9). logprobs (B, T), advantages (B,) or (B, T)."""
     epsilon, epsilon_high = args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high
     log_ratio = logprobs - old_logprobs  # (B, T)
     if args.importance_sampling_level == "sequence":
@@ -266,10 +269,6 @@ def grpo_loss(
         capped_ratio = ratio if args.delta is None else ratio.clamp(max=args.delta)
         per_token_loss = -torch.min(capped_ratio * advantages, ratio.clamp(1 - epsilon, 1 + epsilon_high) * advantages)
     per_token_loss = per_token_loss * entropy_mask
-    if args.off_policy_mask_threshold is not None:  # mean k1 KL(old || current) per completion, over real tokens
-        off_policy_kl = masked_mean(old_logprobs - logprobs.detach(), mask, axis=1)[:, None]  # (B, 1)
-        off_policy = (advantages < 0) & (off_policy_kl > args.off_policy_mask_threshold)
-        per_token_loss = per_token_loss.masked_fill(off_policy, 0.0)
     kl = None
     if args.beta:  # the reference's log-probs are there only then
         kl = kl_penalty(logprobs, ref_logprobs, "k3")
@@ -296,10 +295,15 @@ def truncate_after_eos(responses, eos_ids, pad_token_id):
     return responses.masked_fill(after_eos, pad_token_id), ~after_eos, is_eos.any(1)
 
 
-def importance_weights(logprobs, vllm_logprobs, cap):
-    """--vllm's correction (TRL's, token_truncate): the engine samples from pi_vllm, not quite the trainer's pi; each
-    token's weight min(pi / pi_vllm, C) = min(exp(logprobs - vllm_logprobs), C) (B, R) multiplies its advantage."""
-    return torch.exp(logprobs - vllm_logprobs).clamp(max=cap)
+def importance_weights(logprobs, vllm_logprobs, mask, args):
+    """--vllm's correction: the engine samples from pi_vllm, not quite the trainer's pi. TRL's four modes, C the clip:
+    w = pi / pi_vllm = exp(logprobs - vllm_logprobs) per token (B, R), or (sequence_*) exp of their sum over the row's
+    policy tokens (B, 1); *_truncate: min(w, C); *_mask: w, but 0 where w > C. Each advantage is multiplied by it."""
+    log_ratio, mode = (logprobs - vllm_logprobs) * mask, args.vllm_importance_sampling_mode  # a tool's are 0
+    if mode.startswith("sequence"):  # exp of a sum drifts from 1 as a row grows: C then acts
+        log_ratio = log_ratio.sum(1, keepdim=True)
+    weights, cap = torch.exp(log_ratio), args.vllm_importance_sampling_clip_max
+    return weights.clamp(max=cap) if mode.endswith("truncate") else weights.masked_fill(weights > cap, 0.0)
 
 
 @torch.no_grad()
@@ -316,7 +320,7 @@ def rollout(policy, tokenizer, prompts, args, autocast, stop=None, tools=None, e
         messages                         B lists     each response's turns and tool results as messages (TRL's)"""
     inputs = tokenize_texts(tokenizer, prompts, args.max_prompt_length).to(policy.device)
     policy.eval()
-    with autocast, unsharded(policy), vllm_pushed(policy, enabled=args.vllm):  # FSDP: one gather for all the turns
+    with autocast, unsharded(policy), vllm_pushed(policy, enabled=args.vllm):  # FSDP gathers once for all the turns
         if tools:
             return run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling, environments)
         new, n_sampled, vllm_logprobs = generate_turn(policy, inputs, args.max_new_tokens, stop, args, sampling)
@@ -363,8 +367,15 @@ def accumulate_gradients(policy, batch, micro_batches, args, autocast):
         old_logprobs = batch["old_logprobs"][micro_batch] if args.num_iterations > 1 else logprobs.detach()  # detail 5
         ref_logprobs = batch["ref_logprobs"][micro_batch] if "ref_logprobs" in batch else None  # beta 0: no KL
         advantages, mask = batch["advantages"][micro_batch], batch["loss_mask"][micro_batch]
-        entropy_mask = batch["entropy_mask"][micro_batch]
-        if args.teacher:  # on-policy distillation, the teacher's log-probs in the reference's place (step 4)
+        entropy_mask, sampling_logprobs = batch["entropy_mask"][micro_batch], old_logprobs  # or the engine's, below
+        if args.vllm:  # the engine sampled these tokens, so each token's weight turns A (B,) into (B, R)
+            sampling_logprobs = batch["vllm_logprobs"][micro_batch]
+            advantages = advantages[:, None] * importance_weights(old_logprobs, sampling_logprobs, mask, args)
+            batch.setdefault("old_logprobs", 0 * loss_mask)[micro_batch] = old_logprobs  # read by vllm_metrics
+        if args.off_policy_mask_threshold is not None:  # detail 13: A < 0, far from what sampled it (mean k1 KL)
+            far = masked_mean(sampling_logprobs - logprobs.detach(), mask, axis=1) > args.off_policy_mask_threshold
+            entropy_mask = entropy_mask * ~((advantages.view(len(mask), -1) < 0) & far[:, None])
+        if args.teacher:  # on-policy distillation, after the mask (it reads the sign of the group's advantage)
             advantages = distillation_advantages(advantages, old_logprobs, ref_logprobs, args.teacher_coef)
         loss, micro_stats = grpo_loss(
             logprobs, old_logprobs, ref_logprobs, advantages, mask, batch_size, n_tokens, args, entropy_mask
@@ -394,7 +405,7 @@ def optimizer_step(optimizer, params, max_grad_norm):
 
 def main(args: Args | None = None):
     args = parse_args() if args is None else args  # TRY NOT TO MODIFY: set-up, models, a resumed run, run directory
-    given = asdict(args)  # args.json: the flags as given, which --resume reads (what is derived is derived again)
+    given = asdict(args)  # the flags as given, for args.json: --resume reads them and derives the rest again
     (rank, world), device, autocast = setup(args)
     check_args(args, world)
     G = args.num_generations
@@ -402,14 +413,14 @@ def main(args: Args | None = None):
     micro_batch_size = min(args.micro_batch_size, batch_size)  # at most the batch
     tools, environment = load_environment(args, load_tools(args.tools))  # --tools; --environment's instances (TRL's)
     reward_fns = load_reward_fns(args, environment)  # --reward-fn's, then the environment's get_reward; before loading
-    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device, tools)  # rm_tokenizer None: our ids
+    tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device, tools)  # the RM's own tokenizer, or None
     eval_problems = eval_rows(args, tokenizer, reward_fns, tools)
     held_out = (policy, tokenizer, eval_problems, reward_fns, args, autocast, batch_size, tools, environment)
     if args.eval_only:  # no training, no run directory; a stop ends it after a batch, with one line
         with stoppable():
             return evaluate(*held_out)
     ref_policy, distill = load_teacher(args, device, held_out)  # --teacher: it grades every sampled token
-    if args.beta:  # TRL's default 0: no KL term, no reference (details 5, 10)
+    if args.beta:  # with beta 0, TRL's default, there is no KL term and no reference (details 5, 10)
         ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
     params, optimizer = prepare(args, [policy])
     names = [name.rpartition(":")[2] for name in reward_fn_names(args)]
@@ -422,7 +433,7 @@ def main(args: Args | None = None):
         names, weights = names + [args.environment.rpartition(":")[2]], weights + [1.0]
     reward_weights = torch.tensor(weights, device=device)
     models = nn.ModuleDict({"policy": policy})  # what checkpoint/ and policy/ hold; the reference is --model's
-    resumed, prompts, run_dir, writer = start_run(args, given, (rank, world), models, optimizer, tokenizer, tools)
+    resumed, prompts, run_dir, writer = start_run(args, given, models, optimizer, tokenizer, tools, eval_problems)
     first_update = resumed.get("update", 0)
     run = {"update": first_update, "state": {"update": first_update}}  # what a stop saves
     clock = Stopwatch(device, first_update, args.total_steps)
@@ -433,7 +444,7 @@ def main(args: Args | None = None):
             log(writer, {"update": 0, "episode": 0} | initial, "update 0:")
         for update in range(first_update + 1, args.total_steps + 1):
             run["update"] = update
-            torch.manual_seed(hash((args.seed, update, rank)))  # a resume repeats them (ints hash alike everywhere)
+            torch.manual_seed(hash((args.seed, update, rank)))  # ints hash alike anywhere, so a resume repeats it
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"] = args.learning_rate * (1 - (update - 1) / args.total_steps)
             clock.lap()  # the update starts
@@ -466,7 +477,7 @@ def main(args: Args | None = None):
             # 4. old log-probs (mu > 1), entropies (detail 13) and reference log-probs: the training forward (detail 5)
             micro_batches = torch.arange(batch_size, device=device).split(micro_batch_size)
             has_loss_tokens = all_reduce(loss_mask.sum()) > 0  # on any rank; else no update
-            if has_loss_tokens and (args.num_iterations > 1 or args.top_entropy_quantile < 1 or args.vllm):
+            if has_loss_tokens and (args.num_iterations > 1 or args.top_entropy_quantile < 1):
                 with scoring(policy), autocast:
                     out = [policy_forward(policy, batch, mb, args)[1:] for mb in micro_batches]
                 batch["old_logprobs"], entropy = (torch.cat(x) for x in zip(*out))  # old ones read at mu > 1
@@ -476,10 +487,6 @@ def main(args: Args | None = None):
                 with scoring(ref_policy, adapters_off=ref_policy is policy and args.lora_r > 0), autocast:
                     out = [policy_forward(ref_policy, batch, mb, args)[1] for mb in micro_batches]
                 batch["ref_logprobs"] = torch.cat(out)
-            if args.vllm and has_loss_tokens:  # truncated importance sampling: vLLM sampled, not the trainer (TRL's)
-                cap = args.vllm_importance_sampling_clip_max
-                weights = importance_weights(batch["old_logprobs"], batch["vllm_logprobs"], cap)
-                batch["advantages"] = advantages[:, None] * weights
             clock.lap("scoring")
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 9)
             policy.train()
@@ -490,7 +497,7 @@ def main(args: Args | None = None):
                     grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
                     stats += micro_stats
                     losses.append(loss)
-            run["state"] = {"update": update}  # update done: a stop from here on resumes after it
+            run["state"] = {"update": update}  # the update is done, and a stop from here on resumes after it
             clock.lap("update")
             # TRY NOT TO MODIFY: 6. log (TRL's GRPO metric names), evaluate, show samples, save
             batch |= {"scores": scores, "rewards": rewards, "zero_std": zero_std}
@@ -534,8 +541,8 @@ def check_args(args, world):
         raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high})")
     if args.delta is not None and args.delta <= high:
         raise SystemExit(f"error: --delta must be > 1 + --epsilon-high (got {args.delta})")
-    if args.off_policy_mask_threshold is not None and args.num_iterations == 1:  # old = current: it never acts
-        why = "needs --num-iterations > 1 (at 1 no completion is off-policy)"
+    if args.off_policy_mask_threshold is not None and args.num_iterations == 1 and not args.vllm:  # it never acts
+        why = "needs --num-iterations > 1 or --vllm (at 1 the trainer sampled each completion: none is off-policy)"
         raise SystemExit(f"error: --off-policy-mask-threshold {why}")
     if args.teacher and args.beta:  # a KL term to which model? The teacher's is in every token's advantage
         raise SystemExit("error: --teacher needs --beta 0: the teacher's reverse KL is each token's advantage already")
@@ -1170,7 +1177,8 @@ def from_pretrained(cls, name, flag, **kwargs):
         return cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         where = "holds no model it can load" if os.path.isdir(name) else "is no directory, nor reachable on the hub"
-        hint = "a hub id needs the network (with HF_HUB_OFFLINE=1, the cache alone); offline: assets/arith-sft"
+        offline = "assets/arith-rm" if flag == "--reward-model" else "assets/arith-sft"  # the embedded models
+        hint = f"a hub id needs the network (with HF_HUB_OFFLINE=1, the cache alone); offline: {offline}"
         if name.startswith("assets/"):  # a copy of the script, without the repository's assets/
             hint = "the embedded models ship in the repository's assets/: give --model (hub id or directory), --dataset"
         raise SystemExit(f"error: {flag} {name} {where} ({type(e).__name__}); {hint}") from None
@@ -1486,7 +1494,7 @@ def scoring(model, adapters_off=False):
 
 
 def prepare(args, trained):
-    """Gradient checkpointing, torch's threads, AdamW over the trained weights, --vllm's engine: (params, optimizer)."""
+    """Gradient checkpointing, torch's threads, AdamW over the trained weights: (params, optimizer)."""
     trained = [model for model in trained if model is not None]
     for model in trained:
         if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only
@@ -1496,57 +1504,79 @@ def prepare(args, trained):
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=args.weight_decay, fused=True)
-    if args.vllm:  # after torch's threads, which the engine binds
-        start_vllm(args, trained[0])
+    optimizer.register_step_post_hook(lambda *_: PUSHED.clear())  # after a step the engine's weights are old
     return params, optimizer
 
 
 VLLM = []  # --vllm's engine (start_vllm): generate_turn() samples with it instead of generate()
+PUSHED = []  # the engine while it holds the policy's weights as they are, else empty (vllm_pushed)
 
 
-def start_vllm(args, policy):
+def start_vllm(args, policy, prompt_length):
     """--vllm: a vLLM engine in this process (docs/scaling.md) of the policy as load_models prepared it (its config and
-    dtype), its weights vllm_pushed's, log-probs detail 4's; it seeds python, numpy and torch with --seed."""
+    dtype), for prompt_length (the longest prompt) + --max-new-tokens tokens, which its KV cache must hold (else one
+    line); its weights vllm_pushed's, log-probs detail 4's; it seeds python, numpy and torch with --seed."""
+    config, cuda = policy.config, policy.device.type == "cuda"
+    dtype, flag = torch.bfloat16 if uses_bf16(args) else policy.dtype, "--vllm-kv-cache-gb"
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    length, cache = prompt_length + args.max_new_tokens, args.vllm_kv_cache_gb * 2**30
+    options = dict(kv_cache_memory_bytes=int(cache))
+    if cuda:  # asleep but in rollouts (vllm_pushed); its KV cache gets at most its share of the GPU, less its weights
+        options = dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=True)
+        share, flag = args.vllm_gpu_memory_utilization * torch.cuda.mem_get_info()[1], "--vllm-gpu-memory-utilization"
+        cache = share - policy.num_parameters() * dtype.itemsize
+    if 2 * config.num_hidden_layers * kv_heads * head_size * dtype.itemsize * length > cache:  # keys and values
+        why = f"{length} tokens (the longest prompt, --max-new-tokens) need more KV cache than {cache / 2**30:.2f} GiB"
+        raise SystemExit(f"error: --vllm: {why}: lower --max-prompt-length or raise {flag}")
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")  # in this process; quiet
     import vllm
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    config, cuda, served = policy.config, policy.device.type == "cuda", CPUAttentionBackend.get_supported_head_sizes()
-    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if not cuda:  # imported on a CPU alone, whose attention serves some head sizes (a GPU's, the others)
+        cpu_attention = importlib.import_module("vllm.v1.attention.backends.cpu_attn").CPUAttentionBackend
+        served = cpu_attention.get_supported_head_sizes()
     if not cuda and head_size not in served:
         why = f"head size {head_size}, which vLLM's CPU attention does not serve ({served}); a GPU's does"
         raise SystemExit(f"error: --vllm: --model {args.model} has {why}")
     if not set(config.architectures or []) & set(vllm.ModelRegistry.get_supported_archs()):
         raise SystemExit(f"error: --vllm: vLLM cannot load --model {args.model} ({config.architectures})")
-    options = dict(kv_cache_memory_bytes=int(args.vllm_kv_cache_gb * 2**30))
-    if cuda:  # asleep but in rollouts (vllm_pushed)
-        options = dict(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=True)
-    options["distributed_executor_backend"] = "external_launcher" if dist.is_initialized() else None  # TRL's colocate
+    options["distributed_executor_backend"] = "external_launcher" if TORCHRUN else None  # TRL's colocate mode
     options |= dict(load_format="dummy", seed=args.seed, skip_tokenizer_init=True, enforce_eager=True)
-    options |= dict(logprobs_mode="processed_logprobs", max_model_len=args.max_prompt_length + args.max_new_tokens)
+    options |= dict(logprobs_mode="processed_logprobs", max_model_len=length)
     with tempfile.TemporaryDirectory() as path:
         config.save_pretrained(path)
-        VLLM[:] = [vllm.LLM(path, dtype=torch.bfloat16 if uses_bf16(args) else policy.dtype, **options)]
+        VLLM[:] = [vllm.LLM(path, dtype=dtype, **options)]
 
 
 @contextlib.contextmanager
 def vllm_pushed(policy, enabled=True):
-    """--vllm: the policy's weights into the engine by reload_weights, a tensor at a time (FSDP's gathered), named as
-    in the checkpoint (a tied LM head too), a LoRA run's merged (W + (alpha / r) B A, its adapters as they are); the
-    prefix cache emptied. On a GPU the engine sleeps outside rollouts (sleep mode): KV cache freed, weights in RAM."""
+    """--vllm: the policy's weights into the engine by reload_weights, unless it holds them (PUSHED is it), and the
+    prefix cache emptied. On a GPU the engine sleeps outside rollouts as in TRL's colocate mode: level 2 frees its
+    weights and KV cache, and a rollout wakes the weights, pushes them, then wakes the KV cache."""
     if enabled and VLLM[0].llm_engine.is_sleeping():  # on a GPU, since the last rollout
-        VLLM[0].wake_up()
-    if enabled:
-        model = policy.get_base_model() if hasattr(policy, "peft_config") else policy
-        lora = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}  # LoRA layers
-        state = ((k.replace(".base_layer.", "."), v) for k, v in model.state_dict().items() if ".lora_" not in k)
-        merged = ((k, v + lora[k].get_delta_weight("default") if k in lora else v) for k, v in state)
-        weights = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in merged)
-        VLLM[0].collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        VLLM[0].wake_up(tags=["weights"])
+    if enabled and PUSHED != VLLM:  # no push since the engine started, the last optimizer step or the last sleep
+        VLLM[0].collective_rpc("reload_weights", kwargs=dict(weights_iterator=pushed_weights(policy)))
         VLLM[0].reset_prefix_cache()
+        PUSHED[:] = VLLM
+    if enabled and VLLM[0].llm_engine.is_sleeping():  # the KV cache is still asleep
+        VLLM[0].wake_up(tags=["kv_cache"])
     yield
-    if enabled and policy.device.type == "cuda":  # sleep mode (start_vllm) during the update
-        VLLM[0].sleep(level=1)
+    if enabled and policy.device.type == "cuda":  # level 2 keeps no copy of the weights: the next rollout pushes them
+        VLLM[0].sleep(level=2)
+        PUSHED.clear()
+
+
+def pushed_weights(policy):
+    """The policy's weights a tensor at a time, named as in the checkpoint (a tied LM head too)."""
+    model = policy.get_base_model() if hasattr(policy, "peft_config") else policy
+    lora = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}  # LoRA layers
+    for name, weight in model.state_dict().items():
+        name = name.replace(".base_layer.", ".")
+        if name in lora:  # the LoRA merge: W + (alpha / r) B A, its adapters as they are
+            weight = weight + lora[name].get_delta_weight("default")
+        if ".lora_" not in name:  # an adapter is in its layer's merged weight
+            yield name, weight.full_tensor() if isinstance(weight, DTensor) else weight  # the FSDP gather
 
 
 def vllm_metrics(logprobs, batch):
@@ -1600,7 +1630,7 @@ def check_run(args, world):
 
 def all_reduce(x, op=dist.ReduceOp.SUM):
     """The tensor x summed (or op's: its max) over the torchrun ranks; x itself in one process."""
-    if not dist.is_initialized():
+    if not TORCHRUN:
         return x
     y = x.detach().to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
     dist.all_reduce(y, op)
@@ -1628,6 +1658,7 @@ def setup(args):
         if cuda:
             torch.cuda.set_device(gpu)
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1), device_id=gpu)
+        TORCHRUN.append(True)
         if dist.get_rank():
             sys.stdout = open(os.devnull, "w")
     transformers.utils.logging.disable_progress_bar()
@@ -1711,10 +1742,16 @@ def open_run(args, given, rank, resumed_update, run_dir):
     return SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
 
 
-def start_run(args, given, ranks, models, optimizer, tokenizer, tools=None):
-    """(a resumed run's state ({} if new), its weights and AdamW's loaded; the prompts from there; run dir; writer)."""
+def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
+    """(a resumed run's state ({} if new), its weights and AdamW's loaded; the prompts from there; run dir; writer);
+    --vllm's engine, for the longest prompt, training's or held_out's (evaluation's rows, or None)."""
+    ranks = (dist.get_rank(), dist.get_world_size()) if TORCHRUN else (0, 1)
     needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))
     rows = load_prompts(args, tokenizer, needs_answers=needs_answers, tools=tools)
+    if args.vllm:  # after prepare() set torch's threads, and before the run directory, which a refusal leaves none of
+        ids = tokenizer([row["prompt"] for row in rows + (held_out or [])], verbose=False).input_ids  # or a BOS more
+        longest = min(max(map(len, ids)), args.max_prompt_length or math.inf)  # --environment's reset may lengthen one
+        start_vllm(args, models["policy"], args.max_prompt_length if args.environment else longest)
     try:  # the run directory owned before its checkpoint is read, and freed again on a refusal
         run_dir = own_run(args, ranks[0])
         resumed = load_checkpoint(args, models, optimizer)
@@ -1908,6 +1945,7 @@ def due(update, every, total_steps=None):
 # TRY NOT TO MODIFY: stops and checkpoints
 
 STOP = []  # the signals received: Ctrl-C and SIGTERM (a preemption)
+TORCHRUN = []  # [True] once setup() has joined torchrun's ranks (vLLM's engine makes a one-rank world of its own)
 SAVING = []  # not empty while a checkpoint is gathered and written
 LOCK = contextlib.ExitStack()  # the run directory's lock, held while this process owns the run: LOCK.close() frees it
 
@@ -1977,7 +2015,7 @@ def on_every_rank(fn):
         result, error = None, e
     if not all_reduce(torch.tensor(float(error is not None))).item():
         return result
-    if not dist.is_initialized():
+    if not TORCHRUN:
         raise error
     raise EveryRank(error or "another rank's error") from error
 
@@ -2028,7 +2066,7 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
         try:  # every rank reaches the gather below, whatever fails here
             if rank == 0:  # a failed save's, or a hard kill's (no rank writes before dcp.save's first collective)
                 shutil.rmtree(path, ignore_errors=True)
-            dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.save(trained_state(models, optimizer), checkpoint_id=path, no_dist=not TORCHRUN)
             save_policy(os.path.join(path, "policy"), models, tokenizer, merged)
             names = [os.path.relpath(os.path.join(d, n), path) for d, _, ns in os.walk(path) for n in ns]
             mine = [n for n in names if n.startswith(f"__{rank}_") or (rank == 0 and not n.startswith("__"))]  # written
@@ -2036,7 +2074,7 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
         except (Exception, dcp.CheckpointException) as e:  # a full disk, a file-size limit, a directory gone
             failed = e
         every = [sums] * world  # one gather: each rank's checksums, None where it failed
-        if dist.is_initialized():
+        if TORCHRUN:
             dist.all_gather_object(every, sums)
         if rank == 0 and None not in every:  # state.json, then checksums.json with its CRC-32 too
             sums = {name: crc for part in every for name, crc in part.items()}
@@ -2117,7 +2155,7 @@ def load_checkpoint(args, models, optimizer):
         names = {k for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith("models.")}
         if names != {f"models.{k}" for k in state["models"]}:
             raise KeyError(f"its weights are of {', '.join(sorted({k.split('.')[1] for k in names}))}, other names")
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.load(state, checkpoint_id=path, no_dist=not TORCHRUN)
     except (Exception, dcp.CheckpointException) as e:
         run_model = json.load(open(os.path.join(args.resume, "args.json")))["model"]
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:100]}"
@@ -2145,7 +2183,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         rank = dist.get_rank() if dist.is_initialized() else 0
         together = isinstance(error, KeyboardInterrupt | FloatingPointError | SaveFailed | EveryRank)
         what, saved = str(error) or type(error).__name__, None
-        if not together and dist.is_initialized():
+        if not together and TORCHRUN:
             what += "; one rank alone cannot save the sharded weights"
         elif not isinstance(error, SaveFailed):  # a failed save is not tried again
             try:
@@ -2161,7 +2199,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         cause = error.__cause__ if isinstance(error, EveryRank) else error  # a user's error: its own traceback
         if not isinstance(cause, KeyboardInterrupt | FloatingPointError | SaveFailed | SystemExit | Stopped | None):
             traceback.print_exception(cause)
-        if together and dist.is_initialized():  # torchrun ends every rank once one exits: they wait for rank 0's save
+        if together and TORCHRUN:  # torchrun ends every rank once one exits: they wait for rank 0's save
             dist.barrier()
             if not VLLM:  # else the engine's exit destroys its groups in this world, then the world (not twice)
                 dist.destroy_process_group()

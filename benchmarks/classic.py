@@ -2,7 +2,7 @@
 
 Usage (from the repository root; the curves take about 20 CPU-minutes, run 2 at a time under `nice`):
     python benchmarks/classic.py --skip-speed                     # curves only (5 seeds x 3 envs x 2 scripts)
-    python benchmarks/classic.py --cleanrl ../shared/anchors/cleanrl/ppo.py   # also time CleanRL's ppo.py
+    python benchmarks/classic.py --cleanrl ../shared/anchors/cleanrl/ppo.py   # also time it against CleanRL's ppo.py
     python benchmarks/classic.py --skip-speed --merge --envs CartPole-v1 --algos ppo_classic --steps 500000
                                        # one more configuration; the other rows of the results files stay
     python benchmarks/classic.py --profile 20                     # only: where ppo_classic.py's iteration spends
@@ -11,10 +11,12 @@ Usage (from the repository root; the curves take about 20 CPU-minutes, run 2 at 
    --total-timesteps given (STEPS per env, or --steps), one run per seed (at most --jobs at once, under `nice`).
    Episodes are read from metrics.jsonl. A configuration is (script, env, total timesteps); with --merge the
    rows of the existing classic.csv and classic_curves.csv are kept for the configurations with no run now.
-2. Speed: ppo_classic.py with its defaults, run with 1 and with 2 torch threads (and CleanRL's ppo.py
-   the same way when --cleanrl is given), each run stopped after --speed-seconds, the runs interleaved
-   --speed-repeats times so that every configuration sees the same machine load; the figure is the
-   last charts/SPS the run printed (steps / seconds since its start), the median over repeats.
+2. Speed (with --cleanrl): ppo_classic.py and CleanRL's ppo.py, each with its defaults on CartPole-v1 and one torch
+   thread, timed as whole processes in pairs, --speed-pairs of them (the order alternating): a run of --speed-steps
+   (40,960: 80 iterations of 512 steps) and a run of one iteration (512 steps), whose time is the start-up (imports,
+   the environments, the first iteration). Steps/s less the start-up: the 79 iterations between the two, 40,448
+   steps, over the difference of their times. Also the last charts/SPS each long run printed. The ratios are ours to
+   CleanRL's, pair by pair, and of the medians.
 Writes benchmarks/results/classic.csv (per-seed figures), classic_curves.csv (the plotted curves), classic.md (the
 learning table), classic_return.png (mean and min-max over seeds), and with the speed runs classic_speed.csv and
 classic_speed.md; each table also goes into the docs pages that quote it (benchmarks/docs_tables.py). --skip-speed
@@ -32,7 +34,6 @@ import glob
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import tempfile
@@ -138,26 +139,16 @@ def trailing_mean(returns, window=100):
     return (csum[idx] - csum[lo]) / (idx - lo)
 
 
-def speed(script, threads, seconds):
-    """Runs `script` (defaults, `threads` torch threads) for `seconds`; returns (steps/s, steps/CPU-s).
-
-    steps/s is the last charts/SPS the script printed (wall clock, what a user sees); steps/CPU-s
-    divides the steps of the finished iterations (one SPS line each, 512 steps) by the process's CPU
-    time, start-up included, which depends much less on what else runs on a shared machine.
-    """
-    cmd = [sys.executable, "-u", "-c", THREADS, str(threads), script]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+def timed(script, steps):
+    """One whole run of `script` (its defaults, CartPole-v1, `steps` total timesteps, one torch thread), in a
+    directory of its own: (wall seconds from start to exit, the last charts/SPS it printed)."""
+    cmd = [sys.executable, "-u", "-c", THREADS, "1", script, f"--total-timesteps={steps}"]
     with tempfile.TemporaryDirectory() as cwd:  # where the script writes its run directory
-        try:
-            out = subprocess.run(cmd, cwd=cwd, capture_output=True, timeout=seconds).stdout
-        except subprocess.TimeoutExpired as e:  # the usual end: the run is killed, its output kept
-            out = e.stdout
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    sps = [int(v) for v in re.findall(r"SPS[=:] ?(\d+)", out.decode())]
-    if not sps:
-        raise SystemExit(f"error: --speed-seconds {seconds}: {script} finished no iteration in that time; give it more")
-    return sps[-1], int(len(sps) * 512 / cpu)
+        start = time.perf_counter()
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, check=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+        seconds = time.perf_counter() - start
+    sps = [int(v) for v in re.findall(r"SPS[=:] ?(\d+)", out.stdout.decode())]
+    return seconds, sps[-1]
 
 
 def machine():
@@ -236,8 +227,8 @@ def main():
     p.add_argument("--reuse", action="store_true", help="reuse the latest runs/bench-* run of each seed")
     p.add_argument("--only-existing", action="store_true", help="train nothing: tabulate the runs that exist")
     p.add_argument("--cleanrl", default=None, help="path of a local copy of CleanRL's ppo.py to time too")
-    p.add_argument("--speed-seconds", type=int, default=40, help="wall time of each speed run")
-    p.add_argument("--speed-repeats", type=int, default=3)
+    p.add_argument("--speed-pairs", type=int, default=5, help="pairs of runs, each of both scripts")
+    p.add_argument("--speed-steps", type=int, default=40960, help="total timesteps of each long run")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--profile", type=int, default=0, metavar="ITERATIONS", help="only profile ppo_classic.py")
     args = p.parse_args()
@@ -374,33 +365,63 @@ def main():
         if os.path.exists(speed_path):
             write_table("classic_speed.md", open(speed_path).read())
         return
-    configs = [("ppo_classic.py", os.path.join(REPO, "ppo_classic.py"), n) for n in (1, 2)]
-    if args.cleanrl:
-        configs += [("CleanRL ppo.py", os.path.abspath(args.cleanrl), n) for n in (1, 2)]
-    sps = {c: [] for c in configs}
-    for repeat in range(args.speed_repeats):
-        for c in configs:
-            sps[c].append(speed(c[1], c[2], args.speed_seconds))
-            print(f"speed {c[0]} {c[2]} thread(s), repeat {repeat}: {sps[c][-1]}", flush=True)
+    if not args.cleanrl:
+        raise SystemExit("error: the speed runs time ppo_classic.py against CleanRL's ppo.py: give --cleanrl PATH")
+    scripts = {"ppo_classic.py": os.path.join(REPO, "ppo_classic.py"), "CleanRL ppo.py": os.path.abspath(args.cleanrl)}
+    rows = []
+    for pair in range(args.speed_pairs):
+        order = list(scripts) if pair % 2 == 0 else list(scripts)[::-1]  # each goes first in every other pair
+        for steps in (args.speed_steps, 512):  # a long run, then one iteration: the start-up
+            for name in order:
+                load = os.getloadavg()[0]  # before the run: on shared cores it says how far its seconds hold
+                seconds, sps = timed(scripts[name], steps)
+                rows.append(dict(script=name, pair=pair, steps=steps, seconds=round(seconds, 3), sps=sps, load=load))
+                print(f"speed pair {pair}: {name}, {steps} steps: {seconds:.2f} s, SPS {sps}", flush=True)
     with open(os.path.join(RESULTS, "classic_speed.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["script", "torch_threads", "repeat", "steps_per_s", "steps_per_cpu_s"])
-        w.writerows([c[0], c[2], i, *v] for c in configs for i, v in enumerate(sps[c]))
+        w = csv.DictWriter(f, fieldnames=["script", "pair", "steps", "seconds", "sps", "load"])
+        w.writeheader()
+        w.writerows(rows)
+    write_table("classic_speed.md", speed_table(rows, args.speed_steps, args.speed_pairs))
+
+
+def speed_table(rows, steps, pairs):
+    """classic_speed.md from the speed rows: each script's medians, then ours against CleanRL's, pair by pair."""
+    iterations = steps // 512 - 1  # between a long run and a one-iteration run
+
+    def of(name, n, key="seconds"):  # (pairs,): the figure of each pair's run
+        return np.array(
+            [r[key] for r in sorted(rows, key=lambda r: r["pair"]) if (r["script"], r["steps"]) == (name, n)]
+        )
+
     lines = [
-        f"CartPole-v1, defaults, one process, stopped after {args.speed_seconds} s. "
-        f"Machine: {machine()}; {time.strftime('%Y-%m-%d')}. Median of "
-        f"{args.speed_repeats} interleaved runs. steps/s: the last charts/SPS the script printed;",
-        "steps/CPU-s: steps of its finished iterations / its CPU time (less sensitive to load).",
+        f"CartPole-v1, each script's defaults, one torch thread, {pairs} pairs of whole runs (`python "
+        "benchmarks/classic.py --only-existing --merge --cleanrl PATH/TO/cleanrl/ppo.py`, CleanRL's file unchanged at "
+        "commit fe8d8a0), "
+        f"the order alternating. Machine: {machine()}; {time.strftime('%Y-%m-%d')}. Start-up: a run of one iteration "
+        f"(512 steps); steps/s less the start-up: the {iterations * 512:,} steps between the two runs over the "
+        "difference of their times. SPS: the last charts/SPS the long run printed. Medians, and each pair's figure. "
+        f"The 1-minute load average before each run: {min(r['load'] for r in rows):.1f} to "
+        f"{max(r['load'] for r in rows):.1f}.",
         "",
-        "| script | torch threads | steps/s (median) | steps/s, all runs | steps/CPU-s (median) |",
+        f"| script | whole run, {steps:,} steps (s) | start-up (s) | steps/s less the start-up | printed SPS |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for c in configs:
-        wall, cpu = np.array(sps[c]).T
-        runs = ", ".join(map(str, wall))
-        lines.append(f"| {c[0]} | {c[2]} | {int(np.median(wall)):,} | {runs} | {int(np.median(cpu)):,} |")
-    write_table("classic_speed.md", "\n".join(lines))
-    print("\n".join(lines))
+    rates = {}
+    for name in ["ppo_classic.py", "CleanRL ppo.py"]:
+        whole, start, sps = of(name, steps), of(name, 512), of(name, steps, "sps")
+        rates[name] = iterations * 512 / (whole - start)
+        cells = [f"{np.median(x):.2f} ({', '.join(f'{v:.2f}' for v in x)})" for x in (whole, start)]
+        cells.append(f"{np.median(rates[name]):,.0f} ({', '.join(f'{v:,.0f}' for v in rates[name])})")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {np.median(sps):,.0f} ({', '.join(map(str, sps))}) |")
+    ours, theirs = "ppo_classic.py", "CleanRL ppo.py"
+    for what, a, b in [
+        ("steps/s less the start-up", rates[ours], rates[theirs]),
+        ("printed SPS", of(ours, steps, "sps"), of(theirs, steps, "sps")),
+        ("whole run (CleanRL's time / ours)", of(theirs, steps), of(ours, steps)),
+    ]:
+        pair = ", ".join(f"{x:.2f}" for x in a / b)
+        lines.append(f"\nppo_classic.py against CleanRL, {what}: {np.median(a / b):.2f}x (the pairs: {pair})")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

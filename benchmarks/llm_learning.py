@@ -634,7 +634,8 @@ def vllm_rows(name, legs):
         "",
         f"Verdict: vLLM's mean lies within generate()'s seeds' min-max at {sum(inside)} of {len(updates)} "
         f"evaluations; the two means differ by {np.mean(gaps):.3f} on average, generate()'s seeds by "
-        f"{np.mean(spreads):.3f}: the same curve within the seeds' spread (the first at most the second): {same}.",
+        f"{np.mean(spreads):.3f}: no gross difference at {len(legs['vLLM'])} seeds a leg (the first at most the "
+        f"second): {same}.",
     ]
     return rows
 

@@ -29,8 +29,10 @@ import {script}_llm as script
 args = script.Args(model=sys.argv[2], vllm=True, max_new_tokens={new}, max_prompt_length={prompt})
 policy = script.load_models(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))[1]
 script.prepare(args, [policy])
+script.start_vllm(args, policy, args.max_prompt_length)
 seconds = []
 for _ in range(int(sys.argv[3])):
+    script.PUSHED.clear()  # as an optimizer step does: the weights pushed again
     start = time.perf_counter()
     with script.vllm_pushed(policy):
         seconds.append(time.perf_counter() - start)
@@ -52,14 +54,15 @@ def measure(
     out_dir: str = scale.RESULTS,
     pushes: int = 3,
 ):
-    """updates: per run, the first warm-up; runs: scale.py's CONFIGS; table: only the tables, from vllm_cpu.json and
-    vllm_cuda.json; pushes: timed pushes of the weights for each run's model."""
+    """updates: per run, the first warm-up; runs: scale.py's CONFIGS (the result file's rows of the others are kept);
+    table: only the tables, from vllm_cpu.json and vllm_cuda.json; pushes: timed pushes of the weights for each run's
+    model."""
     if table:
         for saved in saved_results(os.path.join(out_dir, "vllm_c*.json")):  # vllm_cpu, vllm_cuda
             write(saved, out_dir)
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = []
+    path, rows = os.path.join(out_dir, f"vllm_{device}.json"), []
     for name in runs:
         shape, script, prompts, gens, new, micro, extra = scale.CONFIGS[name]
         for vllm in [False, True]:
@@ -69,9 +72,17 @@ def measure(
             if vllm:
                 rows[-1]["time/push"] = push_seconds(script, scale.build(shape), pushes, new)
             print(json.dumps(rows[-1]), flush=True)
+    machine, kept = scale.machine_name(device), []
+    for row in rows:
+        row |= {"machine": machine, "updates": updates}
+    if os.path.exists(path):  # the rows of the configs not run this time, each with its machine and --updates
+        old = saved_results(path)[0]
+        kept = [
+            {"machine": old["machine"], "updates": old["updates"]} | r for r in old["rows"] if r["config"] not in runs
+        ]
     dtype = "bf16 autocast" if device == "cuda" else "fp32"
-    saved = {"machine": scale.machine_name(device), "device": device, "dtype": dtype, "updates": updates, "rows": rows}
-    with open(os.path.join(out_dir, f"vllm_{device}.json"), "w") as f:
+    saved = {"machine": machine, "device": device, "dtype": dtype, "updates": updates, "rows": kept + rows}
+    with open(path, "w") as f:
         json.dump(saved, f, indent=1)
     write(saved, out_dir)
 
@@ -94,6 +105,13 @@ def write(saved, out_dir):
         lines.append(f"\n{name}: generation {fast['time/generation'] / base['time/generation']:.2f}x, "
                      f"s/update {fast['s/update'] / base['s/update']:.2f}x with --vllm")  # fmt: skip
     lines.append("\nThe push is part of the generation column; the load is the 1-minute load average before each leg.")
+    for name in runs:  # a config kept from an earlier run
+        r = [r for r in rows if r["config"] == name][0]
+        if (r.get("machine", saved["machine"]), r.get("updates", saved["updates"])) != (
+            saved["machine"],
+            saved["updates"],
+        ):
+            lines.append(f"{name}: an earlier run's, on {r['machine']}, --updates {r['updates']}.")
     write_table(f"vllm_{saved.get('device', 'cpu')}.md", "\n".join(lines), out_dir)
 
 

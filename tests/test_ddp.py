@@ -117,6 +117,8 @@ def worker(rank, world, init_file):
     group_advantages = grpo_llm.group_advantages(rewards, 2, "batch")[0]
     entropy_mask = grpo_llm.high_entropy_mask(full["advantages"], full["loss_mask"], 0.2)  # random "entropies"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    ppo_llm.TORCHRUN.append(True)  # as setup() records torchrun's world, which these helpers then reduce over
+    grpo_llm.TORCHRUN.append(True)
     mine = slice(rank * B // world, (rank + 1) * B // world)
     r = {k: v[mine] if torch.is_tensor(v) else v for k, v in full.items()}
     for case in CASES:
@@ -407,6 +409,8 @@ def family_worker(rank, world, init_file, paths):
     expected = {family: family_outputs(copy.deepcopy(args)) for family, args in arguments.items()}
     want_bf16 = bf16_logprobs(paths["llama"])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    ppo_llm.TORCHRUN.append(True)  # as setup() records torchrun's world, which these helpers then reduce over
+    grpo_llm.TORCHRUN.append(True)
     # rank 1 reads no weights: its models are built on the meta device, and rank 0 sends it its shards
     skeleton = ppo_llm.load_model(AutoModelForCausalLM, paths["llama"], "--model")
     assert {p.device.type for p in skeleton.parameters()} == ({"cpu"} if rank == 0 else {"meta"})

@@ -1,5 +1,7 @@
 """Tests of grpo_llm.py: numerics against hand-computed values, short end-to-end runs with tiny models, bad input."""
 
+import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -215,16 +217,49 @@ def test_two_sided_clipping_caps_the_ratio_of_negative_advantages():
     torch.testing.assert_close(loss, torch.tensor((-2.78 + 0.8 + 3.0) / 5))
 
 
+def accumulated(monkeypatch, logprobs, old, vllm_logprobs=None, **flags):
+    """accumulate_gradients' loss on the (2, 3) batch, one micro-batch, policy_forward giving `logprobs` (B, T)."""
+
+    def forward(policy, batch, micro_batch, args):  # (hidden states, log-probs, entropies)
+        return None, logprobs[micro_batch], torch.zeros_like(logprobs)
+
+    monkeypatch.setattr(grpo_llm, "policy_forward", forward)
+    batch = dict(loss_mask=MASK, entropy_mask=torch.ones_like(MASK), advantages=ADV, vllm_logprobs=vllm_logprobs)
+    if old is not None:  # mu > 1: the old log-probs of the scoring pass
+        batch["old_logprobs"] = old
+    args = grpo_llm.Args(**({"max_new_tokens": 4, "epsilon_high": 0.28} | flags))
+    loss, _ = grpo_llm.accumulate_gradients(None, batch, [torch.arange(2)], args, contextlib.nullcontext())
+    return loss, batch
+
+
 @pytest.mark.parametrize("threshold, expected", [(0.05, -2.78 / 5), (0.1, -2.78 / 5), (0.2, -0.88 / 5)])
-def test_off_policy_mask_drops_negative_completions_far_from_the_rollout_policy(threshold, expected):
-    # mean of old - logp per completion: row 0 -(ln 1.5 + ln 0.5) / 3 = 0.0958940 (A > 0: kept anyway),
-    # row 1 -(ln 0.7 + ln 1.1) / 2 = 0.1306822: dropped at 0.1 (its +1.9 goes; the normaliser stays 5), kept at 0.2;
-    # at 0.05 both are past the threshold, and only row 1 (A < 0) is dropped: the same loss as at 0.1
+def test_off_policy_mask_drops_negative_completions_far_from_the_rollout_policy(monkeypatch, threshold, expected):
+    # mu = 2, the old log-probs 0: the mean of old - logp per completion: row 0 -(ln 1.5 + ln 0.5) / 3 = 0.0958940
+    # (A > 0: kept anyway), row 1 -(ln 0.7 + ln 1.1) / 2 = 0.1306822: dropped at 0.1 (its +1.9 goes; the normaliser
+    # stays 5), kept at 0.2; at 0.05 both are past the threshold, and only row 1 (A < 0) is dropped: as at 0.1
     logprobs, old = loss_inputs(RATIOS)
-    loss, _ = grpo_loss(
-        logprobs, old, None, ADV, MASK, epsilon_high=0.28, loss_type="dapo", off_policy_mask_threshold=threshold
-    )
+    flags = dict(loss_type="dapo", num_iterations=2, off_policy_mask_threshold=threshold)
+    loss, _ = accumulated(monkeypatch, logprobs.requires_grad_(True), old, **flags)
     torch.testing.assert_close(loss, torch.tensor(expected))
+
+
+@pytest.mark.parametrize("threshold, expected", [(0.5, -0.5), (0.6, (-1 + 5 / 9) / 2)])
+def test_under_vllm_the_off_policy_mask_reads_the_engines_log_probs_at_mu_1(monkeypatch, threshold, expected):
+    # mu = 1: the old log-probs are the current ones (ratio 1, grpo's per-token loss -A w), p = 0.5 on every token.
+    # Row 0 (A = +1): the engine's p is 0.5 too, w = 1: the row's mean -1. Row 1 (A = -1): the engine's p is 0.9, so
+    # KL(engine || pi) = ln 0.9 - ln 0.5 = ln 1.8 = 0.5878 a token, and w = 0.5 / 0.9 = 5/9 (token_truncate, < 3).
+    # At 0.5 row 1 is masked: (-1 + 0) / 2 = -0.5; at 0.6 it stays: (-1 + 5/9) / 2 = -0.2222
+    logprobs = torch.full((2, 3), math.log(0.5), requires_grad=True)
+    engine = t([[0.5, 0.5, 0.5], [0.9, 0.9, 1.0]]).log() * MASK
+    flags = dict(loss_type="grpo", vllm=True, off_policy_mask_threshold=threshold)
+    loss, batch = accumulated(monkeypatch, logprobs, None, engine, **flags)
+    torch.testing.assert_close(loss, torch.tensor(expected))
+    torch.testing.assert_close(batch["old_logprobs"], logprobs.detach())  # what vllm_metrics reads
+    real = importlib.util.find_spec  # as if vLLM were installed: --vllm is not refused at mu = 1
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: real("torch") if name == "vllm" else real(name, *a)
+    )
+    grpo_llm.check_args(grpo_llm.Args(vllm=True, off_policy_mask_threshold=threshold), 1)
 
 
 def test_high_entropy_mask_and_loss():
@@ -584,7 +619,8 @@ def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
          "'gsm8k'], nor a file.py:function or module:function that loads"),
         (dict(reward_weights=(1.0, 2.0)), "error: --reward-weights needs one weight per reward (1), not 2"),
         (dict(reward_fn=()), "error: --reward-fn needs at least one reward function"),
-        (dict(off_policy_mask_threshold=0.5), "error: --off-policy-mask-threshold needs --num-iterations > 1"),
+        (dict(off_policy_mask_threshold=0.5), "error: --off-policy-mask-threshold needs --num-iterations > 1 or "
+         "--vllm"),
         (dict(temperature=0.0), "error: --temperature must be > 0"),
         (dict(top_entropy_quantile=0.0), "error: --top-entropy-quantile must be in (0, 1]"),
         (dict(sapo_temperature_neg=0.0), "error: --sapo-temperature-neg must be > 0 (got 0.0)"),
@@ -613,3 +649,6 @@ def test_unreachable_hub_id_names_the_default(tiny, tmp_path, monkeypatch):
         SystemExit, match="no-such-org/no-such-model is no directory, nor reachable on the hub.*arith-sft"
     ):
         run(tiny, tmp_path, model="no-such-org/no-such-model")
+    with pytest.raises(SystemExit) as refusal:  # the embedded reward model, not the policy
+        run(tiny, tmp_path, reward_model="no-such-org/no-such-rm")
+    assert str(refusal.value).endswith("; offline: assets/arith-rm")

@@ -14,6 +14,7 @@ import types
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import contents, interrupt_generation, saved_update, saved_weights, untimed_metrics
 
 import grpo_llm
@@ -67,6 +68,31 @@ def test_an_error_saves_first_and_resume_goes_on(script, tiny, tmp_path, capsys)
     assert [m["update"] for m in untimed_metrics(run_dir)] == [1, 2, 3]
     assert untimed_metrics(run_dir) == untimed_metrics(whole)
     assert (run_dir / "samples.jsonl").read_text() == ""  # --sample-every 0: the stale row went, and none came
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_an_error_beside_vllms_one_rank_world_saves_as_one_process(script, tiny, tmp_path, monkeypatch, capsys):
+    # vLLM's engine creates a one-rank torch.distributed world in the training process (here after prepare(), as
+    # start_vllm would); the run is still one process, so an error in update 2 (a RuntimeError, as an out-of-memory
+    # in its rollout) saves update 1, as it does without the engine
+    prepare = script.prepare
+
+    def prepare_and_a_world(*args):
+        prepared = prepare(*args)
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'world'}", rank=0, world_size=1)
+        return prepared
+
+    monkeypatch.setattr(script, "prepare", prepare_and_a_world)
+    interrupt_generation(monkeypatch, call=2, error=RuntimeError)  # update 2's rollout
+    try:
+        with pytest.raises(SystemExit):
+            run(script, tiny, tmp_path / "runs")
+    finally:
+        dist.destroy_process_group()
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("stopped in update 2 (interrupted by the test); the state after update 1 is in"), last
+    assert saved_update(run_dir) == 1
 
 
 def test_sigterm_saves_and_resume_goes_on(tiny, tmp_path):

@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import tarfile
+import types
 
 import pytest
 import torch
 from conftest import char_tokenizer, untimed_metrics
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config
 
 import grpo_llm
 import ppo_llm
@@ -68,15 +69,144 @@ def settings(script, served, tmp_path, **kwargs):
                        | shape | kwargs)  # fmt: skip
 
 
-def test_the_importance_weights_by_hand():
-    # w = min(exp(logprobs - vllm_logprobs), C), C = 3 (TRL's default):
-    # exp(0) = 1; exp(-1 - -2) = exp(1) = 2.718...; exp(0 - -5) = exp(5) = 148.4 -> 3; exp(-2 - -1) = exp(-1) = 0.3679
-    logprobs, vllm_logprobs = torch.tensor([[-0.5, -1.0, 0.0, -2.0]]), torch.tensor([[-0.5, -2.0, -5.0, -1.0]])
-    expected = torch.tensor([[1.0, 2.718282, 3.0, 0.367879]])
+# row 0: four policy tokens, logprobs - vllm_logprobs = 0, 1, 5, -1; row 1: two policy tokens (0.5, 0.2), then a
+# tool's token (mask 0: the trainer's -3 against the engine's 0, which no sum may read) and a pad
+LOGPROBS = torch.tensor([[-0.5, -1.0, 0.0, -2.0], [-1.0, -1.0, -3.0, 0.0]])
+VLLM_LOGPROBS = torch.tensor([[-0.5, -2.0, -5.0, -1.0], [-1.5, -1.2, 0.0, 0.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        # per token w = exp(diff): row 0 exp(0) = 1, exp(1) = 2.718282, exp(5) = 148.4, exp(-1) = 0.367879; row 1
+        # exp(0.5) = 1.648721, exp(0.2) = 1.221403, and exp(0) = 1 where the mask is 0; truncate: min(w, C = 3)
+        ("token_truncate", [[1.0, 2.718282, 3.0, 0.367879], [1.648721, 1.221403, 1.0, 1.0]]),
+        ("token_mask", [[1.0, 2.718282, 0.0, 0.367879], [1.648721, 1.221403, 1.0, 1.0]]),  # 148.4 > 3: 0
+        # per row w = exp(sum of the diffs over the mask): row 0 exp(0 + 1 + 5 - 1) = exp(5) = 148.4 (3, or 0); row 1
+        # exp(0.5 + 0.2) = exp(0.7) = 2.013753 (< 3, kept by both), where the tool's -3 would give exp(-2.3) = 0.1
+        ("sequence_truncate", [[3.0], [2.013753]]),
+        ("sequence_mask", [[0.0], [2.013753]]),
+    ],
+)
+def test_the_importance_weights_of_each_mode_by_hand(mode, expected):
+    args = grpo_llm.Args(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=3.0)
     for script in [ppo_llm, grpo_llm]:
-        weights = script.importance_weights(logprobs, vllm_logprobs, 3.0)
-        assert torch.allclose(weights, expected, atol=1e-6)
-    assert ppo_llm.Args().vllm_importance_sampling_clip_max == grpo_llm.Args().vllm_importance_sampling_clip_max == 3.0
+        weights = script.importance_weights(LOGPROBS, VLLM_LOGPROBS, MASK, args)
+        torch.testing.assert_close(weights, torch.tensor(expected), atol=1e-6, rtol=0)
+    for script in [ppo_llm, grpo_llm]:  # the vLLM learning results were measured with token_truncate, C = 3
+        assert (script.Args().vllm_importance_sampling_mode, script.Args().vllm_importance_sampling_clip_max) == (
+            "token_truncate",
+            3.0,
+        )
+
+
+def fake_policy(config):
+    """What start_vllm reads before it imports vLLM: a config, a device and a dtype."""
+    return types.SimpleNamespace(config=config, device=torch.device("cpu"), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_a_kv_cache_that_holds_no_whole_sequence_is_refused_in_one_line_before_vllm_loads(script, monkeypatch):
+    # one token's keys and values: 2 x layers x KV heads x head size x 4 bytes (fp32). Qwen2.5-0.5B's shape, 24 layers,
+    # 2 KV heads of 64: 2 x 24 x 2 x 64 x 4 = 24,576 bytes, x 32,768 tokens = 805,306,368 = 0.75 GiB > 0.25 GiB.
+    # GPT-2's config names no KV heads (its 2 attention heads are), head size 64 / 2 = 32: 2 x 24 x 2 x 32 x 4 = 12,288
+    # bytes a token; 0.25 GiB = 268,435,456 bytes holds 268,435,456 / 12,288 = 21,845.3 tokens: 21,845, not 21,846
+    monkeypatch.setitem(sys.modules, "vllm", None)  # past the check, the engine's import fails here: no engine
+    qwen = Qwen2Config(num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, hidden_size=896)
+    gpt2 = GPT2Config(n_layer=24, n_head=2, n_embd=64)
+    args = script.Args(max_new_tokens=8, vllm_kv_cache_gb=0.25, cuda=False)
+    why = "error: --vllm: {} tokens (the longest prompt, --max-new-tokens) need more KV cache than 0.25 GiB: lower "
+    for config, prompt_length in [(qwen, 32760), (gpt2, 21838)]:
+        with pytest.raises(SystemExit) as refusal:
+            script.start_vllm(args, fake_policy(config), prompt_length)
+        assert str(refusal.value) == why.format(prompt_length + 8) + "--max-prompt-length or raise --vllm-kv-cache-gb"
+    with pytest.raises(ImportError):  # 21,837 + 8 = 21,845 tokens fit: on to vLLM
+        script.start_vllm(args, fake_policy(gpt2), 21837)
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_the_engine_is_sized_to_the_longest_prompt_loaded_and_refuses_before_the_run_directory(
+    script, tiny, tmp_path, monkeypatch
+):
+    # the training prompts are "a+a=" for a = 0 ... 19, "19+19=" the longest: 6 tokens of the character tokenizer (no
+    # BOS); the held-out split adds "123+456=", 8; --max-prompt-length 7 cuts that to 7
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: real("torch") if name == "vllm" else real(name, *a)
+    )
+    seen = []
+
+    def start_vllm(args, policy, *prompt_length):
+        seen.append(prompt_length)
+        raise SystemExit("error: --vllm: refused by the test")
+
+    monkeypatch.setattr(script, "start_vllm", start_vllm)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(json.dumps({"prompt": "123+456=", "answer": "579"}) + "\n")
+    shape = dict(num_mini_batches=2) if script is ppo_llm else dict(num_generations=4)
+    flags = dict(model=tiny["policy"], dataset=tiny["jsonl"], prompts_per_update=8, vllm=True, **shape)
+    for options, longest in [({}, 6), (dict(eval_split=str(held_out)), 8), (dict(eval_split=str(held_out)), 7)]:
+        options |= dict(max_prompt_length=7) if longest == 7 else {}
+        with pytest.raises(SystemExit, match="refused by the test"):
+            script.main(script.Args(**flags, **options, output_dir=str(tmp_path / "runs")))
+        assert seen[-1] == (longest,)
+    assert not (tmp_path / "runs").exists()
+
+
+class Engine:
+    """vLLM's LLM as vllm_pushed uses it: the pushes (their tensors' names), sleeps and wake-ups, in order."""
+
+    def __init__(self):
+        self.calls, self.asleep, self.llm_engine = [], set(), self
+
+    def is_sleeping(self):
+        return bool(self.asleep)
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append(("push", len([name for name, _ in kwargs["weights_iterator"]])))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset",))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", *tags))
+        self.asleep -= set(tags)
+
+
+@pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
+def test_the_weights_are_pushed_once_per_optimizer_step_and_a_gpu_engine_sleeps_as_trls(script, tiny, monkeypatch):
+    # an evaluation of 4 batches pushes the weights once (not 4 times), an optimizer step makes them old; on a GPU the
+    # engine sleeps at level 2 after each rollout (weights and KV cache freed) and wakes as TRL's colocate mode does:
+    # the weights, the push into them, then the KV cache
+    args = script.Args(model=tiny["policy"], cuda=False)
+    policy = script.load_models(args, torch.device("cpu"))[1]
+    params, optimizer = script.prepare(args, [policy])
+    engine, tensors = Engine(), len(policy.state_dict())
+    monkeypatch.setattr(script, "VLLM", [engine])
+    monkeypatch.setattr(script, "PUSHED", [])
+    for _ in range(4):
+        with script.vllm_pushed(policy):
+            pass
+    assert engine.calls == [("push", tensors), ("reset",)]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    script.optimizer_step(optimizer, params, 1.0)
+    with script.vllm_pushed(policy):
+        pass
+    assert engine.calls == [("push", tensors), ("reset",)] * 2
+    engine.calls.clear()
+    monkeypatch.setattr(type(policy), "device", property(lambda self: torch.device("cuda")))
+    for _ in range(2):
+        with script.vllm_pushed(policy):
+            assert not engine.is_sleeping()
+    # the first holds the weights pushed above, no step since; its sleep frees them, and the second pushes them again
+    push = [("push", tensors), ("reset",)]
+    assert engine.calls == [("sleep", 2), ("wake_up", "weights"), *push, ("wake_up", "kv_cache"), ("sleep", 2)]
 
 
 @pytest.mark.parametrize("script", [ppo_llm, grpo_llm])
@@ -92,6 +222,37 @@ def test_refusals_before_anything_loads(script, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", installed)
     with pytest.raises(SystemExit, match="^error: --vllm does not run --eval-only yet"):
         script.check_args(script.Args(vllm=True, eval_only=True), 1)
+
+
+@pytest.mark.parametrize("num_iterations, scoring_passes", [(1, 0), (2, 4)])
+def test_grpo_at_mu_1_under_vllm_runs_no_policy_forward_between_the_rollout_and_the_update(
+    num_iterations, scoring_passes, tiny, tmp_path, monkeypatch
+):
+    # the engine faked (Engine), its samples generate()'s; a policy forward without a gradient is a scoring pass. At
+    # mu = 1 there is none: the importance weights come from the training forward's log-probs, detached; at mu = 2 the
+    # old log-probs need one, per micro-batch: 2 updates x 2 micro-batches of 4 = 4
+    script, real, forwards = grpo_llm, importlib.util.find_spec, []
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: real("torch") if name == "vllm" else real(name, *a)
+    )
+    monkeypatch.setattr(script, "VLLM", [])
+    monkeypatch.setattr(script, "start_vllm", lambda *args: script.VLLM.append(Engine()))
+    generate_turn, policy_forward = script.generate_turn, script.policy_forward
+
+    def sampled(policy, context, room, stop, args, sampling):  # generate()'s tokens, the engine's log-probs 0
+        return generate_turn(policy, context, room, stop, script.Args(**vars(args) | {"vllm": False}), sampling)
+
+    def counted(*args):
+        forwards.append(torch.is_grad_enabled())
+        return policy_forward(*args)
+
+    monkeypatch.setattr(script, "generate_turn", sampled)
+    monkeypatch.setattr(script, "policy_forward", counted)
+    flags = dict(model=tiny["policy"], dataset=tiny["jsonl"], prompts_per_update=2, num_generations=4, total_steps=2)
+    flags |= dict(micro_batch_size=4, max_new_tokens=4, eval_every=0, sample_every=0, output_dir=str(tmp_path))
+    run_dir = script.main(script.Args(vllm=True, num_iterations=num_iterations, **flags))
+    assert forwards.count(False) == scoring_passes and forwards.count(True) == 2 * 2 * num_iterations
+    assert all("vllm/logprob_diff_max" in m for m in untimed_metrics(run_dir))
 
 
 def gpt1_model(path):
@@ -147,6 +308,7 @@ def engine_matches_the_trainer(head, served, tmp_path):
     args = settings(script, served, tmp_path, model=served[head], temperature=0.7, max_new_tokens=8)
     tokenizer, policy, _, _ = script.load_models(args, torch.device("cpu"))
     params, optimizer = script.prepare(args, [policy])
+    script.start_vllm(args, policy, args.max_prompt_length)
     prompts = [f"{a}+{a}=" for a in range(8)]
     assert engine_logprobs(script, policy, tokenizer, args, prompts) < TOL  # at T = 0.7: detail 4's log-probs
     batch = script.tokenize_texts(tokenizer, prompts, None)
@@ -170,6 +332,7 @@ def lora_pushes_merged_weights(served, tmp_path):
     args = settings(script, served, tmp_path, model=served["untied"], lora_r=4, lora_alpha=8)
     tokenizer, policy, _, _ = script.load_models(args, torch.device("cpu"))
     script.prepare(args, [policy])
+    script.start_vllm(args, policy, args.max_prompt_length)
     with torch.no_grad():  # B = 0 at the start: adapters that change the function
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -202,8 +365,8 @@ def run(name, served, output_dir, stop_at=None, resume=False):
     script, steps = {"ppo_llm": ppo_llm, "grpo_llm": grpo_llm}[name], []
     start = script.start_vllm
 
-    def counted_steps(args, policy):
-        start(args, policy)
+    def counted_steps(args, policy, prompt_length):
+        start(args, policy, prompt_length)
         engine = script.VLLM[0].llm_engine
         real = engine.step
 
@@ -227,6 +390,26 @@ def run(name, served, output_dir, stop_at=None, resume=False):
 
 
 @needs_vllm
+def test_a_stop_before_the_engines_first_step_gives_rows_of_no_tokens(served, tmp_path):
+    in_subprocess("stopped_before_the_first_step", served, str(tmp_path))
+
+
+def stopped_before_the_first_step(served, tmp_path):
+    # SIGTERM came before the rollout: the engine is aborted before its first step, so each row has 0 tokens, and no
+    # pad token has mask 1 (the length, and the mask's sum, not --max-new-tokens 6 a row)
+    script = grpo_llm
+    args = settings(script, served, tmp_path)
+    tokenizer, policy, _, _ = script.load_models(args, torch.device("cpu"))
+    script.prepare(args, [policy])
+    script.start_vllm(args, policy, args.max_prompt_length)
+    script.STOP.append(signal.SIGTERM)
+    prompts, autocast = ["1+1=", "22+22=", "3+3="], torch.autocast("cpu", enabled=False)
+    batch = script.rollout(policy, tokenizer, prompts, args, autocast, [script.signalled])
+    assert batch["lengths"].tolist() == [0, 0, 0] and batch["mask"].sum().item() == 0
+    assert not batch["ended"].any()
+
+
+@needs_vllm
 def test_a_tool_run_through_the_engine_has_the_turns_and_masks_of_generate(tmp_path):
     in_subprocess("tool_turns_match_generate", str(tmp_path))
 
@@ -245,6 +428,7 @@ def tool_turns_match_generate(tmp_path):
     tools = script.load_tools(args.tools)
     tokenizer, policy, _, _ = script.load_models(args, torch.device("cpu"), tools)
     script.prepare(args, [policy])
+    script.start_vllm(args, policy, args.max_prompt_length)
     rows = script.load_prompts(args, tokenizer, needs_answers=False, tools=tools)
     prompts = [row["prompt"] for row in rows[::97][:6]]
     batches = []
