@@ -45,7 +45,7 @@ ABLATIONS = {
         "return responses, torch.ones_like(after_eos), is_eos.any(1)")],
         "the tokens after the first EOS count in every loss (and the score lands on the last position)"),
     "score on the last position": ("3", "full", [], [("main",
-        "rewards[torch.arange(batch_size, device=device), mask.cumsum(1).argmax(1)] += normalized",
+        "rewards[torch.arange(batch_size, device=device), last] += normalized",
         "rewards[:, -1] += normalized")],
         "the score added at the padded response's last position, not its last real token's"),
     "no KL penalty": ("3, 12", "full", ["--kl-coef", "0"], [("main",
