@@ -274,8 +274,8 @@ def importance_weights(logprobs, vllm_logprobs, mask, args):
     """--vllm's correction: the engine samples from pi_vllm, not quite the trainer's pi. TRL's four modes, C the clip:
     w = pi / pi_vllm = exp(logprobs - vllm_logprobs) per token (B, R), or (sequence_*) exp of their sum over the row's
     policy tokens (B, 1); *_truncate: min(w, C); *_mask: w, but 0 where w > C. Each advantage is multiplied by it."""
-    log_ratio, mode = (logprobs - vllm_logprobs) * mask, args.vllm_importance_sampling_mode  # a tool's are 0
-    if mode.startswith("sequence"):  # exp of a sum drifts from 1 as a row grows: C then acts
+    log_ratio, mode = (logprobs - vllm_logprobs) * mask, args.vllm_importance_sampling_mode  # a tool's: 0 here
+    if mode.startswith("sequence"):  # a row's ratio drifts from 1 as the row grows, and C acts
         log_ratio = log_ratio.sum(1, keepdim=True)
     weights, cap = torch.exp(log_ratio), args.vllm_importance_sampling_clip_max
     return weights.clamp(max=cap) if mode.endswith("truncate") else weights.masked_fill(weights > cap, 0.0)

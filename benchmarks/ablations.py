@@ -49,7 +49,7 @@ ABLATIONS = {
         "rewards[:, -1] += normalized")],
         "the score added at the padded response's last position, not its last real token's"),
     "no KL penalty": ("3, 12", "full", ["--kl-coef", "0"], [("main",
-        "if args.kl_coef or args.kl_target:", "if True:")],
+        "if ref_policy is None and (args.kl_coef or args.kl_target):", "if ref_policy is None:")],
         "beta = 0 (the reference still scored, for the KL it would have penalised)"),
     "top-k 50 sampling": ("4", "full", [], [("load_models",
         "do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0",

@@ -380,12 +380,13 @@ def test_hub_id_offline_fails_at_once_in_one_line(tmp_path, monkeypatch):
 
 def help_entries(text):
     """tyro's --help as {flag: its whole entry on one line}. An entry starts at '--flag' indented by 1 or 2 (inside a
-    box on a terminal, or not) and goes on over the lines indented further (its help and '(default: ...)', wrapped)."""
+    box on a terminal, or not) and goes on over the indented lines after it: its choices (wrapped, as indented as the
+    flag), its help and '(default: ...)' (wrapped, indented further)."""
     entries, flag = {}, None
     for line in text.splitlines():
         line = line.strip("│")
         start = re.match(r" {1,2}(--[a-z][\w-]*)", line)
-        flag = start.group(1) if start else flag if re.match(r" {3}", line) else None
+        flag = start.group(1) if start else flag if re.match(r" ", line) else None
         if flag:
             entries[flag] = entries.get(flag, "") + " " + line
     return {flag: " ".join(entry.split()) for flag, entry in entries.items()}
