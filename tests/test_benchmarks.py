@@ -52,6 +52,7 @@ def run_main(monkeypatch, module, argv):
         ("llm_learning", ["--no-run", "--configs", "distill"], ["distill-grpo distill-ppo", "--configs distill-grpo"]),
         ("trl_learning", ["--part", "table"], ["--part table", "trl_learning.json does not exist"]),
         ("trl_learning", ["--task", "calc", "--part", "table"], ["--part table", "trl_calc.json does not exist"]),
+        ("trl_learning", ["--task", "distill", "--part", "table"], ["--part table", "trl_distill.json does not exist"]),
         ("eval_noise", ["--table"], ["--table", "eval_noise.json does not exist"]),
         ("head_precision", ["--table"], ["--table", "head_precision_*.json does not exist"]),
         ("save_time", ["--table"], ["--table", "save_time.json does not exist"]),
