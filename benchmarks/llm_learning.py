@@ -532,43 +532,54 @@ def samples_to(run, threshold):
 
 def samples_ratio(rl_runs, distill_runs, threshold):
     """RL's samples to the threshold over distillation's: the ratio of the means over seeds, and its range (the
-    fewest of RL over the most of distillation, to the most over the fewest). A lower bound ("bound") when an RL seed
-    never got there: its whole run counts. None when a distillation seed never got there."""
+    fewest of RL over the most of distillation, to the most over the fewest). A seed that never got there counts its
+    whole run, fewer samples than it would have needed: with an RL seed so, the ratio is a lower bound ("at least");
+    with a distillation seed so, an upper bound ("at most"); with both, there is no ratio (None)."""
     rl = [samples_to(r, threshold) for r in rl_runs]
     distill = [samples_to(r, threshold) for r in distill_runs]
-    if any(bound for _, bound in distill):
+    rl_short, distill_short = any(short for _, short in rl), any(short for _, short in distill)
+    if rl_short and distill_short:
         return None
     rl_samples, distill_samples = [s for s, _ in rl], [s for s, _ in distill]
+    bound = ""
+    if rl_short:
+        bound = "at least"
+    if distill_short:
+        bound = "at most"
     return {
         "mean": np.mean(rl_samples) / np.mean(distill_samples),
         "low": min(rl_samples) / max(distill_samples),
         "high": max(rl_samples) / min(distill_samples),
-        "bound": any(bound for _, bound in rl),
+        "bound": bound,
     }
 
 
 def ratio_cell(ratio):
     if ratio is None:
-        return "no ratio: distillation did not reach it in every seed"
-    at_least = ">= " if ratio["bound"] else ""
-    return f"{at_least}{ratio['mean']:.1f}x ({at_least}{ratio['low']:.1f}x to {at_least}{ratio['high']:.1f}x)"
+        return "no ratio: a seed of each never reached it"
+    sign = {"": "", "at least": ">= ", "at most": "<= "}[ratio["bound"]]
+    return f"{sign}{ratio['mean']:.1f}x ({sign}{ratio['low']:.1f}x to {sign}{ratio['high']:.1f}x)"
 
 
 def ratio_verdict(label, ratio):
-    """One pair's ratio against Thinking Machines' 7-10x: below, within or above it, or not placed (a lower bound
-    under 10x, or no ratio)."""
+    """One pair's ratio against Thinking Machines' 7-10x: below, within or above it, or not placed by a bound that
+    does not exclude it (or no ratio)."""
     low, high = THINKING_MACHINES
     if ratio is None:
-        return f"{label}: no ratio (a distillation seed did not get there)"
-    if ratio["bound"] and ratio["mean"] <= high:
-        return f"{label}: at least {ratio['mean']:.1f}x (an RL seed did not get there), which does not place it"
-    if ratio["mean"] > high:
+        return f"{label}: no ratio (a seed of each never got there)"
+    mean, bound = ratio["mean"], ratio["bound"]
+    why = {"at least": "an RL seed never got there", "at most": "a distillation seed never got there"}.get(bound)
+    if (bound == "at least" and mean <= high) or (bound == "at most" and mean >= low):
+        return f"{label}: {bound} {mean:.1f}x ({why}), which does not place it"
+    if mean > high:
         where = "above"
-    elif ratio["mean"] >= low:
+    elif mean >= low:
         where = "within"
     else:
         where = "below"
-    return f"{label}: {'at least ' if ratio['bound'] else ''}{ratio['mean']:.1f}x, {where} it"
+    if bound:
+        return f"{label}: {bound} {mean:.1f}x ({why}), {where} it"
+    return f"{label}: {mean:.1f}x, {where} it"
 
 
 def end_verdict(label, rl_runs, distill_runs):
@@ -630,9 +641,10 @@ def summarise_distill(args, data):
         "above 90% of the teacher's. The first three are pure distillation (no reward is named: the arithmetic reward "
         "only measures), the last two RL with the arithmetic reward, each script's defaults otherwise. The ratio's "
         "range: the fewest samples of an RL seed over the most of a distillation seed, to the most over the fewest; "
-        "'>=' where an RL seed never got there (its whole run counts). Within a script an update holds the same "
-        "samples, so the ratio is one of updates too. *`distill/reverse_kl`, the sampled reverse KL to the teacher in "
-        f"nats per policy token, the mean of the last 10 updates (RL loads no teacher). {SHARED}"
+        "'>=' where an RL seed never got there, '<=' where a distillation seed did not (its whole run counts). Within "
+        "a script an update holds the same samples, so the ratio is one of updates too. *`distill/reverse_kl`, the "
+        "sampled reverse KL to the teacher in nats per policy token, the mean of the last 10 updates (RL loads no "
+        f"teacher). {SHARED}"
     )
     rows.append(
         f"\nVerdict, against Thinking Machines' {low}-{high}x fewer steps than RL (Lu et al., 2025, math with Qwen3 "
