@@ -36,6 +36,17 @@ seed of each leg, and a verdict.
 
     python benchmarks/llm_learning.py --configs vllm --seeds 1 2 --jobs 1
 
+On-policy distillation (assets/README.md: assets/arith-teacher and the smaller assets/arith-student), `--configs
+distill`: every run from the student, pure distillation (`--teacher` alone: the teacher is the only training signal,
+the arithmetic reward only measures) in grpo_llm.py, in ppo_llm.py and in ppo_llm.py at `--gamma 0`, and RL with the
+arithmetic reward in each script, the same 25,600 samples each: benchmarks/results/distill_learning.md, held-out
+accuracy at the start and the end, the teacher's (`distill/teacher_accuracy`), the updates, samples and minutes to 90%
+of it, the final `distill/reverse_kl`, RL's samples to 90% over distillation's against Thinking Machines' 7-10x, and a
+verdict computed from them; distill_learning.png, held-out accuracy against updates, samples and minutes with the
+teacher's as a line, and the reverse KL against samples.
+
+    python benchmarks/llm_learning.py --configs distill
+
 On a GPU (benchmarks/gpu.py runs it), `--configs gpu`: the README's first command, `ppo_llm.py`, for 100 updates:
 benchmarks/results/llm_learning_cuda.md, the arithmetic table's columns.
 
@@ -132,9 +143,23 @@ CONFIGS["grpo-2heads"] = ["grpo_llm.py", "--model", os.path.join(ARITH2, "arith-
 CONFIGS["ppo-2heads"] = ["ppo_llm.py", "--model", os.path.join(ARITH2, "arith-sft"), "--total-steps", "100"]
 for name in ["grpo-2heads", "ppo-2heads"]:
     CONFIGS[f"{name}-vllm"] = [*CONFIGS[name], "--vllm"]
+# On-policy distillation (assets/README.md: the teacher and the student): every run from the same student, the teacher
+# the only training signal in the first three, the arithmetic reward in the last two; the same samples in all five,
+# 25,600 (PPO's 200 updates of 128 responses, GRPO's 400 of 8 x 8), about 5 minutes of PPO on the shared CPU.
+STUDENT, TEACHER = "assets/arith-student", "assets/arith-teacher"
+DISTILL_STEPS = {"ppo_llm.py": "200", "grpo_llm.py": "400"}
+for script, short in [("grpo_llm.py", "grpo"), ("ppo_llm.py", "ppo")]:
+    CONFIGS[f"distill-{short}"] = [script, "--model", STUDENT, "--teacher", TEACHER]
+CONFIGS["distill-ppo-gamma0"] = [*CONFIGS["distill-ppo"], "--gamma", "0"]
+for script, short in [("grpo_llm.py", "grpo"), ("ppo_llm.py", "ppo")]:
+    CONFIGS[f"rl-{short}"] = [script, "--model", STUDENT]
+DISTILL = ["distill-grpo", "distill-ppo", "distill-ppo-gamma0", "rl-grpo", "rl-ppo"]
+for name in DISTILL:
+    CONFIGS[name] += ["--total-steps", DISTILL_STEPS[CONFIGS[name][0]]]
 GROUPS = {"arithmetic": ARITHMETIC, "trace": ["trace-ppo", "trace-grpo"], "trace-family": list(VARIANT)}
 GROUPS["calc"] = ["calc-ppo", "calc-grpo", "calc-ppo-control", "calc-grpo-control"]
 GROUPS["gpu"] = ["gpu-ppo"]
+GROUPS["distill"] = DISTILL
 GROUPS["vllm"] = ["grpo-2heads", "grpo-2heads-vllm", "ppo-2heads", "ppo-2heads-vllm"]
 TRACE_MINUTES = 15
 SHARED = "Seconds are wall clock, two runs at a time on 2 CPU cores shared with other work: they depend on its load."
@@ -143,7 +168,8 @@ SHARED = "Seconds are wall clock, two runs at a time on 2 CPU cores shared with 
 @dataclass
 class Args:
     configs: list[str] = field(default_factory=lambda: ["arithmetic"])
-    """configurations to run and summarise: of CONFIGS or GROUPS (arithmetic, trace, trace-family, calc, gpu, vllm)"""
+    """configurations to run and summarise: of CONFIGS or GROUPS (arithmetic, trace, trace-family, calc, gpu, vllm,
+    distill)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds of each configuration"""
     jobs: int = 2
@@ -167,7 +193,7 @@ CURVES = "llm_curves"  # out_dir/llm_curves/<configuration>.csv
 KEYS = """update episode time/elapsed eval/accuracy eval/accuracy_stderr eval/mean_length_right eval/mean_length_wrong
 objective/kl kl objective/scores objective/accuracy completions/mean_length entropy clip_ratio/region_mean
 cispo_clip_ratio importance_ratio/mean tools/call_frequency eval/tools/call_frequency vllm/logprob_diff_max
-vllm/logprob_diff_mean""".split()
+vllm/logprob_diff_mean distill/reverse_kl distill/teacher_accuracy""".split()
 
 
 def curves_path(out_dir, name):
@@ -489,6 +515,172 @@ def summarise_calc(args, data):
     fig.savefig(os.path.join(args.out_dir, "calc_learning.png"), dpi=80)
 
 
+# Each script's RL and its distillation, paired for the ratio of their samples to 90% of the teacher's accuracy
+DISTILL_PAIRS = [("GRPO", "rl-grpo", "distill-grpo"), ("PPO", "rl-ppo", "distill-ppo")]
+DISTILL_PAIRS.append(("PPO, distillation at gamma 0", "rl-ppo", "distill-ppo-gamma0"))
+THINKING_MACHINES = (7, 10)  # Lu et al., "On-Policy Distillation" (2025): 7-10x fewer steps than RL in math
+
+
+def samples_to(run, threshold):
+    """(samples at the first evaluation >= threshold, False), or (the run's samples, True) when it never gets there:
+    then they are a lower bound."""
+    reached = first_reaching(run, "episode", threshold)
+    if np.isnan(reached):
+        return run[-1]["episode"], True
+    return reached, False
+
+
+def samples_ratio(rl_runs, distill_runs, threshold):
+    """RL's samples to the threshold over distillation's: the ratio of the means over seeds, and its range (the
+    fewest of RL over the most of distillation, to the most over the fewest). A seed that never got there counts its
+    whole run, fewer samples than it would have needed: with an RL seed so, the ratio is a lower bound ("at least");
+    with a distillation seed so, an upper bound ("at most"); with both, there is no ratio (None)."""
+    rl = [samples_to(r, threshold) for r in rl_runs]
+    distill = [samples_to(r, threshold) for r in distill_runs]
+    rl_short, distill_short = any(short for _, short in rl), any(short for _, short in distill)
+    if rl_short and distill_short:
+        return None
+    rl_samples, distill_samples = [s for s, _ in rl], [s for s, _ in distill]
+    bound = ""
+    if rl_short:
+        bound = "at least"
+    if distill_short:
+        bound = "at most"
+    return {
+        "mean": np.mean(rl_samples) / np.mean(distill_samples),
+        "low": min(rl_samples) / max(distill_samples),
+        "high": max(rl_samples) / min(distill_samples),
+        "bound": bound,
+    }
+
+
+def ratio_cell(ratio):
+    if ratio is None:
+        return "no ratio: a seed of each never reached it"
+    sign = {"": "", "at least": ">= ", "at most": "<= "}[ratio["bound"]]
+    return f"{sign}{ratio['mean']:.1f}x ({sign}{ratio['low']:.1f}x to {sign}{ratio['high']:.1f}x)"
+
+
+def ratio_verdict(label, ratio):
+    """One pair's ratio against Thinking Machines' 7-10x: below, within or above it, or not placed by a bound that
+    does not exclude it (or no ratio)."""
+    low, high = THINKING_MACHINES
+    if ratio is None:
+        return f"{label}: no ratio (a seed of each never got there)"
+    mean, bound = ratio["mean"], ratio["bound"]
+    why = {"at least": "an RL seed never got there", "at most": "a distillation seed never got there"}.get(bound)
+    if (bound == "at least" and mean <= high) or (bound == "at most" and mean >= low):
+        return f"{label}: {bound} {mean:.1f}x ({why}), which does not place it"
+    if mean > high:
+        where = "above"
+    elif mean >= low:
+        where = "within"
+    else:
+        where = "below"
+    if bound:
+        return f"{label}: {bound} {mean:.1f}x ({why}), {where} it"
+    return f"{label}: {mean:.1f}x, {where} it"
+
+
+def end_verdict(label, rl_runs, distill_runs):
+    """The held-out accuracy at the end of a pair's runs (the same samples): distillation's mean against RL's, and
+    whether they differ by more than their two standard deviations over seeds together (with 3 seeds, a coarse test)."""
+    distill = [series(r, "eval/accuracy")[1][-1] for r in distill_runs]
+    rl = [series(r, "eval/accuracy")[1][-1] for r in rl_runs]
+    gap, spread = np.mean(distill) - np.mean(rl), np.std(distill) + np.std(rl)
+    more = "more" if abs(gap) > spread else "not more"
+    return (
+        f"{label}: distillation {np.mean(distill):.3f}, RL {np.mean(rl):.3f}, a difference of {gap:+.3f}, {more} than "
+        f"their standard deviations together ({spread:.3f})"
+    )
+
+
+def summarise_distill(args, data):
+    """distill_learning.md and distill_learning.png: on-policy distillation and RL from the same student, against the
+    teacher's held-out accuracy (distill/teacher_accuracy, logged at update 0 of every run with a teacher)."""
+    teacher = []
+    for runs in data.values():
+        teacher += [m["distill/teacher_accuracy"] for run in runs for m in run if "distill/teacher_accuracy" in m]
+    threshold = 0.9 * np.mean(teacher)
+    header = "| configuration | seeds | held-out accuracy, start | end | updates to 90% of the teacher | samples "
+    header += "to 90% | minutes to 90% | final reverse KL* |"
+    rows = [header, "|---|---|---|---|---|---|---|---|"]
+    rows.append(
+        f"| the teacher (`{TEACHER}`: `distill/teacher_accuracy` of each run with a teacher) | {len(teacher)} runs | "
+        f"{stat(teacher, '.3f')} | - | - | - | - | - |"
+    )
+    for name, runs in data.items():
+        accuracy = [series(r, "eval/accuracy")[1] for r in runs]
+        kl = []
+        for run in runs:  # RL loads no teacher and logs no reverse KL
+            values = series(run, "distill/reverse_kl")[1]
+            kl.append(values[-10:].mean() if len(values) else np.nan)
+        rows.append(
+            f"| {name} (`{' '.join(CONFIGS[name])}`) | {len(runs)} | {stat([a[0] for a in accuracy], '.3f')} | "
+            f"{stat([a[-1] for a in accuracy], '.3f')} | "
+            f"{stat([first_reaching(r, 'update', threshold) for r in runs], '.0f')} | "
+            f"{stat([first_reaching(r, 'episode', threshold) for r in runs], '.0f')} | "
+            f"{stat([first_reaching(r, 'time/elapsed', threshold) / 60 for r in runs], '.1f')} | "
+            f"{stat(kl, '.3f', 'no teacher')} |"
+        )
+    rows += ["", "| script | RL's samples to 90% of the teacher over distillation's: ratio of the means (range) |"]
+    rows.append("|---|---|")
+    verdicts, ends = [], []
+    for label, rl, distill in DISTILL_PAIRS:
+        ratio = samples_ratio(data[rl], data[distill], threshold)
+        rows.append(f"| {label} ({rl} / {distill}) | {ratio_cell(ratio)} |")
+        verdicts.append(ratio_verdict(label, ratio))
+        ends.append(end_verdict(label, data[rl], data[distill]))
+    seeds = "/".join(map(str, sorted({len(runs) for runs in data.values()})))
+    low, high = THINKING_MACHINES
+    rows.append(
+        f"\nEvery run starts from {STUDENT}; the teacher ({TEACHER}): held-out accuracy {stat(teacher, '.3f')} "
+        f"(`distill/teacher_accuracy` of the {len(teacher)} runs with a teacher), 90% of it {threshold:.3f}. Accuracy: "
+        "`eval/accuracy`, 256 held-out problems sampled at temperature 1 (one sample each, standard error about 0.03), "
+        "every 10 updates; updates, samples (`episode`) and minutes (`time/elapsed`): at the first evaluation at or "
+        "above 90% of the teacher's. The first three are pure distillation (no reward is named: the arithmetic reward "
+        "only measures), the last two RL with the arithmetic reward, each script's defaults otherwise. The ratio's "
+        "range: the fewest samples of an RL seed over the most of a distillation seed, to the most over the fewest; "
+        "'>=' where an RL seed never got there, '<=' where a distillation seed did not (its whole run counts). Within "
+        "a script an update holds the same samples, so the ratio is one of updates too. *`distill/reverse_kl`, the "
+        "sampled reverse KL to the teacher in nats per policy token, the mean of the last 10 updates (RL loads no "
+        f"teacher). {SHARED}"
+    )
+    rows.append(
+        f"\nVerdict, against Thinking Machines' {low}-{high}x fewer steps than RL (Lu et al., 2025, math with Qwen3 "
+        f"models): {'; '.join(verdicts)}. Held-out accuracy at the end, after the same samples: {'; '.join(ends)}. "
+        f"That is what {seeds} seeds of one toy task show (evaluations 10 updates apart, a standard error of about "
+        "0.03 each), and nothing about larger models or longer answers."
+    )
+    table = "\n".join(rows)
+    print(table)
+    write_table("distill_learning.md", table, args.out_dir)
+
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    for name, runs in data.items():
+        for ax, x in zip(axes, ["update", "episode", "time/elapsed"]):
+            curves = [series(r, "eval/accuracy", x) for r in runs]
+            if x == "time/elapsed":
+                curves = [(xs / 60, ys) for xs, ys in curves]
+            plot_band(ax, curves, name)
+        if name.startswith("distill"):
+            plot_band(axes[3], [smooth(series(r, "distill/reverse_kl", "episode"), 10) for r in runs], name)
+    for ax, xlabel in zip(axes, ["updates", "samples (episode)", "minutes (time/elapsed)"]):
+        ax.axhline(np.mean(teacher), color="black", linewidth=1, label="the teacher")
+        ax.axhline(threshold, color="gray", linestyle=":", linewidth=1, label="90% of the teacher")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out accuracy")
+    axes[3].set_xlabel("samples (episode)")
+    axes[3].set_ylabel("distill/reverse_kl (nats per token), 10-update mean")
+    axes[0].legend(fontsize=8)
+    axes[3].legend(fontsize=8)
+    fig.suptitle(
+        f"On-policy distillation and RL from {STUDENT}, CPU, one thread a run: mean and min-max over {seeds} seeds"
+    )
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out_dir, "distill_learning.png"), dpi=80)
+
+
 def clip_key(run):
     """grpo_llm.py logs the hard clip's share as clip_ratio/region_mean, cispo's capped weights as cispo_clip_ratio."""
     return "cispo_clip_ratio" if any("cispo_clip_ratio" in m for m in run) else "clip_ratio/region_mean"
@@ -689,7 +881,8 @@ def main():
             f"written; run them first (python benchmarks/llm_learning.py --configs {' '.join(missing)})"
         )
     summaries = {"arithmetic": summarise_arithmetic, "trace": summarise_trace, "trace-family": summarise_family,
-                 "gpu": summarise_gpu, "calc": summarise_calc, "vllm": summarise_vllm}  # fmt: skip
+                 "gpu": summarise_gpu, "calc": summarise_calc, "vllm": summarise_vllm,
+                 "distill": summarise_distill}  # fmt: skip
     for group in groups:
         summaries[group](args, {name: load(args.out_dir, name) for name in GROUPS[group]})
 

@@ -1,5 +1,5 @@
-"""grpo_llm.py beside TRL's GRPOTrainer (TRL 1.16) on the trace and calculator tasks, each as a new user would run it
-(CPU, fp32).
+"""grpo_llm.py beside TRL's GRPOTrainer (TRL 1.16) on the trace and calculator tasks, and beside its DistillationTrainer
+on on-policy distillation, each as a new user would run it (CPU, fp32).
 
 Both train assets/sums-sft on assets/sums/train.jsonl with the gsm8k reward (grpo_llm.py's own function; TRL calls
 it through a wrapper), at the same configuration:
@@ -17,7 +17,8 @@ has one torch thread, two run at a time. Every --eval-every updates each saves i
 --resume: the same run as one in a go), and `grpo_llm.py --eval-only` scores every saved policy on the 256 held-out
 problems of assets/sums/test.jsonl at temperature 1, with the run's seed.
 
-TRL runs in a subprocess with its directory on PYTHONPATH (it is an optional import of this benchmark only):
+TRL runs in a subprocess: TRL 1.16 as requirements-dev.txt installs it, or from benchmarks/runs/trl116, put on
+PYTHONPATH for TRL's runs alone when it is there:
 
     pip install --no-deps --target benchmarks/runs/trl116 trl==1.16.0 accelerate psutil
 
@@ -43,19 +44,37 @@ longest row has not ended by position 128 stops the run with an IndexError). Eva
 grpo_llm.py --eval-only --tools calculator on the 256 problems of assets/calc/test.jsonl, which also gives the
 held-out calls per response (eval/tools/call_frequency).
 
+On-policy distillation (--task distill) trains assets/arith-student from assets/arith-teacher (assets/README.md) on the
+prompts of assets/arith/train.jsonl with TRL 1.16's DistillationTrainer, on-policy by construction (the student samples
+every completion; GKDTrainer, in trl.experimental, warns that lmbda=1 at temperature 1 is what DistillationTrainer
+does), at:
+
+    grpo_llm.py --model assets/arith-student --teacher ...     TRL 1.16 DistillationConfig
+    --prompts-per-update 8 --num-generations 8                  per_device_train_batch_size=64 (one completion each)
+    each token's advantage -(log pi - log pi_teacher)           beta=1.0: the reverse KL, over the whole vocabulary
+    learning rate 1e-4, AdamW eps 1e-5, weight decay 0          learning_rate=1e-4, constant, adam_epsilon=1e-5
+    8 new tokens (the checkpoint's), temperature 1              max_completion_length=8, temperature=1.0
+    fp32 on the CPU                                             bf16=False, gradient_checkpointing=False, use_cpu
+
+TRL's loss calls the student's and the teacher's backbones without position ids, so `--trl fixed` gives both of them
+those of the attention mask (position_ids_from_mask on each backbone). Evaluation is grpo_llm.py --eval-only of each
+saved policy without the teacher, and of the teacher once a seed.
+
     python benchmarks/trl_learning.py                       # ours, TRL stock and fixed: 2 seeds x 200 updates
     python benchmarks/trl_learning.py --part logprobs       # the log-probs of one batch
     python benchmarks/trl_learning.py --part table          # measure nothing: the tables and figure from the .json
     python benchmarks/trl_learning.py --task calc --trl fixed --seeds 1 --updates 100   # the calculator task
     python benchmarks/trl_learning.py --task calc --part table                         # its table from its .json
+    python benchmarks/trl_learning.py --task distill --updates 400 --eval-every 50     # on-policy distillation
 
 Results: benchmarks/results/trl_learning.json (each run's accuracy at each saved update and seconds per update),
 trl_learning.md (also into the docs pages that quote it, benchmarks/docs_tables.py), trl_learning.png, and
-trl_logprobs.json and trl_logprobs.md; for --task calc, trl_calc.json and trl_calc.md. --part table without its
-.json says so and writes nothing.
+trl_logprobs.json and trl_logprobs.md; for --task calc, trl_calc.json and trl_calc.md; for --task distill,
+trl_distill.json and trl_distill.md. --part table without its .json says so and writes nothing.
 """
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -74,17 +93,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from docs_tables import saved_results, write_table  # noqa: E402
-from llm_learning import CALC, TRACE  # noqa: E402
+from llm_learning import CALC, STUDENT, TEACHER, TRACE  # noqa: E402
 from scale import machine_name  # noqa: E402
 
 import grpo_llm  # noqa: E402
 
 TRL_DIR = os.path.join(ROOT, "benchmarks", "runs", "trl116")
 MODEL, TRAIN = "assets/sums-sft", "assets/sums/train.jsonl"
-# Each task: grpo_llm.py's flags (llm_learning.py's), its results' name, the completion length (the checkpoint's).
+# Each task: grpo_llm.py's flags (llm_learning.py's), those of its evaluation (without --model), its results' name, the
+# completion length (the checkpoint's). Distillation is evaluated without the teacher: the student alone answers.
 TASKS = {
-    "trace": {"flags": TRACE, "name": "trl_learning", "tokens": 64},
-    "calc": {"flags": [*CALC, "--tools", "calculator"], "name": "trl_calc", "tokens": 96},
+    "trace": {"flags": TRACE, "eval": TRACE[2:], "name": "trl_learning", "tokens": 64},
+    "calc": {
+        "flags": [*CALC, "--tools", "calculator"],
+        "eval": [*CALC[2:], "--tools", "calculator"],
+        "name": "trl_calc",
+        "tokens": 96,
+    },
+    "distill": {"flags": ["--model", STUDENT, "--teacher", TEACHER], "eval": [], "name": "trl_distill", "tokens": 8},
 }
 NAMES = {
     "ours": "ours (`grpo_llm.py`)",
@@ -97,12 +123,18 @@ CALC_NAMES = {  # on the calculator task every TRL run needs generate_within_con
     "fixed": "TRL 1.16 GRPOTrainer, `tools=[calculator]`, + generate() within the context and position ids from the "
     "mask (this benchmark's patches)",
 }
+DISTILL_NAMES = {
+    "ours": "ours (`grpo_llm.py --teacher`)",
+    "stock": "TRL 1.16 DistillationTrainer, `beta=1` (reverse KL), on-policy, as installed",
+    "fixed": "TRL 1.16 DistillationTrainer, `beta=1`, + position ids from the mask (this benchmark's patch)",
+}
 
 
 @dataclass
 class Args:
-    task: Literal["trace", "calc"] = "trace"
-    """trace: assets/sums-sft, gsm8k reward; calc: assets/calc-sft, the calculator (TRL's tools=), arithmetic reward"""
+    task: Literal["trace", "calc", "distill"] = "trace"
+    """trace: assets/sums-sft, gsm8k reward; calc: assets/calc-sft, the calculator (TRL's tools=), arithmetic reward;
+    distill: on-policy distillation of assets/arith-student from assets/arith-teacher (TRL's DistillationTrainer)"""
     part: Literal["learning", "logprobs", "table"] = "learning"
     """learning: train and evaluate the runs, then the table; logprobs: one batch's log-probs; table: measure nothing"""
     trl: tuple[Literal["stock", "fixed"], ...] = ("stock", "fixed")
@@ -217,13 +249,53 @@ def trl_trainer(out, seed, updates, save_every, task="trace"):
     return GRPOTrainer(model=path, reward_funcs=reward, args=config, train_dataset=dataset, **extra)
 
 
+def trl_distill_trainer(out, seed, updates, save_every):
+    """DistillationTrainer on the embedded pair at grpo_llm.py --teacher's configuration (the module docstring's
+    mapping): the student samples one completion of each of 64 prompts, and the loss is the reverse KL to the teacher
+    (beta=1) over the whole vocabulary at each of its tokens."""
+    import datasets
+    from trl import DistillationConfig, DistillationTrainer
+
+    with open(os.path.join(ROOT, "assets/arith/train.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    dataset = datasets.Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
+    config = DistillationConfig(
+        output_dir=out,
+        per_device_train_batch_size=64,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        adam_epsilon=1e-5,
+        beta=1.0,
+        max_completion_length=TASKS["distill"]["tokens"],
+        temperature=1.0,
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        max_steps=updates,
+        seed=seed,
+        save_strategy="steps",
+        save_steps=save_every,
+        save_only_model=True,
+        logging_steps=1,
+        report_to=[],
+    )
+    student, teacher = os.path.join(ROOT, STUDENT), os.path.join(ROOT, TEACHER)
+    return DistillationTrainer(model=student, teacher_model=teacher, args=config, train_dataset=dataset)
+
+
 def trl_child(spec):
     """One TRL run: a checkpoint every save_every steps in spec["out"], the seconds of every step in times.json."""
     import transformers
 
     torch.set_num_threads(1)
-    trainer = trl_trainer(spec["out"], spec["seed"], spec["updates"], spec["save_every"], spec["task"])
-    if spec["kind"] == "fixed":
+    if spec["task"] == "distill":
+        trainer = trl_distill_trainer(spec["out"], spec["seed"], spec["updates"], spec["save_every"])
+    else:
+        trainer = trl_trainer(spec["out"], spec["seed"], spec["updates"], spec["save_every"], spec["task"])
+    if spec["kind"] == "fixed" and spec["task"] == "distill":  # its loss calls both backbones, not the LM heads
+        position_ids_from_mask(trainer.model.base_model)
+        position_ids_from_mask(trainer.teacher_model.base_model)
+    elif spec["kind"] == "fixed":
         position_ids_from_mask(trainer.model)
     if spec["task"] == "calc":  # without it a generate() after a tool result that reaches position 128 stops the run
         generate_within_context(trainer.model)
@@ -325,7 +397,7 @@ def start(args, kind, seed):
 
 def evaluate(model, seed, task):
     """grpo_llm.py --eval-only of one policy with the task's flags and the run's seed: its metrics."""
-    flags = [*TASKS[task]["flags"][2:], "--model", model, "--eval-only", "--seed", str(seed)]
+    flags = [*TASKS[task]["eval"], "--model", model, "--eval-only", "--seed", str(seed)]
     flags += ["--max-new-tokens", str(TASKS[task]["tokens"])]
     with contextlib.redirect_stdout(io.StringIO()):
         return grpo_llm.main(grpo_llm.parse_args(flags))
@@ -333,7 +405,7 @@ def evaluate(model, seed, task):
 
 def learning(args):
     """Every run, --jobs at a time (ours beside stock TRL first), then every saved policy evaluated: the results."""
-    if args.trl and not os.path.isdir(TRL_DIR):
+    if args.trl and not os.path.isdir(TRL_DIR) and importlib.util.find_spec("trl") is None:
         where = os.path.relpath(TRL_DIR, ROOT)
         install = f"pip install --no-deps --target {where} trl==1.16.0 accelerate psutil"
         raise SystemExit(f"error: --trl needs TRL 1.16 in {where}: {install}")
@@ -359,6 +431,10 @@ def learning(args):
     flags = TASKS[args.task]["flags"]
     sft = os.path.join(ROOT, flags[flags.index("--model") + 1])
     start_metrics = {seed: evaluate(sft, seed, args.task) for seed in args.seeds}  # update 0: the SFT policy
+    if args.task == "distill":  # the teacher's own held-out accuracy, by the same evaluation, what the student nears
+        results["teacher"] = [
+            evaluate(os.path.join(ROOT, TEACHER), seed, args.task)["eval/accuracy"] for seed in args.seeds
+        ]
     for kind in ["ours", *args.trl]:
         for seed in args.seeds:
             out = run_dir(args, kind, seed)
@@ -379,6 +455,11 @@ def learning(args):
             if args.task == "calc":  # held-out tool calls per response
                 results["runs"][f"{kind}-{seed}"]["calls"] = [m["eval/tools/call_frequency"] for m in metrics]
     return results
+
+
+def mean_and_each(values):
+    """'mean (each, seed by seed)', two decimals."""
+    return f"{np.mean(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})"
 
 
 def table(results, out_dir):
@@ -409,7 +490,7 @@ def table(results, out_dir):
         cells = []
         for u in shown:
             values = [r["accuracy"][r["updates"].index(u)] for r in mine]
-            cells.append(f"{np.mean(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})")
+            cells.append(mean_and_each(values))
         seconds = np.median([s for r in mine for s in r["s_per_update"]])
         lines.append(f"| {NAMES[kind]} | {len(mine)} | {' | '.join(cells)} | {seconds:.2f} |")
     write_table("trl_learning.md", "\n".join(lines), out_dir)
@@ -455,10 +536,38 @@ def calc_table(results, out_dir):
         for key, indices in [("accuracy", range(len(updates))), ("calls", [0, len(updates) - 1])]:
             for i in indices:
                 values = [r[key][i] for r in mine]
-                cells.append(f"{np.mean(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})")
+                cells.append(mean_and_each(values))
         seconds = np.median([s for r in mine for s in r["s_per_update"]])
         lines.append(f"| {CALC_NAMES[kind]} | {len(mine)} | {' | '.join(cells)} | {seconds:.2f} |")
     write_table("trl_calc.md", "\n".join(lines), out_dir)
+    return "\n".join(lines)
+
+
+def distill_table(results, out_dir):
+    """trl_distill.md from the results of the distillation task."""
+    runs, a = results["runs"], results["args"]
+    kinds = [kind for kind in DISTILL_NAMES if any(r["kind"] == kind for r in runs.values())]
+    updates = next(iter(runs.values()))["updates"]
+    lines = [
+        f"{STUDENT} distilled on-policy from {TEACHER} (reverse KL), ours and TRL 1.16's at the same configuration "
+        "(benchmarks.md#trl_learningpy has the mapping), 64 completions an update in both: ours 8 prompts x 8, TRL "
+        "64 prompts x 1 (DistillationTrainer samples one completion a prompt). Held-out accuracy (`grpo_llm.py "
+        "--eval-only` of each saved policy: the 256 problems of assets/arith/test.jsonl at temperature 1), mean and "
+        f"(each seed); the teacher's own by the same evaluation: {mean_and_each(results['teacher'])}. Seconds per "
+        "update: the median over every update of every seed, wall clock of the training loop. Machine: "
+        f"{results['machine']}, torch {results['torch']}, fp32, one torch thread a run, {a['jobs']} at a time on 2 "
+        "cores shared with other work. Command: `python benchmarks/trl_learning.py --task distill --seeds "
+        f"{' '.join(map(str, a['seeds']))} --updates {a['updates']} --eval-every {a['eval_every']}`",
+        "",
+        "| run | seeds | " + " | ".join(f"update {u}" for u in updates) + " | s / update |",
+        "|---|---|" + "---|" * (len(updates) + 1),
+    ]
+    for kind in kinds:
+        mine = [r for r in runs.values() if r["kind"] == kind]
+        cells = [mean_and_each([r["accuracy"][i] for r in mine]) for i in range(len(updates))]
+        seconds = np.median([s for r in mine for s in r["s_per_update"]])
+        lines.append(f"| {DISTILL_NAMES[kind]} | {len(mine)} | {' | '.join(cells)} | {seconds:.2f} |")
+    write_table("trl_distill.md", "\n".join(lines), out_dir)
     return "\n".join(lines)
 
 
@@ -512,14 +621,14 @@ def main():
         children = {"ours": ours_child, "stock": trl_child, "fixed": trl_child, "logprobs": logprobs_child}
         return children[spec["kind"]](spec)
     path = os.path.join(args.out_dir, TASKS[args.task]["name"] + ".json")
-    tables = {"trace": table, "calc": calc_table}
+    tables = {"trace": table, "calc": calc_table, "distill": distill_table}
     if args.task != "trace" and args.part == "logprobs":
         raise SystemExit(f"error: --part logprobs measures the trace task (got --task {args.task})")
     if args.part == "logprobs":
         return print(logprobs(args))
-    if args.part == "table" and args.task == "calc":
+    if args.part == "table" and args.task != "trace":
         (results,) = saved_results(path, "--part table")
-        return print(calc_table(results, args.out_dir))
+        return print(tables[args.task](results, args.out_dir))
     if args.part == "table":  # without its results a table would lose its rows: say so and write nothing
         parts = {"trl_learning.json": "", "trl_logprobs.json": " --part logprobs"}
         for name, part in parts.items():

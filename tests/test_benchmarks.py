@@ -49,8 +49,10 @@ def run_main(monkeypatch, module, argv):
         ("psi_variance", ["--from-csv"], ["--from-csv", "psi_variance.csv does not exist"]),
         ("llm_learning", ["--no-run", "--configs", "trace"], ["trace-ppo trace-grpo", "--configs trace-ppo"]),
         ("llm_learning", ["--no-run", "--configs", "vllm"], ["grpo-2heads grpo-2heads-vllm", "--configs grpo-2heads"]),
+        ("llm_learning", ["--no-run", "--configs", "distill"], ["distill-grpo distill-ppo", "--configs distill-grpo"]),
         ("trl_learning", ["--part", "table"], ["--part table", "trl_learning.json does not exist"]),
         ("trl_learning", ["--task", "calc", "--part", "table"], ["--part table", "trl_calc.json does not exist"]),
+        ("trl_learning", ["--task", "distill", "--part", "table"], ["--part table", "trl_distill.json does not exist"]),
         ("eval_noise", ["--table"], ["--table", "eval_noise.json does not exist"]),
         ("head_precision", ["--table"], ["--table", "head_precision_*.json does not exist"]),
         ("save_time", ["--table"], ["--table", "save_time.json does not exist"]),
@@ -188,6 +190,77 @@ def test_llm_learning_vllm_table_and_verdict_from_the_curves(monkeypatch, tmp_pa
     assert "at 5 of 5 evaluations; the two means differ by 0.000 on average, generate()'s seeds by 0.125" in ppo
 
 
+def test_llm_learning_distill_table_from_the_curves(monkeypatch, tmp_path):
+    llm_learning = importlib.import_module("llm_learning")
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    # held-out accuracy of seed 1 and seed 2 at updates 0, 10, 20, 30 of 30; GRPO 64 samples and 6 s an update, PPO 128
+    # and 12 s; the teacher's accuracy 0.875 (seed 1) and 1.0 (seed 2) in every distillation run: mean 0.9375, 90% of
+    # it 0.84375
+    accuracy = {
+        "distill-grpo": [[0.5, 0.75, 0.875, 0.875], [0.5, 0.875, 0.875, 0.875]],
+        "distill-ppo": [[0.5, 0.875, 0.875, 0.875], [0.5, 0.875, 0.875, 0.875]],
+        "distill-ppo-gamma0": [[0.5, 0.625, 0.75, 0.875], [0.5, 0.5, 0.5, 0.5]],
+        "rl-grpo": [[0.5, 0.5, 0.625, 0.75], [0.5, 0.625, 0.75, 0.875]],
+        "rl-ppo": [[0.5, 0.625, 0.875, 0.875], [0.5, 0.75, 0.75, 0.875]],
+    }
+    for name, seeds in accuracy.items():
+        samples, seconds = (64, 6.0) if "grpo" in name else (128, 12.0)
+        for seed, acc in enumerate(seeds, start=1):
+            records = [{"update": u, "episode": samples * u, "time/elapsed": seconds * u} for u in range(31)]
+            for u, a in zip([0, 10, 20, 30], acc):
+                records[u]["eval/accuracy"] = a
+            if name.startswith("distill"):  # the reverse KL 0.5, then 0.25 (seed 1) and 0.5 (seed 2) in the last 10
+                records[0]["distill/teacher_accuracy"] = 0.75 + 0.25 * seed / 2
+                for u in range(1, 31):
+                    records[u]["distill/reverse_kl"] = 0.5 if u <= 20 else 0.25 * seed
+            fake_run(runs, name, seed, 30, records)
+    args = llm_learning.Args(seeds=[1, 2], runs_dir=str(runs), out_dir=str(out))
+    for name in accuracy:
+        llm_learning.collect(args, name)
+    run_main(monkeypatch, llm_learning, ["--no-run", "--configs", "distill", "--out-dir", str(out)])
+    assert (out / "distill_learning.png").exists()
+    table = (out / "distill_learning.md").read_text()
+    rows = {line.split(" (`")[0][2:]: line.split("`) | ")[1] for line in table.splitlines() if "`) | 2 |" in line}
+    # distill-grpo: 0.84375 first reached at update 20 (seed 1) and 10 (seed 2): 1280 and 640 samples, 120 and 60 s;
+    # the reverse KL's last 10 updates 0.25 and 0.5: mean 0.375 +- 0.125
+    assert rows["distill-grpo"] == (
+        "2 | 0.500 ± 0.000 | 0.875 ± 0.000 | 15 ± 5 | 960 ± 320 | 1.5 ± 0.5 | 0.375 ± 0.125 |"
+    )
+    assert rows["distill-ppo"] == "2 | 0.500 ± 0.000 | 0.875 ± 0.000 | 10 ± 0 | 1280 ± 0 | 2.0 ± 0.0 | 0.375 ± 0.125 |"
+    # seed 2 at gamma 0 never gets there; seed 1 at update 30, 3840 samples, 360 s
+    assert "| 30 ± 0 (1/2 seeds) | 3840 ± 0 (1/2 seeds) | 6.0 ± 0.0 (1/2 seeds) |" in rows["distill-ppo-gamma0"]
+    # rl-ppo: update 20 and 30, 2560 and 3840 samples (mean 3200), 240 and 360 s; RL logs no reverse KL
+    assert rows["rl-ppo"] == "2 | 0.500 ± 0.000 | 0.875 ± 0.000 | 25 ± 5 | 3200 ± 640 | 5.0 ± 1.0 | no teacher |"
+    assert "| 30 ± 0 (1/2 seeds) | 1920 ± 0 (1/2 seeds) |" in rows["rl-grpo"]
+    teacher = (
+        "the teacher (assets/arith-teacher): held-out accuracy 0.938 ± 0.062 (`distill/teacher_accuracy` of the 6 "
+    )
+    assert teacher + "runs with a teacher), 90% of it 0.844." in table
+    assert (
+        "| the teacher (`assets/arith-teacher`: `distill/teacher_accuracy` of each run with a teacher) | 6 runs | "
+        "0.938 ± 0.062 | - |" in table
+    )
+    # GRPO: rl-grpo's seed 1 never gets there, so its 30 x 64 = 1920 samples count (a lower bound), seed 2 1920:
+    # 1920 / 960 = 2.0, 1920 / 1280 = 1.5 to 1920 / 640 = 3.0; PPO: 3200 / 1280 = 2.5, 2560 / 1280 = 2.0 to
+    # 3840 / 1280 = 3.0; at gamma 0 distillation's seed 2 never gets there, so its 30 x 128 = 3840 samples count (an
+    # upper bound): 3200 / 3840 = 0.83, 2560 / 3840 = 0.67 to 3840 / 3840 = 1.0
+    assert "| GRPO (rl-grpo / distill-grpo) | >= 2.0x (>= 1.5x to >= 3.0x) |" in table
+    assert "| PPO (rl-ppo / distill-ppo) | 2.5x (2.0x to 3.0x) |" in table
+    assert "| PPO, distillation at gamma 0 (rl-ppo / distill-ppo-gamma0) | <= 0.8x (<= 0.7x to <= 1.0x) |" in table
+    # the ends: GRPO 0.875 (std 0) against (0.75 + 0.875) / 2 = 0.8125 (std 0.0625), a gap of 0.0625, not more than
+    # 0 + 0.0625; PPO 0.875 and 0.875; at gamma 0 (0.875 + 0.5) / 2 = 0.6875 (std 0.1875) against 0.875 (std 0)
+    assert (
+        "(Lu et al., 2025, math with Qwen3 models): GRPO: at least 2.0x (an RL seed never got there), which does not "
+        "place it; PPO: 2.5x, below it; PPO, distillation at gamma 0: at most 0.8x (a distillation seed never got "
+        "there), below it."
+        " Held-out accuracy at the end, after the same samples: GRPO: distillation 0.875, RL 0.812, a difference of "
+        "+0.062, not more than their standard deviations together (0.062); PPO: distillation 0.875, RL 0.875, a "
+        "difference of +0.000, not more than their standard deviations together (0.000); PPO, distillation at gamma 0: "
+        "distillation 0.688, RL 0.875, a difference of -0.188, not more than their standard deviations together "
+        "(0.188). That is what 2 seeds of one toy task show (evaluations 10 updates apart"
+    ) in table
+
+
 def test_llm_learning_vllm_without_the_vllm_venv_says_so_and_runs_nothing(monkeypatch, tmp_path):
     llm_learning = importlib.import_module("llm_learning")
     monkeypatch.setattr(llm_learning, "VLLM_PYTHON", str(tmp_path / "no-venv" / "bin" / "python"))
@@ -211,12 +284,14 @@ def test_the_committed_curves_rebuild_every_committed_learning_table_and_figure(
     its tables and figures byte for byte as committed: after it, git diff is empty."""
     llm_learning = importlib.import_module("llm_learning")
     shutil.copytree(os.path.join(RESULTS, "llm_curves"), tmp_path / "llm_curves")
-    groups = ["arithmetic", "trace", "trace-family", "calc", "vllm"]
+    groups = ["arithmetic", "trace", "trace-family", "calc", "vllm", "distill"]
     run_main(monkeypatch, llm_learning, ["--no-run", "--configs", *groups, "--out-dir", str(tmp_path)])
     written = sorted(path.name for path in tmp_path.iterdir() if path.is_file())
     assert written == [
         "calc_learning.md",
         "calc_learning.png",
+        "distill_learning.md",
+        "distill_learning.png",
         "llm_accuracy.png",
         "llm_learning.md",
         "llm_reward_hacking.png",
