@@ -313,7 +313,7 @@ def policy_metrics(model, tokenizer, rows: list[dict], do_sample: bool, max_new_
     for game, row in zip(games, rows):
         game.reset(**row)
     contexts = [render(tokenizer, row["prompt"], add_generation_prompt=True) for row in rows]
-    lengths, stopped_at_end = [0] * len(rows), [False] * len(rows)
+    lengths, stopped_at_end, called_after_end = [0] * len(rows), [False] * len(rows), [False] * len(rows)
     attempts = valid = middle = lowest = 0
     # pure sampling from the model's distribution: temperature 1, no top-k, no nucleus
     sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample else dict(do_sample=False)
@@ -339,9 +339,12 @@ def policy_metrics(model, tokenizer, rows: list[dict], do_sample: bool, max_new_
                 if not ended:  # cut off by the budget
                     continue
                 if not read["calls"]:  # the policy's stop
-                    stopped_at_end[i] = not read["tried"] and (game.solved or game.guesses == MAX_GUESSES)
+                    at_end = game.solved or game.guesses == MAX_GUESSES
+                    stopped_at_end[i] = not read["tried"] and at_end and not called_after_end[i]
                     continue
-                result = tool_message_ids(tokenizer, run_calls(game, read["calls"]))
+                results = run_calls(game, read["calls"])
+                called_after_end[i] |= "over" in results  # the game's answer to a call after its end
+                result = tool_message_ids(tokenizer, results)
                 # the tool's tokens count in the episode's budget, and the next turn needs one token at least
                 if lengths[i] + len(result) < max_new_tokens:
                     contexts[i] = contexts[i] + result

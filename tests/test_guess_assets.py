@@ -218,6 +218,48 @@ def test_committed_policy_plays_a_valid_first_guess(tok):
     assert 1 <= calls[0]["function"]["arguments"]["n"] <= 31
 
 
+class ScriptedPolicy:
+    """A stand-in for the policy in the builder's tool loop: from each row's context (left-padded), the next turn of a
+    strategy that reads the answers so far, as ids, then its EOS."""
+
+    def __init__(self, tok, strategy):
+        self.tok, self.strategy = tok, strategy
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **sampling):
+        turns = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            text = self.tok.decode([i for i, m in zip(ids, mask) if m])
+            low, high, answers = 1, 31, []
+            for part in text.split("guess(n=")[1:]:
+                n = int(part.split(")")[0])
+                answers.append(part.split("R:")[1].split("\n")[0])
+                if answers[-1] == "higher":
+                    low = n + 1
+                if answers[-1] == "lower":
+                    high = n - 1
+            turn = f"<tool_call>guess(n={self.strategy(low, high)})<eos>"
+            if "correct" in answers or len(answers) == 8:  # the game's end: the stop
+                turn = "<eos>"
+            turns.append(self.tok(turn, add_special_tokens=False)["input_ids"][:max_new_tokens])
+        width = max(map(len, turns))
+        turns = [turn + [self.tok.pad_token_id] * (width - len(turn)) for turn in turns]
+        return torch.cat([input_ids, torch.tensor(turns)], dim=1)
+
+
+def test_tool_loop_measures_bisection_and_counting_up(tok):
+    rows = [{"prompt": mgm.PROMPT, "secret": secret} for secret in range(1, 32)]  # each number once
+    bisection = mgm.policy_metrics(ScriptedPolicy(tok, lambda low, high: (low + high) // 2), tok, rows, False, 129)
+    # every game won, in 129 / 31 guesses on average, reward 1 - 0.1 * 129 / 31 = 0.584
+    assert bisection["success_rate"] == 1 and bisection["mean_guesses"] == pytest.approx(129 / 31)
+    assert bisection["mean_reward"] == pytest.approx(1 - 0.1 * 129 / 31)
+    assert bisection["valid_guess_share"] == bisection["middle_share"] == bisection["stopped_at_end"] == 1
+    counting = mgm.policy_metrics(ScriptedPolicy(tok, lambda low, high: low), tok, rows, False, 129)
+    # counting up from 1 wins the numbers 1..8 (8 of 31) in 1..8 guesses, the others lose after 8:
+    # (1 + ... + 8 + 23 * 8) / 31 = 220 / 31 = 7.10 guesses, the greedy policy's row of assets/README.md
+    assert counting["success_rate"] == pytest.approx(8 / 31) and counting["mean_guesses"] == pytest.approx(220 / 31)
+    assert counting["valid_guess_share"] == counting["lowest_share"] == counting["stopped_at_end"] == 1
+
+
 # ---- the builder ----
 def test_build_refuses_to_overwrite_without_the_flag(tmp_path):
     os.makedirs(tmp_path / "guess")
