@@ -1129,7 +1129,8 @@ def eval_rows(args, tokenizer, reward_fns, tools=None):
     source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
     needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))  # as training's
     rows = load_prompts(Args(**asdict(args) | source), tokenizer, needs_answers, tools, flag)
-    return list({row["prompt"]: row for row in rows}.values())[: args.eval_size]
+    distinct = {json.dumps(row["row"], default=str) if args.environment else row["prompt"]: row for row in rows}
+    return list(distinct.values())[: args.eval_size]  # an environment's rows share a prompt, and differ in columns
 
 
 def from_pretrained(cls, name, flag, **kwargs):
@@ -1427,7 +1428,8 @@ def load_teacher(args, device, held_out):
     teacher = place(teacher.eval().requires_grad_(False), device, uses_bf16(args))
     if problems is None or args.resume:
         return teacher, {}
-    accuracy = evaluate(teacher, *held_out[1:4], replace(args, vllm=False), *held_out[5:])["eval/accuracy"]
+    with torch.random.fork_rng():  # the student's evaluation at update 0 samples as it would without it
+        accuracy = evaluate(teacher, *held_out[1:4], replace(args, vllm=False), *held_out[5:])["eval/accuracy"]
     return teacher, {"distill/teacher_accuracy": accuracy}
 
 
