@@ -252,6 +252,9 @@ def test_a_tool_method_that_raises_times_out_or_is_async_is_a_call_the_policy_re
         "{'error': 'ZeroDivisionError: division by zero'}",
     ]
     assert instance.turn_rewards == [0.5]
+    instance.calculator = lambda expression: __import__("time").sleep(30)  # past --tool-timeout 0.5: a failed call
+    _, failed, messages = ppo_llm.run_tools(tok, {"calculator": instance.calculator}, [call], 0.5, [1], 1000)
+    assert failed == 1 and messages[0]["content"] == "{'error': 'TimedOut: tool calculator ran past 0.5 s'}"
 
 
 def test_a_reset_that_raises_stops_the_run_in_one_line_with_its_checkpoint(calc, desk, tmp_path, monkeypatch, capsys):  # noqa: F811
