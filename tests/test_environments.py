@@ -286,12 +286,23 @@ def test_a_stop_in_the_middle_of_an_episode_cuts_it_off_and_the_resume_resets_af
 
 
 def test_two_ranks_each_play_their_own_rows_episodes(calc, desk, tmp_path):  # noqa: F811
+    # and distil from a teacher, sharded under torchrun as a reward model is: here the student itself, whose reverse
+    # KL is then 0 on both ranks
     tests = os.path.dirname(os.path.abspath(__file__))
     wrapper = tmp_path / "scripted.py"
     wrapper.write_text(WRAPPER.format(tests=tests, root=os.path.dirname(tests)))
     flags = ["--model", calc["policy"], "--dataset", calc["train"], "--environment", desk["env"], "--max-tool-calls"]
     flags += ["1", "--prompts-per-update", "4", "--num-mini-batches", "1", "--max-new-tokens", "160"]
-    flags += ["--eval-every", "0", "--total-steps", "1", "--output-dir", str(tmp_path / "runs")]
+    flags += [
+        "--eval-every",
+        "0",
+        "--total-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "runs"),
+        "--teacher",
+        calc["policy"],
+    ]
     torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node", "2"]
     env = os.environ | {"OMP_NUM_THREADS": "1", "SCRIPTED_TOKENIZER": calc["policy"]}
     done = subprocess.run([*torchrun, str(wrapper), "ppo_llm.py", *flags], env=env, timeout=300, capture_output=True,
@@ -303,6 +314,8 @@ def test_two_ranks_each_play_their_own_rows_episodes(calc, desk, tmp_path):  # n
     for pid in pids:
         assert [e[2] for e in log if e[0] == pid and e[1] == "made"] == [1, 2]
         assert len([e for e in log if e[0] == pid and e[1] == "reset"]) == 2
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert untimed_metrics(run_dir)[0]["distill/reverse_kl"] == 0.0
 
 
 def test_the_docs_example_environment_runs_as_written(tmp_path):

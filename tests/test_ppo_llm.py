@@ -5,6 +5,8 @@ import json
 import math
 import os
 import signal
+import sys
+import types
 
 import huggingface_hub
 import pytest
@@ -585,13 +587,32 @@ def test_eval_only_prints_accuracy_and_its_stderr_and_writes_nothing(tmp_path, c
     assert not os.path.exists(tmp_path / "runs")
 
 
-def test_track_offline(tiny, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
+class FakeWandb:
+    """wandb stood in for: each init's settings, and the run id it gives (a resumed run's own)."""
+
+    def __init__(self):
+        self.inits, self.finished = [], 0
+
+    def init(self, **settings):
+        self.inits.append(settings)
+        return types.SimpleNamespace(id=settings.get("id", "run-1"))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_track_starts_a_wandb_run_and_a_resume_goes_on_with_it(tiny, tmp_path, monkeypatch):
+    # wandb itself is stood in for here (tests/test_grpo_llm.py starts a real one offline, which takes seconds): the
+    # run's settings, its id in args.json, and on --resume that id with resume="allow", wandb's "go on with this run"
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
     run_dir, _ = run(tiny, tmp_path, track=True, total_steps=1)
-    assert any(name.startswith("offline-run") for name in os.listdir(os.path.join(run_dir, "wandb")))
-    ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--total-steps", "2"]))  # the same wandb run goes on
-    runs = [name for name in os.listdir(os.path.join(run_dir, "wandb")) if name.startswith("offline-run")]
-    assert len({name.split("-")[3] for name in runs}) == 1, runs  # offline-run-<time>-<run id>[-<n> if same second]
+    ppo_llm.main(ppo_llm.parse_args(["--resume", run_dir, "--total-steps", "2"]))
+    first, resumed = wandb.inits
+    assert first["project"] == "rlhf-reference" and first["sync_tensorboard"] and first["dir"] == run_dir
+    assert first["name"] == os.path.basename(run_dir) and first["config"]["track"] and "id" not in first
+    assert resumed["id"] == "run-1" and resumed["resume"] == "allow" and wandb.finished == 2
+    assert json.load(open(os.path.join(run_dir, "args.json")))["wandb_id"] == "run-1"
 
 
 def test_tokenizer_without_pad_gets_its_own(tmp_path):
