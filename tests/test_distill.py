@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 import grpo_llm
 import ppo_llm
 
+
 def test_the_per_token_signal_by_hand():
     # 2 responses of 3 tokens; the student's log-probs minus the teacher's, the sampled reverse KL (k1):
     #   [-1.0 - -0.5, -0.5 - -0.5, -2.0 - -1.0] = [-0.5, 0, -1.0]
