@@ -715,11 +715,9 @@ def padded_batch(inputs, responses, mask, lengths, **counts):
 
 
 def decode_responses(tokenizer, batch):
-    """(completions, transcripts, conversations): each response's text after its last tool result (what the reward
-    functions score: a tool's output is never the answer; "" for one cut off on a call, whose last operand is not its
-    answer either), the whole response with each tool's result as [tool: ...], and its turns as messages, TRL's: the
-    assistant's, its calls parsed, and each tool's, its result (what a reward model with a tokenizer of its own reads;
-    without tools, one turn)."""
+    """(completions, transcripts, conversations): each response's text after its last tool result, which the reward
+    functions score (a tool's output is not an answer; "" if cut off on a call); the response with each result as
+    [tool: ...]; its turns as TRL's messages (one without tools), which a reward model of its own tokenizer reads."""
     real, mask = batch["attention_mask"][:, batch["prompt_width"] :].bool(), batch["mask"].bool()
     completions, transcripts, conversations = [], [], []
     rows = zip(batch["responses"].tolist(), (real & ~mask).tolist(), batch["cut_on_call"].tolist(), batch["messages"])
@@ -789,9 +787,8 @@ def environment_tools(environment):
 
 
 def reset_environments(environment, rows, tokenizer, tools, args):
-    """--environment: each row's episode starts as TRL's do, an instance of the pool (none serves two; more are made as
-    needed) reset(**row) with the row's columns as read; a str it returns is appended to the last user message (or a
-    plain prompt), and the prompt rendered again: (rows, instances); (rows, None) without it."""
+    """--environment: each row's episode starts as TRL's do, an instance of the pool (one a row, more made as needed)
+    reset(**row); a str it returns goes after the last user message (or a plain prompt), the prompt rendered again."""
     if environment is None:
         return rows, None
     environment.pool += [environment.factory() for _ in range(len(rows) - len(environment.pool))]
@@ -873,9 +870,8 @@ def setup_tool_parsing(tokenizer, tools, eos_ids, model):
 
 
 def parse_turn(tokenizer, ids, turn_length, tools):
-    """The last turn, ids[-turn_length:], as the message parse_response reads with the tools' JSON schemas (a=7 of an
-    XML-style template reaches add(a: int) as 7): its content, special tokens out, and tool_calls ([] if none; a
-    failed call is the str of its reason, run_tools')."""
+    """The last turn, ids[-turn_length:], as parse_response reads it with the tools' JSON schemas (an XML-style a=7
+    reaches add(a: int) as 7): content without special tokens, tool_calls ([] if none; a failed one: its reason)."""
     text, prefix = tokenizer.decode(ids[-turn_length:]), tokenizer.decode(ids[:-turn_length])
     try:
         message = {"role": "assistant"} | tokenizer.parse_response(text, prefix=prefix, tools=list(tools.values()))
@@ -890,9 +886,8 @@ def parse_turn(tokenizer, ids, turn_length, tools):
 
 
 def rendered_turn(tokenizer, turn, eos_ids, tools=None):
-    """user -> turn (an assistant's calls, tool messages) -> generation prompt, rendered: (ids, start, end), the
-    assistant's own tokens ids[start:end], from where the render leaves the generation prompt to the first end id
-    (Qwen's <|im_end|>, gpt-oss's <|call|>, GLM-4-MoE's <|observation|>: the model writes it)."""
+    """user, turn (calls, tool messages), generation prompt, rendered: (ids, start, end), ids[start:end] the assistant's
+    tokens to the first end id, which the model writes (Qwen's <|im_end|>, gpt-oss's <|call|>, GLM <|observation|>)."""
     user = [{"role": "user", "content": "1"}]
     header = tokenizer.apply_chat_template(user, tools=tools, add_generation_prompt=True, return_dict=False)
     ids = tokenizer.apply_chat_template(user + turn, tools=tools, add_generation_prompt=True, return_dict=False)
@@ -902,10 +897,9 @@ def rendered_turn(tokenizer, turn, eos_ids, tools=None):
 
 
 def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
-    """The ids of the calls' tool messages, how many failed, and the messages: each result str()'d (an async tool's
-    awaited) and made encodable, as TRL does; a failed call (not JSON, no such tool, an error, past --tool-timeout, not
-    rendered) gets {'error': ...} as its result (TRL's), which the policy reads. None after a stop, or for a result
-    longer than `room` of the vocabulary's longest tokens (unread)."""
+    """(the ids of the calls' tool messages, how many failed, the messages): each result str()'d (an async tool's
+    awaited) and made encodable, as in TRL; a failed call (not JSON, no such tool, an error, past --tool-timeout, not
+    rendered) gets {'error': ...}, which the policy reads. ids None after a stop, or past `room` longest tokens."""
     messages, failed = [], 0
     for call in calls:
         name = None
@@ -932,9 +926,8 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
 
 
 def tool_result_ids(tokenizer, messages, eos_ids):
-    """The ids that tool messages add after an assistant turn, and the next turn's header (TRL's _get_tool_suffix_ids):
-    the render of the conversation after the assistant's turn ends (rendered_turn). One line if the turn renders
-    otherwise without them (not prefix-preserving, as Qwen3's)."""
+    """The ids that tool messages and the next turn's header add after an assistant turn (TRL's _get_tool_suffix_ids),
+    by rendered_turn; one line if the turn renders otherwise without them (not prefix-preserving, as Qwen3's)."""
     calls = [{"type": "function", "function": {"name": m["name"], "arguments": {}}} for m in messages]
     turn = [{"role": "assistant", "content": "", "tool_calls": calls}]
     ids, _, end = rendered_turn(tokenizer, turn + messages, eos_ids)
@@ -946,10 +939,9 @@ def tool_result_ids(tokenizer, messages, eos_ids):
 
 
 def generate_turn(policy, context, room, stop, args, sampling):
-    """Up to `room` new tokens for each row of context (left-padded ids), by generate() or by --vllm's engine as
-    generate() samples them (details 2, 4; each row seeded from torch's generator, per update): the new ids (B, W), how
-    many each row sampled (B,) (a stop's signal aborts the engine within a step) and the engine's log-prob of each (B,
-    W; 0 without it), on the device of context."""
+    """Up to `room` new tokens for each row of context (left-padded ids), sampled by generate() or alike by --vllm's
+    engine (details 2, 4; rows seeded from torch's generator): the new ids (B, W), how many each row sampled (B,; a stop
+    aborts the engine within a step), the engine's log-probs (B, W; 0 without it), on context's device."""
     if not args.vllm:  # FSDP: synced_gpus=False, no collective (the ranks' turns differ)
         out = policy.generate(**context, max_new_tokens=room, stopping_criteria=stop, synced_gpus=False, **sampling)
         new = out[:, context.input_ids.shape[1] :]
@@ -978,9 +970,8 @@ def generate_turn(policy, context, room, stop, args, sampling):
 
 
 def run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling, environments=None):
-    """rollout() with tools: each row's episode in turns, a record each: the prompt's ids, the response's and per
-    token its mask, engine's log-prob and turn reward; its messages, environment, tools, turn start, counts, outcome
-    (None: it goes on). One generate_turn() serves the episodes that go on, with the longest one's room."""
+    """rollout() with tools: each row's episode in turns, a record of its ids, per-token lists, messages and counts; one
+    generate_turn() serves the episodes that go on, with the room the longest one has left."""
     eos_ids, pad_id, device = policy.generation_config.eos_token_id, tokenizer.pad_token_id, inputs.input_ids.device
     prompts = [ids[real.bool()].tolist() for ids, real in zip(inputs.input_ids, inputs.attention_mask)]
     fresh = dict(ids=[], mask=[], vllm_logprobs=[], turn_rewards=[], messages=[], turn_start=0, turns=1, tool_calls=0)
@@ -1011,10 +1002,8 @@ def run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling, environ
 
 
 def end_turn(episode, length, room, tokenizer, args, eos_ids):
-    """The outcome of an episode that has just sampled `length` tokens of `room` (None: it goes on). It is done when it
-    ended (a turn without a call), was cut off on a call (past --max-tool-calls, or results that do not fit), was
-    stopped, or has no room left. A turn's calls get their results (mask 0), and what they append to the environment's
-    turn_rewards list is the turn's reward, on its last token; the policy's next turn follows."""
+    """The outcome of an episode that has just sampled `length` tokens of `room`: None (it goes on), or why it is done.
+    A turn's calls get their results (mask 0); what they append to the environment's turn_rewards is its reward."""
     e, left = episode, args.max_new_tokens - len(episode.ids)
     turn_ended = length > 0 and e.ids[-1] in eos_ids  # none: a stop before its first token
     if not turn_ended and length == room and left:  # it filled the room: the turn goes on in the next generate_turn()
