@@ -589,10 +589,8 @@ def final_answer(text, strict=False):
         stated = [m for m in re.findall(marker, text, flags=re.IGNORECASE) if re.search(NUMBER, m)]
         if stated:
             return float(re.sub(r"[$,\s]", "", re.search(NUMBER, stated[-1]).group()))
-    found = re.findall(NUMBER, text)
-    if strict or not found:
-        return None
-    return float(re.sub(r"[$,\s]", "", found[-1]))
+    found = [] if strict else re.findall(NUMBER, text)
+    return float(re.sub(r"[$,\s]", "", found[-1])) if found else None
 
 
 def same_answer(completion, reference):
@@ -725,12 +723,9 @@ def decode_responses(tokenizer, batch):
         parts = [(tool, [i for i, _ in part]) for tool, part in itertools.groupby(zip(ids, is_tool), lambda x: x[1])]
         texts = [tokenizer.decode(part, skip_special_tokens=True) for _, part in parts]
         completions.append("" if parts[-1][0] or cut_on_call else texts[-1])  # cut off on a call or its result: none
-        results = iter([list(m) for tool, m in itertools.groupby(messages, lambda m: m["role"] == "tool") if tool])
-        tool_texts = (
-            "".join(f"[tool: {m['content']}]" for m in next(results)) if tool else text
-            for (tool, _), text in zip(parts, texts)
-        )
-        transcripts.append("".join(tool_texts))
+        turns = itertools.groupby(messages, lambda m: m["role"] == "tool")  # a turn's tool messages are one part
+        results = iter(["".join(f"[tool: {m['content']}]" for m in group) for tool, group in turns if tool])
+        transcripts.append("".join(next(results) if tool else text for (tool, _), text in zip(parts, texts)))
         conversations.append(messages or [{"role": "assistant", "content": texts[0]}])
     return completions, transcripts, conversations
 
@@ -992,10 +987,8 @@ def run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling, environ
         going = [e for e in going if e.outcome is None]
     pad = functools.partial(nn.utils.rnn.pad_sequence, batch_first=True)
     responses = pad([torch.tensor(e.ids, dtype=torch.long) for e in episodes], padding_value=pad_id).to(device)
-    counts = {
-        k: pad([torch.tensor(getattr(e, k)) for e in episodes]) for k in ("mask", "vllm_logprobs", "turn_rewards")
-    }
-    counts |= {k: torch.tensor([getattr(e, k) for e in episodes]) for k in ("tool_calls", "tool_failures", "turns")}
+    counts = {k: pad([torch.tensor(vars(e)[k]) for e in episodes]) for k in ("mask", "vllm_logprobs", "turn_rewards")}
+    counts |= {k: torch.tensor([vars(e)[k] for e in episodes]) for k in ("tool_calls", "tool_failures", "turns")}
     counts |= {k: torch.tensor([e.outcome == k for e in episodes]) for k in ("ended", "cut_on_call")}
     counts["messages"], lengths = [e.messages for e in episodes], torch.tensor([len(e.ids) for e in episodes])
     return padded_batch(inputs, responses, counts.pop("mask"), lengths, **counts)
