@@ -1762,11 +1762,9 @@ def global_metrics(metrics, ops):
 
 def evaluate(policy, tokenizer, rows, reward_fns, args, autocast, batch_size, tools=None, environment=None):
     """n = --eval-num-generations samples of each held-out prompt at --eval-temperature (0: greedy), right when the
-    first reward source scores them > 0 (--environment: episodes reset with the held-out rows): eval/accuracy, pass@1,
-    the mean over the n, its standard error over the prompts (a prompt's samples are not independent), the mean reward;
-    above n = 1 eval/pass@k (k = 1, 2, ... below n, and n), eval/maj@n; the shares cut off (with tools: at a call);
-    right and wrong lengths (--eval-only: a table). Under torchrun ranks take every world-th batch of prompts x
-    samples, as many each (one short repeats the first, uncounted). A stop: {}, after the batch, all ranks."""
+    first reward source scores them > 0 (--environment: episodes reset with the held-out rows); the eval/ metrics of
+    docs/ppo_llm.md#evaluation (--eval-only: eval_line's table). Under torchrun ranks take every world-th batch of
+    prompts x samples, as many each (one short repeats the first, uncounted). A stop: {}, after the batch, all ranks."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     n, temperature = args.eval_num_generations, args.eval_temperature
     temperature = args.temperature if temperature is None else temperature
@@ -1819,12 +1817,8 @@ def evaluate(policy, tokenizer, rows, reward_fns, args, autocast, batch_size, to
     cut_off = (sum(clipped) + sum(at_call)) / len(clipped)  # by --max-new-tokens, or on a call
     if cut_off >= 0.5:  # as warn_truncated's: a cut-off answer scores as wrong
         print(f"warning: {cut_off:.0%} of the held-out responses were cut off, scored as wrong")
-    if args.eval_only and not temperature and n > 1:
-        print(f"greedy: the {n} samples of a prompt are one, so pass@k and maj@{n} are pass@1 (--eval-temperature)")
     if args.eval_only:
-        sampled = f"temperature {temperature:g}" if temperature else "greedy"
-        title = f"{len(rows)} held-out prompts, {n} sample{'s' if n > 1 else ''} each, {sampled}"
-        print(eval_line(metrics, title, bound=temperature > 0))
+        print(eval_line(metrics, table=(len(rows), n, temperature)))
     return metrics
 
 
@@ -1841,15 +1835,21 @@ def majority_vote(answers):
     return max(votes, key=votes.count, default=None)
 
 
-def eval_line(metrics, table=None, bound=True):
-    """The held-out accuracy ± its standard error; with a table's title (--eval-only), the table: that line with (if
-    bound) the 95% bound on the gap of two evaluations of one policy (1.96 sqrt(2) SE), then pass@k, maj@n, the rest."""
+def eval_line(metrics, table=None):
+    """The held-out accuracy ± its standard error; with --eval-only's (prompts, n, temperature), the table: its title,
+    that line with (sampled) the 95% bound on the gap of two evaluations of one policy (1.96 sqrt(2) SE), then pass@k,
+    maj@n, the rest (greedy, a note first when the n samples are one)."""
     line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
     if table is None:
         return line
+    prompts, n, temperature = table
+    sampled = f"temperature {temperature:g}" if temperature else "greedy"
+    greedy = f"greedy: the {n} samples of a prompt are one, so pass@k and maj@{n} are pass@1 (--eval-temperature)\n"
     gap = f"; two evaluations of one policy differ by < {1.96 * 2**0.5 * metrics['eval/accuracy_stderr']:.3f}"
     rows = [f"  {key.removeprefix('eval/'):<28}{value:.3f}" for key, value in list(metrics.items())[2:]]
-    return "\n".join([f"{table}:", f"{line} (pass@1{gap if bound else ''})", *rows])
+    title = f"{prompts} held-out prompts, {n} sample{'s' if n > 1 else ''} each, {sampled}:"
+    text = "\n".join([title, f"{line} (pass@1{gap if temperature else ''})", *rows])
+    return text if temperature or n == 1 else greedy + text
 
 
 class Stopwatch:
