@@ -502,7 +502,6 @@ def main(args: Args | None = None):
             # TRY NOT TO MODIFY: 6. log (TRL's GRPO metric names), evaluate, show samples, save
             batch |= {"scores": scores, "rewards": rewards, "zero_std": zero_std}
             metrics, line = grpo_metrics(update, args, batch, names, stats, losses, grad_norms, optimizer, clock)
-            metrics |= vllm_metrics(batch["old_logprobs"], batch) if args.vllm and has_loss_tokens else {}
             if eval_problems and due(update, args.eval_every, args.total_steps):
                 metrics |= evaluate(*held_out)
             values = dict(reward=rewards[::G], advantage=advantages[::G])  # one of each group
@@ -609,6 +608,7 @@ def grpo_metrics(update, args, batch, names, stats, losses, grad_norms, optimize
     times, progress = clock.metrics(update, batch["lengths"].sum().item())
     ops = {"completions/min_length": "min", "completions/max_length": "max", "perf/peak_memory_mb": "max"}
     metrics = global_metrics(metrics | times, ops | {"perf/tokens_per_sec": "sum"})
+    metrics |= vllm_metrics(batch) if args.vllm and losses else {}  # no update, no old log-probs
     warn_truncated(metrics["completions/clipped_ratio"], args, "; see --mask-truncated-completions, --overlong-buffer")
     line = f"update {update}/{args.total_steps}: reward {metrics['reward']:.3f}  "
     if "kl" in metrics:
@@ -1561,9 +1561,9 @@ def pushed_weights(policy):
             yield name, weight.full_tensor() if isinstance(weight, DTensor) else weight  # the FSDP gather
 
 
-def vllm_metrics(logprobs, batch):
+def vllm_metrics(batch):
     """vllm/logprob_diff_max and _mean: |the engine's log-prob - the trainer's| over the policy's tokens, all ranks'."""
-    diff = (logprobs - batch["vllm_logprobs"]).abs()[batch["mask"].bool()]
+    diff = (batch["old_logprobs"] - batch["vllm_logprobs"]).abs()[batch["mask"].bool()]
     metrics = {"vllm/logprob_diff_max": diff.max().item(), "vllm/logprob_diff_mean": diff.mean().item()}
     return global_metrics(metrics, {"vllm/logprob_diff_max": "max"})
 

@@ -491,7 +491,6 @@ def main(args: Args | None = None):
             # TRY NOT TO MODIFY: 7. log (TRL's metric names), evaluate, show samples, save
             batch |= {"scores": scores, "non_score_reward": non_score_reward, "fn_scores": fn_scores, "kl": kl}
             metrics, line = ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock)
-            metrics |= vllm_metrics(old_logprobs, batch) if args.vllm else {}
             if eval_problems and due(update, args.eval_every, args.total_steps):
                 metrics |= evaluate(*held_out)
             log(writer, metrics, line, samples_to_log(args, update, rows, transcripts, score=scores))
@@ -564,6 +563,7 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
     times, progress = clock.metrics(update, batch["lengths"].sum().item())
     ops = {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"}
     metrics = global_metrics(metrics | times, ops)
+    metrics |= vllm_metrics(batch) if args.vllm else {}
     warn_truncated(metrics["completions/clipped_ratio"], args, ", less --missing-eos-penalty if set")
     line = f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
     line += f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
@@ -1522,9 +1522,9 @@ def pushed_weights(policy):
             yield name, weight.full_tensor() if isinstance(weight, DTensor) else weight  # the FSDP gather
 
 
-def vllm_metrics(logprobs, batch):
+def vllm_metrics(batch):
     """vllm/logprob_diff_max and _mean: |the engine's log-prob - the trainer's| over the policy's tokens, all ranks'."""
-    diff = (logprobs - batch["vllm_logprobs"]).abs()[batch["mask"].bool()]
+    diff = (batch["old_logprobs"] - batch["vllm_logprobs"]).abs()[batch["mask"].bool()]
     metrics = {"vllm/logprob_diff_max": diff.max().item(), "vllm/logprob_diff_mean": diff.mean().item()}
     return global_metrics(metrics, {"vllm/logprob_diff_max": "max"})
 
