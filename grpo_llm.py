@@ -850,10 +850,9 @@ def awaited(value):
 
 
 def setup_tool_parsing(tokenizer, tools, eos_ids, model):
-    """With --tools: installs the parser of calls, tokenizer.response_template (the tokenizer's own, else TRL's for its
-    families, else <tool_call> JSON at the assistant header), and where the template is not prefix-preserving (Qwen3's)
-    TRL's training template as tokenizer.chat_template, for the run; else one line. A round trip decides: turns of one
-    and two calls of probe(n: int) rendered and parsed back to the same calls (one_call_a_turn: two are not)."""
+    """With --tools, for the run: tokenizer.response_template, the parser of calls (the tokenizer's own, else TRL's for
+    its families, else <tool_call> JSON at the assistant header), TRL's training template where the chat template is not
+    prefix-preserving (Qwen3's), else one line; turns of one and two probe(n: int) calls must parse back as rendered."""
     user, fix = [{"role": "user", "content": "1"}], "install TRL (pip install trl) or give it a response_template"
     flag, options = f"error: --tools: the chat template of --model {model}", [{}, {"tools": list(tools.values())}]
     options.append({"add_generation_prompt": True})
@@ -1078,8 +1077,7 @@ def tool_metrics(batch):
 
 
 def load_prompts(args, tokenizer, needs_answers, tools=None, flag=None):
-    """--dataset's rows (or flag's, eval_rows'): {prompt (the text the policy sees), answer (text or None), messages,
-    columns (TRL's keywords for the reward functions)}."""
+    """--dataset's (or flag's: eval_rows') rows: the prompt the policy sees, answer or None, messages, columns, row."""
     flag = flag or f"--dataset {args.dataset}"
     datasets.disable_progress_bars()
     file_format = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(args.dataset.split(".")[-1])
@@ -1134,8 +1132,7 @@ def prompt_stream(rows, seed, start, rank, world):
 
 
 def eval_rows(args, tokenizer, reward_fns, tools=None):
-    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None (and a
-    line that says why, when an evaluation was asked for)."""
+    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside train.jsonl), or None, why."""
     split, beside = args.eval_split, args.dataset.removesuffix("train.jsonl") + "test.jsonl"
     flag = f"--eval-split {split}"
     if split is None and args.dataset.endswith("train.jsonl") and os.path.isfile(beside):
@@ -1312,8 +1309,7 @@ def load_models(args, device, tools=None):
 
 
 def model_defaults(args, policy):
-    """The flags whose default depends on the model, set in args (no other helper writes args): --max-new-tokens (the
-    checkpoint's generation_config's, else 8), --max-prompt-length (the context's rest), --learning-rate (by size)."""
+    """The flags whose default depends on the model (Args says how), set in args: no other helper writes args."""
     if args.max_new_tokens is None:
         args.max_new_tokens = policy.generation_config.max_new_tokens or 8
     context = getattr(policy.config, "max_position_embeddings", 0)  # GPT-2's n_positions too
@@ -1431,9 +1427,8 @@ def frozen_copy(model, device, bf16):
 
 
 def load_teacher(args, device, held_out):
-    """--teacher (on-policy distillation): a frozen causal LM loaded as the reward model is, which scores the policy's
-    sampled ids in its own softmax; one line if its vocabulary is not the policy's or its context is shorter than a
-    prompt and a response. (teacher, its held-out accuracy once, through generate()), or (None, {})."""
+    """--teacher (on-policy distillation): (a frozen causal LM, loaded as the reward model is, that scores the policy's
+    ids in its own softmax, its held-out accuracy once) or (None, {}); one line if its vocabulary or context differs."""
     if args.teacher is None:
         return None, {}
     flag, (policy, tokenizer, problems) = f"error: --teacher {args.teacher}", held_out[:3]
@@ -1495,9 +1490,8 @@ PUSHED = []  # the engine while it holds the policy's weights as they are, else 
 
 
 def start_vllm(args, policy, prompt_length):
-    """--vllm: a vLLM engine in this process (docs/scaling.md) of the policy as load_models prepared it (its config and
-    dtype), for prompt_length (the longest prompt) + --max-new-tokens tokens, which its KV cache must hold (else one
-    line); its weights vllm_pushed's, log-probs detail 4's; it seeds python, numpy and torch with --seed."""
+    """--vllm: a vLLM engine in this process (docs/scaling.md), the policy's config, dtype, weights (vllm_pushed), for
+    prompt_length + --max-new-tokens tokens its KV cache must hold (else one line); it seeds python, numpy, torch."""
     config, cuda = policy.config, policy.device.type == "cuda"
     dtype, flag = torch.bfloat16 if uses_bf16(args) else policy.dtype, "--vllm-kv-cache-gb"
     head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -1532,9 +1526,8 @@ def start_vllm(args, policy, prompt_length):
 
 @contextlib.contextmanager
 def vllm_pushed(policy, enabled=True):
-    """--vllm: the policy's weights into the engine by reload_weights, unless it holds them (PUSHED is it), and the
-    prefix cache emptied. On a GPU the engine sleeps outside rollouts as in TRL's colocate mode: level 2 frees its
-    weights and KV cache, and a rollout wakes the weights, pushes them, then wakes the KV cache."""
+    """--vllm: the policy's weights into the engine (reload_weights) unless it holds them (PUSHED), its prefix cache
+    emptied; on a GPU it sleeps outside rollouts (TRL's colocate mode): level 2 frees weights and KV cache."""
     if enabled and VLLM[0].llm_engine.is_sleeping():  # on a GPU, since the last rollout
         VLLM[0].wake_up(tags=["weights"])
     if enabled and PUSHED != VLLM:  # no push since the engine started, the last optimizer step or the last sleep
@@ -2034,9 +2027,9 @@ def crc32(path):
 
 
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
-    """checkpoint/, whole or not at all: every rank's shards (torch.distributed.checkpoint), policy/ (where the link
-    `policy` points), state.json and checksums.json (each file's CRC-32, by its writer) go in checkpoint.a or .b, the
-    one the link `checkpoint` does not point to; then it does. SaveFailed on every rank."""
+    """checkpoint/ whole or not at all (else SaveFailed on every rank): the shards (torch.distributed.checkpoint),
+    policy/, state.json, checksums.json (CRC-32s, each by its writer) go in the slot the link does not point to; then
+    it does."""
     SAVING.append(True)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     link = os.path.join(run_dir, "checkpoint")
