@@ -1081,11 +1081,10 @@ def load_prompts(args, tokenizer, needs_answers, tools=None, flag=None):
     flag = flag or f"--dataset {args.dataset}"
     datasets.disable_progress_bars()
     file_format = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(args.dataset.split(".")[-1])
+    hub = dict(path=args.dataset, name=args.dataset_config, split=args.dataset_split)
+    source = dict(path=file_format, data_files=args.dataset, split="train") if file_format else hub
     try:  # read whole: a byte that is not UTF-8 fails as the rows are read
-        if file_format:
-            data = datasets.load_dataset(file_format, data_files=args.dataset, split="train").to_list()
-        else:
-            data = datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split).to_list()
+        data = datasets.load_dataset(**source).to_list()
     except Exception as e:  # datasets' own error, often wrapping the reader's
         cause = e.__cause__ or e
         why = f"{type(cause).__name__}: {(str(cause).strip() or 'no rows').splitlines()[0]}"
@@ -1096,8 +1095,7 @@ def load_prompts(args, tokenizer, needs_answers, tools=None, flag=None):
         prompt, answer = row.get(args.prompt_column), row.get(args.answer_column)
         if prompt in (None, ""):  # nothing to generate from
             columns = ", ".join(k for k, v in row.items() if v not in (None, ""))
-            why = f"row {i} has no --prompt-column {args.prompt_column} (columns: {columns})"
-            raise SystemExit(f"error: {flag}: {why}")
+            raise SystemExit(f"error: {flag}: row {i} has no --prompt-column {args.prompt_column} (columns: {columns})")
         if isinstance(answer, float) and answer.is_integer():  # a CSV column with a gap is read as floats: 2.0 is "2"
             answer = int(answer)
         if answer is not None:
