@@ -55,7 +55,6 @@ import importlib.util
 import inspect
 import itertools
 import json
-import logging
 import math
 import mmap
 import operator
@@ -1637,7 +1636,7 @@ def setup(args):
     transformers.utils.logging.disable_progress_bar()
     # a false alarm (docs/grpo_llm.md): generate() drops an all-ones mask, and a finished response's next input is pad
     padding = "We strongly recommend passing in an `attention_mask` since your input_ids may be padded"
-    logging.getLogger("transformers.modeling_utils").addFilter(lambda record: padding not in record.getMessage())
+    transformers.modeling_utils.logger.addFilter(lambda record: padding not in record.getMessage())
     transformers.set_seed(args.seed)  # python's random, numpy, torch
     device = torch.device("cuda" if cuda else "cpu")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
