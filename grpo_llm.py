@@ -545,9 +545,8 @@ def check_args(args, world):
     if args.teacher and args.beta:  # a KL term to which model? The teacher's is in every token's advantage
         raise SystemExit("error: --teacher needs --beta 0: the teacher's reverse KL is each token's advantage already")
     if args.teacher and args.dynamic_sampling and args.reward_fn is None:
-        raise SystemExit(
-            "error: --dynamic-sampling with --teacher needs a --reward-fn: else every group's rewards are 0"
-        )
+        why = "needs a --reward-fn: else every group's rewards are 0"
+        raise SystemExit(f"error: --dynamic-sampling with --teacher {why}")
     if args.reward_fn == ():
         raise SystemExit("error: --reward-fn needs at least one reward function")
     if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
