@@ -617,6 +617,11 @@ def grpo_metrics(update, args, batch, names, stats, losses, grad_norms, optimize
 
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
+REWARD_FNS = {  # f(completions, reference answers) -> a score per completion
+    "arithmetic": lambda cs, refs: [float(c.strip() == r) for c, r in zip(cs, refs)],  # exactly the answer
+    "gsm8k": lambda cs, refs: [same_answer(c, r) for c, r in zip(cs, refs)],  # the number after '####'
+    "format": lambda cs, refs: [float(final_answer(c, strict=True) is not None) for c in cs],  # any stated answer
+}
 
 
 def final_answer(text, strict=False):
@@ -634,13 +639,6 @@ def same_answer(completion, reference):
     """1.0 if the completion states a final answer and it is the reference's, else 0.0."""
     answer = final_answer(completion)
     return float(answer is not None and answer == final_answer(reference))
-
-
-REWARD_FNS = {  # f(completions, reference answers) -> a score per completion
-    "arithmetic": lambda cs, refs: [float(c.strip() == r) for c, r in zip(cs, refs)],  # exactly the answer
-    "gsm8k": lambda cs, refs: [same_answer(c, r) for c, r in zip(cs, refs)],  # the number after '####'
-    "format": lambda cs, refs: [float(final_answer(c, strict=True) is not None) for c in cs],  # any stated answer
-}
 
 
 def import_function(spec, flag, known):
@@ -1481,10 +1479,6 @@ def prepare(args, trained):
     return params, optimizer
 
 
-VLLM = []  # --vllm's engine (start_vllm): generate_turn() samples with it instead of generate()
-PUSHED = []  # the engine while it holds the policy's weights as they are, else empty (vllm_pushed)
-
-
 def start_vllm(args, policy, prompt_length):
     """--vllm: a vLLM engine in this process (docs/scaling.md), the policy's config, dtype, weights (vllm_pushed), for
     prompt_length + --max-new-tokens tokens its KV cache must hold (else one line); it seeds python, numpy, torch."""
@@ -1763,9 +1757,6 @@ def samples_to_log(args, update, rows, completions, **values):
     return samples
 
 
-TRUNCATED = []  # the shares of cut-off responses this run has warned of
-
-
 def warn_truncated(share, args, scoring):
     """One line when at least half of an update's responses never ended, cut off at --max-new-tokens (a silent
     failure: a cut answer scores as wrong), once a run and again only if the share grows; `scoring`: this script's."""
@@ -1919,6 +1910,9 @@ STOP = []  # the signals received: Ctrl-C and SIGTERM (a preemption)
 TORCHRUN = []  # [True] once setup() has joined torchrun's ranks (vLLM's engine makes a one-rank world of its own)
 SAVING = []  # not empty while a checkpoint is gathered and written
 LOCK = contextlib.ExitStack()  # the run directory's lock, held while this process owns the run: LOCK.close() frees it
+VLLM = []  # --vllm's engine (start_vllm): generate_turn() samples with it instead of generate()
+PUSHED = []  # the engine while it holds the policy's weights as they are, else empty (vllm_pushed)
+TRUNCATED = []  # the shares of cut-off responses this run has warned of (warn_truncated)
 
 
 def on_signal(signum, frame):
