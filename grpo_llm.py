@@ -416,8 +416,7 @@ def main(args: Args | None = None):
     eval_problems = eval_rows(args, tokenizer, reward_fns, tools)
     held_out = (policy, tokenizer, eval_problems, reward_fns, args, autocast, batch_size, tools, environment)
     if args.eval_only:  # no training, no run directory; a stop ends it after a batch, with one line
-        with stoppable():
-            return evaluate(*held_out)
+        return evaluate_only(held_out)
     ref_policy, distill = load_teacher(args, device, held_out)  # --teacher: it grades every sampled token
     if args.beta:  # with beta 0, TRL's default, there is no KL term and no reference (details 5, 10)
         ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
@@ -2188,12 +2187,11 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         wandb.finish()
 
 
-@contextlib.contextmanager
-def stoppable():
-    """--eval-only's stops: evaluate() ends after the batch, every rank exits with 128 + signal, rank 0 says so."""
+def evaluate_only(held_out):
+    """--eval-only's evaluate(*held_out), which a stop ends after the batch: every rank exits with 128 + signal."""
     STOP.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-    yield  # an error ends the process
+    metrics = evaluate(*held_out)  # an error ends the process
     signum = int(all_reduce(torch.tensor(float(STOP[0] if STOP else 0)), dist.ReduceOp.MAX).item())
     if signum:  # one line (rank 0 alone prints); every rank exits so, deaf to torchrun's SIGTERM once one has
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -2201,6 +2199,7 @@ def stoppable():
         os._exit(128 + signum)  # as clean_exit(): no race with gloo's threads
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
+    return metrics
 
 
 @contextlib.contextmanager

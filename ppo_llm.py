@@ -397,8 +397,7 @@ def main(args: Args | None = None):
     eval_problems = eval_rows(args, tokenizer, reward_fns, tools)
     held_out = (policy, tokenizer, eval_problems, reward_fns, args, autocast, batch_size, tools, environment)
     if args.eval_only:  # no training, no run directory; a stop ends it after a batch, with one line
-        with stoppable():
-            return evaluate(*held_out)
+        return evaluate_only(held_out)
     critic, value_head = build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer)
     ref_policy, distill = load_teacher(args, device, held_out)  # --teacher: the KL penalty is to it (distillation)
     if ref_policy is None and (args.kl_coef or args.kl_target):  # with beta 0 and no --kl-target, no reference
@@ -2150,12 +2149,11 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         wandb.finish()
 
 
-@contextlib.contextmanager
-def stoppable():
-    """--eval-only's stops: evaluate() ends after the batch, every rank exits with 128 + signal, rank 0 says so."""
+def evaluate_only(held_out):
+    """--eval-only's evaluate(*held_out), which a stop ends after the batch: every rank exits with 128 + signal."""
     STOP.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-    yield  # an error ends the process
+    metrics = evaluate(*held_out)  # an error ends the process
     signum = int(all_reduce(torch.tensor(float(STOP[0] if STOP else 0)), dist.ReduceOp.MAX).item())
     if signum:  # one line (rank 0 alone prints); every rank exits so, deaf to torchrun's SIGTERM once one has
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -2163,6 +2161,7 @@ def stoppable():
         os._exit(128 + signum)  # as clean_exit(): no race with gloo's threads
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
+    return metrics
 
 
 @contextlib.contextmanager
