@@ -374,10 +374,14 @@ def optimizer_step(optimizer, params, max_grad_norm):
 
 def build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer):
     """Detail 8: (critic: None with --critic head, else the reward model's or policy's trunk; value head: 0, fp32)."""
-    critic = None
-    if args.critic == "separate":
+    critic, bf16 = None, uses_bf16(args)
+    if args.critic == "separate":  # the trunk (AutoModel: no LM head), loaded as the policy is (LoRA: adapters too)
         source = args.reward_model if reward_model is not None and rm_tokenizer is None else args.model
-        critic = load_critic(args, source, tokenizer, device)
+        critic = load_model(AutoModel, source, "--critic", "auto" if args.lora_r else torch.float32, bf16)
+        add_pad_token(tokenizer, [critic])
+        if args.lora_r:
+            critic = add_lora(critic, args)
+        critic = place(critic, device, bf16 and not args.lora_r)
     value_head = nn.Linear((critic or policy).config.hidden_size, 1)
     nn.init.zeros_(value_head.weight)
     nn.init.zeros_(value_head.bias)
@@ -566,15 +570,6 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
     line = f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
     line += f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
     return metrics, line + progress
-
-
-def load_critic(args, source, tokenizer, device):
-    """PPO's separate critic (detail 8): the trunk of `source` (no LM head) as the policy is loaded (LoRA: its own)."""
-    critic = load_model(AutoModel, source, "--critic", "auto" if args.lora_r else torch.float32, uses_bf16(args))
-    add_pad_token(tokenizer, [critic])
-    if args.lora_r:
-        critic = add_lora(critic, args)
-    return place(critic, device, uses_bf16(args) and not args.lora_r)
 
 
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
