@@ -611,8 +611,8 @@ def import_function(spec, flag, known):
 
 
 def load_reward_fn(spec, timeout, environment=False):
-    """--reward-fn as f(completions, rows, transcripts, environments): REWARD_FNS[name], or file.py:fn / module:fn
-    called as TRL calls it (docs/ppo_llm.md#rewards), refused as it loads if it takes fewer keywords and no **kwargs."""
+    """--reward-fn as f(completions, rows, transcripts, environments): REWARD_FNS[name], or called as TRL calls it
+    (docs/ppo_llm.md#rewards), refused as it loads if it takes fewer keywords and no **kwargs."""
     if spec in REWARD_FNS:
         return lambda completions, rows, *_: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
     fn, keywords = import_function(spec, "--reward-fn", REWARD_FNS), "completions transcripts prompts environments"
@@ -634,8 +634,7 @@ def load_reward_fn(spec, timeout, environment=False):
 
 
 def load_reward_fns(args, environment):
-    """The reward sources, each f(completions, rows, transcripts, environments) -> a score per completion: --reward-fn's
-    (reward_fn_names), then --environment's get_reward (TRL's: each episode's total, one more source of weight 1)."""
+    """The reward sources, f(completions, rows, transcripts, environments): --reward-fn's, then get_reward (TRL's)."""
     fns = [load_reward_fn(name, args.reward_timeout, environment is not None) for name in reward_fn_names(args)]
     source = f"--environment {args.environment}"
     if environment is not None and environment.scores and args.reward_model:
@@ -687,8 +686,7 @@ def reward_fn_scores(reward_fns, completions, rows, transcripts, environments, d
 
 
 def padded_batch(inputs, responses, mask, lengths, **counts):
-    """rollout()'s batch from the left-padded prompts, the right-padded responses (B, R), mask 1 on the policy's tokens
-    and their lengths (B,); counts: ended, vllm_logprobs and the tools' (none without them, a turn each)."""
+    """rollout()'s batch (listed there) from the prompts, responses, policy mask, lengths, counts (unset: no tools)."""
     device, none = responses.device, torch.zeros(len(responses), dtype=torch.long)
     counts = dict(cut_on_call=none.bool(), tool_calls=none, tool_failures=none, turns=none + 1) | counts
     counts = dict(turn_rewards=torch.zeros(responses.shape), messages=[[] for _ in responses]) | counts
@@ -705,8 +703,7 @@ def padded_batch(inputs, responses, mask, lengths, **counts):
 
 def decode_responses(tokenizer, batch):
     """(completions, transcripts, conversations): each response's text after its last tool result, which the reward
-    functions score (a tool's output is not an answer; "" if cut off on a call); the response with each result as
-    [tool: ...]; its turns as TRL's messages (one without tools), which a reward model of its own tokenizer reads."""
+    functions score ("" if cut off on a call); with each result as [tool: ...]; as TRL's messages, for rm_text."""
     real, mask = batch["attention_mask"][:, batch["prompt_width"] :].bool(), batch["mask"].bool()
     completions, transcripts, conversations = [], [], []
     rows = zip(batch["responses"].tolist(), (real & ~mask).tolist(), batch["cut_on_call"].tolist(), batch["messages"])
@@ -882,9 +879,8 @@ def rendered_turn(tokenizer, turn, eos_ids, tools=None):
 
 
 def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
-    """(the ids of the calls' tool messages, how many failed, the messages): each result str()'d (an async tool's
-    awaited) and made encodable, as in TRL; a failed call (not JSON, no such tool, an error, past --tool-timeout, not
-    rendered) gets {'error': ...}, which the policy reads. ids None after a stop, or past `room` longest tokens."""
+    """(ids of the calls' tool messages, failures, messages): each result str()'d (an async one awaited), encodable, as
+    TRL's; a failed call gets {'error': ...}, which the policy reads; ids None after a stop or for a result too long."""
     messages, failed = [], 0
     for call in calls:
         name = None
@@ -924,9 +920,8 @@ def tool_result_ids(tokenizer, messages, eos_ids):
 
 
 def generate_turn(policy, context, room, stop, args, sampling):
-    """Up to `room` new tokens for each row of context (left-padded ids), sampled by generate() or alike by --vllm's
-    engine (details 2, 4; rows seeded from torch's generator): the new ids (B, W), how many each row sampled (B,; a stop
-    aborts the engine within a step), the engine's log-probs (B, W; 0 without it), on context's device."""
+    """Up to `room` new tokens a row of context (left-padded), by generate() or alike by --vllm's engine (details 2, 4):
+    (new ids (B, W), each row's count sampled (B,; a stop aborts the engine), its log-probs (B, W; 0 without it))."""
     if not args.vllm:  # FSDP: synced_gpus=False, no collective (the ranks' turns differ)
         out = policy.generate(**context, max_new_tokens=room, stopping_criteria=stop, synced_gpus=False, **sampling)
         new = out[:, context.input_ids.shape[1] :]
@@ -1015,8 +1010,7 @@ def end_turn(episode, length, room, tokenizer, args, eos_ids):
 
 
 def tool_metrics(batch):
-    """TRL's tools/call_frequency (calls per response) and tools/failure_frequency (failed per call); ours: the policy's
-    turns, every token of a response (tools' too), the share cut off on a call (TRL counts those terminated)."""
+    """tools/* (docs/ppo_llm.md#metrics): TRL's call and failure frequencies and ours, over every rank."""
     counts = [len(batch["turns"]), batch["tool_calls"].sum(), batch["tool_failures"].sum(), batch["turns"].sum()]
     counts += [batch["lengths"].sum(), batch["cut_on_call"].sum()]
     n, calls, failures, turns, tokens, cut = all_reduce(torch.tensor([float(c) for c in counts]).double()).tolist()
@@ -1181,8 +1175,7 @@ def tokenize_texts(tokenizer, texts, max_length):
 
 
 def rm_text(rm_tokenizer, row, turns):
-    """What a reward model with a tokenizer of its own reads: the whole conversation, the response's turns (messages)
-    after the prompt, through its own chat template, if any (as TRL's _calculate_rewards), else their texts."""
+    """What a reward model with its own tokenizer reads: the conversation, through its chat template if any (TRL's)."""
     if rm_tokenizer.chat_template is None:  # the contents, each call as its JSON
         calls = [[json.dumps(call["function"]) for call in turn.get("tool_calls") or []] for turn in turns]
         return row["prompt"] + "".join(turn["content"] + "".join(c) for turn, c in zip(turns, calls))
@@ -1664,8 +1657,8 @@ def open_run(args, given, rank, resumed_update, run_dir):
 
 
 def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
-    """(a resumed run's state ({} if new), its weights and AdamW's loaded; the prompts from there; run dir; writer);
-    --vllm's engine, for the longest prompt, training's or held_out's (evaluation's rows, or None)."""
+    """(a resumed run's state or {}, its weights and AdamW's loaded; the prompts from there; run dir; writer), after
+    --vllm's engine, sized for the longest prompt (training's or held_out's)."""
     ranks = (dist.get_rank(), dist.get_world_size()) if TORCHRUN else (0, 1)
     needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))
     rows = load_prompts(args, tokenizer, needs_answers=needs_answers, tools=tools)
@@ -1812,8 +1805,7 @@ def majority_vote(answers):
 
 def eval_line(metrics, table=None):
     """The held-out accuracy ± its standard error; with --eval-only's (prompts, n, temperature), the table: its title,
-    that line with (sampled) the 95% bound on the gap of two evaluations of one policy (1.96 sqrt(2) SE), then pass@k,
-    maj@n, the rest (greedy, a note first when the n samples are one)."""
+    that line with the gap two evaluations of one policy stay within (95%: 1.96 sqrt(2) SE), pass@k, maj@n, the rest."""
     line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
     if table is None:
         return line
@@ -1973,9 +1965,8 @@ def crc32(path):
 
 
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
-    """checkpoint/ whole or not at all (else SaveFailed on every rank): the shards (torch.distributed.checkpoint),
-    policy/, state.json, checksums.json (CRC-32s, each by its writer) go in the slot the link does not point to; then
-    it does."""
+    """checkpoint/, whole or not at all (else SaveFailed on every rank): the shards (torch.distributed.checkpoint),
+    policy/, state.json and checksums.json (CRC-32s) go in the slot the link does not point to; then it does."""
     SAVING.append(True)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     link = os.path.join(run_dir, "checkpoint")
@@ -2023,8 +2014,8 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
 
 
 def save_policy(path, models, tokenizer, merged=False):
-    """policy/: save_pretrained of the policy (LoRA: the adapter; merged: the merged model in policy/merged), PPO's
-    critic (policy/critic, value_head.pt: docs/ppo_llm.md); under torchrun gathered a model at a time into rank 0."""
+    """policy/ (docs/ppo_llm.md#what-a-run-writes): the policy or its adapter (merged: policy/merged), PPO's critic and
+    value head; under torchrun gathered a model at a time into rank 0."""
     rank, failed = dist.get_rank() if dist.is_initialized() else 0, None
     tokenizer = copy.copy(tokenizer)  # with its family's chat template, not the training one a tool run renders with
     tokenizer.chat_template = getattr(tokenizer, "family_chat_template", tokenizer.chat_template)
