@@ -1022,7 +1022,7 @@ def tool_metrics(batch):
     }
 
 
-def load_prompts(args, tokenizer, needs_answers, tools=None, flag=None):
+def load_prompts(args, tokenizer, tools=None, flag=None):
     """--dataset's (or flag's: eval_rows') rows: the prompt the policy sees, answer or None, messages, columns, row."""
     flag = flag or f"--dataset {args.dataset}"
     datasets.disable_progress_bars()
@@ -1062,7 +1062,7 @@ def load_prompts(args, tokenizer, needs_answers, tools=None, flag=None):
         columns = {"prompts": prompt} | {k: v for k, v in row.items() if k != args.prompt_column}  # TRL's keywords
         rows.append({"prompt": text, "answer": answer, "messages": messages, "columns": columns, "row": row})
     missing = [i for i, row in enumerate(rows, 1) if row["answer"] is None]
-    if missing and (needs_answers or len(missing) < len(rows)):
+    if missing and ({"arithmetic", "gsm8k"} & set(reward_fn_names(args)) or len(missing) < len(rows)):  # these read it
         why = f"row {missing[0]} has no --answer-column {args.answer_column}, which the reward function needs"
         raise SystemExit(f"error: {flag}: {why}")
     return rows
@@ -1089,8 +1089,7 @@ def eval_rows(args, tokenizer, reward_fns, tools=None):
             print(f"note: no held-out evaluation (--eval-every {args.eval_every}): {why}")
         return None
     source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
-    needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))  # as training's
-    rows = load_prompts(Args(**asdict(args) | source), tokenizer, needs_answers, tools, flag)
+    rows = load_prompts(Args(**asdict(args) | source), tokenizer, tools, flag)
     return list({row["prompt"]: row for row in rows}.values())[: args.eval_size]
 
 
@@ -1660,8 +1659,7 @@ def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
     """(a resumed run's state or {}, its weights and AdamW's loaded; the prompts from there; run dir; writer), after
     --vllm's engine, sized for the longest prompt (training's or held_out's)."""
     ranks = (dist.get_rank(), dist.get_world_size()) if TORCHRUN else (0, 1)
-    needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))
-    rows = load_prompts(args, tokenizer, needs_answers=needs_answers, tools=tools)
+    rows = load_prompts(args, tokenizer, tools=tools)
     if args.vllm:  # after prepare() set torch's threads, and before the run directory, which a refusal leaves none of
         ids = tokenizer([row["prompt"] for row in rows + (held_out or [])], verbose=False).input_ids  # or a BOS more
         longest = min(max(map(len, ids)), args.max_prompt_length or math.inf)  # --environment's reset may lengthen one
