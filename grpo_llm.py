@@ -935,9 +935,8 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
             name, arguments = call["function"]["name"], call["function"].get("arguments", {})
             if name not in tools or not isinstance(arguments, dict):
                 raise ValueError(f"no tool {name!r}" if name not in tools else "the arguments are not a JSON object")
-            with time_limit(timeout, f"tool {name}"):
-                result = str(awaited(tools[name](**arguments)))
-            result = result.encode("utf-8", "replace").decode()  # lone surrogates (os.fsdecode's) become ?
+            with time_limit(timeout, f"tool {name}"):  # lone surrogates (os.fsdecode's) in the result become ?
+                result = str(awaited(tools[name](**arguments))).encode("utf-8", "replace").decode()
             if len(result) > room and len(result) > room * max(map(len, tokenizer.get_vocab())):  # 1st: no vocab read
                 return None, failed, messages
             tool_result_ids(tokenizer, [{"role": "tool", "name": name, "content": result}], eos_ids)  # renders
@@ -1234,10 +1233,9 @@ def reward_model_scores(reward_model, rm_tokenizer, batch, rows, conversations, 
         context = min(rm_tokenizer.model_max_length, reward_model.config.max_position_embeddings)
         texts = [rm_text(rm_tokenizer, row, turns) for row, turns in zip(rows, conversations)]
         inputs = tokenize_texts(rm_tokenizer, texts, context).to(reward_model.device)
-    logits, n = [], args.micro_batch_size
+    n = args.micro_batch_size
     with scoring(reward_model):
-        for i in range(0, len(conversations), n):
-            logits.append(reward_model(**{key: value[i : i + n] for key, value in inputs.items()}).logits)
+        logits = [reward_model(**{k: v[i : i + n] for k, v in inputs.items()}).logits for i in range(0, len(rows), n)]
     scores = torch.cat(logits)[:, args.reward_label or 0].float()
     on_every_rank(lambda: finite_scores(scores.tolist(), f"--reward-model {args.reward_model}", conversations))
     return scores
@@ -1740,11 +1738,9 @@ def samples_to_log(args, update, rows, completions, **values):
     """Every --sample-every updates (0: never), the first --num-samples rows: update, prompt, completion, values."""
     if not args.sample_every or update % args.sample_every:
         return []
-    samples = []
-    for j in range(min(args.num_samples, len(rows))):
-        sample = {"update": update, "prompt": rows[j]["prompt"], "completion": completions[j]}
-        samples.append(sample | {name: float(value[j]) for name, value in values.items()})
-    return samples
+    shown = range(min(args.num_samples, len(rows)))
+    samples = [{"update": update, "prompt": rows[j]["prompt"], "completion": completions[j]} for j in shown]
+    return [sample | {name: float(value[j]) for name, value in values.items()} for j, sample in enumerate(samples)]
 
 
 def warn_truncated(share, args, scoring):
@@ -2010,8 +2006,7 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
     policy/, state.json and checksums.json (CRC-32s) go in the slot the link does not point to; then it does."""
     SAVING.append(True)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    link = os.path.join(run_dir, "checkpoint")
-    slot, old = "checkpoint.a", "checkpoint.b"
+    link, slot, old = os.path.join(run_dir, "checkpoint"), "checkpoint.a", "checkpoint.b"
     if os.path.realpath(link).endswith(".a"):  # the slot in use stays whole until the link points to the other
         slot, old = old, slot
     path, failed, sums = os.path.join(run_dir, slot), None, None
