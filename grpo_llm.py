@@ -654,8 +654,7 @@ def import_function(spec, flag, known):
 
 
 def load_reward_fn(spec, timeout, environment=False):
-    """--reward-fn as f(completions, rows, transcripts, environments): REWARD_FNS[name], or called as TRL calls it
-    (docs/ppo_llm.md#rewards), refused as it loads if it takes fewer keywords and no **kwargs."""
+    """--reward-fn as f(completions, rows, transcripts, environments): REWARD_FNS', or TRL's call (docs: Rewards)."""
     if spec in REWARD_FNS:
         return lambda completions, rows, *_: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
     fn, keywords = import_function(spec, "--reward-fn", REWARD_FNS), "completions transcripts prompts environments"
@@ -842,9 +841,8 @@ def awaited(value):
 
 
 def setup_tool_parsing(tokenizer, tools, eos_ids, model):
-    """With --tools, for the run: tokenizer.response_template, the parser of calls (the tokenizer's own, else TRL's for
-    its families, else <tool_call> JSON at the assistant header), TRL's training template where the chat template is not
-    prefix-preserving (Qwen3's), else one line; turns of one and two probe(n: int) calls must parse back as rendered."""
+    """With --tools, for the run: tokenizer.response_template (its own, else TRL's for its family, else <tool_call> JSON
+    at the assistant header) and, if not prefix-preserving, TRL's training template; a probe's calls must parse back."""
     user, fix = [{"role": "user", "content": "1"}], "install TRL (pip install trl) or give it a response_template"
     flag, options = f"error: --tools: the chat template of --model {model}", [{}, {"tools": list(tools.values())}]
     options.append({"add_generation_prompt": True})
@@ -992,8 +990,7 @@ def generate_turn(policy, context, room, stop, args, sampling):
 
 
 def run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling, environments=None):
-    """rollout() with tools: each row's episode in turns, a record of its ids, per-token lists, messages and counts; one
-    generate_turn() serves the episodes that go on, with the room the longest one has left."""
+    """rollout() with tools: each row's episode in turns, a record each; one generate_turn() serves those that go on."""
     eos_ids, pad_id, device = policy.generation_config.eos_token_id, tokenizer.pad_token_id, inputs.input_ids.device
     prompts = [ids[real.bool()].tolist() for ids, real in zip(inputs.input_ids, inputs.attention_mask)]
     fresh = dict(ids=[], mask=[], vllm_logprobs=[], turn_rewards=[], messages=[], turn_start=0, turns=1, tool_calls=0)
@@ -1697,8 +1694,7 @@ def open_run(args, given, rank, resumed_update, run_dir):
 
 
 def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
-    """(a resumed run's state or {}, its weights and AdamW's loaded; the prompts from there; run dir; writer), after
-    --vllm's engine, sized for the longest prompt (training's or held_out's)."""
+    """--vllm's engine; (the resumed state or {}, weights and AdamW's loaded; prompts from there; run dir; writer)."""
     ranks = (dist.get_rank(), dist.get_world_size()) if TORCHRUN else (0, 1)
     rows = load_prompts(args, tokenizer, tools=tools)
     if args.vllm:  # after prepare() set torch's threads, and before the run directory, which a refusal leaves none of
@@ -1767,9 +1763,8 @@ def global_metrics(metrics, ops):
 
 def evaluate(policy, tokenizer, rows, reward_fns, args, autocast, batch_size, tools=None, environment=None):
     """n = --eval-num-generations samples of each held-out prompt at --eval-temperature (0: greedy), right when the
-    first reward source scores them > 0 (--environment: episodes reset with the held-out rows); the eval/ metrics of
-    docs/ppo_llm.md#evaluation (--eval-only: eval_line's table). Under torchrun ranks take every world-th batch of
-    prompts x samples, as many each (one short repeats the first, uncounted). A stop: {}, after the batch, all ranks."""
+    first reward source scores them > 0: the eval/ metrics of docs/ppo_llm.md#evaluation. Under torchrun ranks take
+    every world-th batch of prompts x samples, as many each (one short repeats the first, uncounted); a stop: {}."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     n, temperature = args.eval_num_generations, args.eval_temperature
     temperature = args.temperature if temperature is None else temperature
@@ -1857,8 +1852,7 @@ def eval_line(metrics, table=None):
 
 
 class Stopwatch:
-    """An update's time/* by phase, each taken once the GPU's queued work is done, and the run's progress; on a GPU
-    perf/peak_memory_mb is the update's own, on a CPU the process's peak resident set."""
+    """An update's time/* by phase (the GPU's queued work done), its perf/* (docs: Metrics), the run's progress."""
 
     def __init__(self, device, first_update, total_steps):
         self.device, self.first, self.total, self.start = device, first_update, total_steps, time.time()
@@ -2050,8 +2044,7 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
 
 
 def save_policy(path, models, tokenizer, merged=False):
-    """policy/ (docs/ppo_llm.md#what-a-run-writes): the policy or its adapter (merged: policy/merged), PPO's critic and
-    value head; under torchrun gathered a model at a time into rank 0."""
+    """policy/ (docs/ppo_llm.md#what-a-run-writes), under torchrun gathered into rank 0 a model at a time."""
     rank, failed = dist.get_rank() if dist.is_initialized() else 0, None
     tokenizer = copy.copy(tokenizer)  # with its family's chat template, not the training one a tool run renders with
     tokenizer.chat_template = getattr(tokenizer, "family_chat_template", tokenizer.chat_template)
