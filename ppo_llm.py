@@ -89,6 +89,7 @@ from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 CORRECTIONS = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # --vllm's, TRL's
+LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
 
 
 @dataclass
@@ -872,8 +873,7 @@ def rendered_turn(tokenizer, turn, eos_ids, tools=None):
     header = tokenizer.apply_chat_template(user, tools=tools, add_generation_prompt=True, return_dict=False)
     ids = tokenizer.apply_chat_template(user + turn, tools=tools, add_generation_prompt=True, return_dict=False)
     start = next((j for j, (a, b) in enumerate(zip(header, ids)) if a != b), len(header))
-    end = next((j + 1 for j in range(start, len(ids)) if ids[j] in eos_ids), None)  # None: no end id, refused
-    return ids, start, end
+    return ids, start, next((j + 1 for j in range(start, len(ids)) if ids[j] in eos_ids), None)  # None: refused
 
 
 def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
@@ -1270,9 +1270,6 @@ def last_hidden_state(model, inputs):
     with model.get_decoder().register_forward_hook(lambda module, args, out: kept.append(out.last_hidden_state)):
         model(**inputs, use_cache=False, logits_to_keep=1)
     return kept[0]
-
-
-LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
 
 
 def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp32=True):
