@@ -750,8 +750,7 @@ def load_tools(specs):
 
 
 def load_environment(args, tools):
-    """--environment as TRL's environment_factory: (tools and its first instance's methods, which the prompts describe;
-    the class, its pool of instances, whether get_reward scores), or (tools, None); one line for a dict or no reset."""
+    """--environment as TRL's environment_factory: (tools and its instance's methods, its pool) or (tools, None)."""
     if args.environment is None:
         return tools, None
     factory = import_function(args.environment, "--environment", {})
@@ -770,8 +769,7 @@ def environment_tools(environment):
 
 
 def reset_environments(environment, rows, tokenizer, tools, args):
-    """--environment: each row's episode starts as TRL's do, an instance of the pool (one a row, more made as needed)
-    reset(**row); a str it returns goes after the last user message (or a plain prompt), the prompt rendered again."""
+    """--environment: each row's episode on a pool instance, reset(**row) as TRL's; a str returned ends the prompt."""
     if environment is None:
         return rows, None
     environment.pool += [environment.factory() for _ in range(len(rows) - len(environment.pool))]
@@ -1456,8 +1454,7 @@ def start_vllm(args, policy, prompt_length):
 
 @contextlib.contextmanager
 def vllm_pushed(policy, enabled=True):
-    """--vllm: the policy's weights into the engine (reload_weights) unless it holds them (PUSHED), its prefix cache
-    emptied; on a GPU it sleeps outside rollouts (TRL's colocate mode): level 2 frees weights and KV cache."""
+    """--vllm: the policy's weights into the engine unless it holds them (PUSHED); a GPU's sleeps outside rollouts."""
     if enabled and VLLM[0].llm_engine.is_sleeping():  # on a GPU, since the last rollout
         VLLM[0].wake_up(tags=["weights"])
     if enabled and PUSHED != VLLM:  # no push since the engine started, the last optimizer step or the last sleep
