@@ -945,8 +945,7 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
 
 
 def tool_result_ids(tokenizer, messages, eos_ids):
-    """The ids that tool messages and the next turn's header add after an assistant turn (TRL's _get_tool_suffix_ids),
-    by rendered_turn; one line if the turn renders otherwise without them (not prefix-preserving, as Qwen3's)."""
+    """The ids that tool messages and the next header add after an assistant turn (TRL's _get_tool_suffix_ids)."""
     calls = [{"type": "function", "function": {"name": m["name"], "arguments": {}}} for m in messages]
     turn = [{"role": "assistant", "content": "", "tool_calls": calls}]
     ids, _, end = rendered_turn(tokenizer, turn + messages, eos_ids)
@@ -1763,8 +1762,7 @@ def evaluate(policy, tokenizer, rows, reward_fns, args, autocast, batch_size, to
     n, temperature = args.eval_num_generations, args.eval_temperature
     temperature = args.temperature if temperature is None else temperature
     sampling = {"temperature": temperature} if temperature else {"do_sample": False}  # greedy (temperature 0 raises)
-    samples = range(len(rows) * n)  # sample s is of rows[s // n]
-    batches = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
+    batches = [range(i, min(i + batch_size, len(rows) * n)) for i in range(0, len(rows) * n, batch_size)]  # samples
     batches += [None] * (-len(batches) % world)
     records, stop = [], [signalled]  # each sample's index, score, length, calls, failures, cut-offs, answer
     for chunk in batches[rank::world]:

@@ -13,8 +13,7 @@ Implementation details (after "The N+ Implementation Details of RLHF with PPO", 
 2. A response ends at its first EOS (the tokenizer's, the generation_config's, the chat template's end of turn); the
    tokens after it are pad, masked out of every loss and statistic.
 3. The score is added to the reward of the last real token; every token gets -beta * KL to the reference (dense).
-4. Sampling is softmax(logits / temperature) alone (the checkpoint's generation_config, whose top_k or
-   repetition_penalty generate() would apply, is replaced), and log-probs divide by the same temperature.
+4. Sampling and log-probs both use softmax(logits / temperature) alone (our generation_config, not the checkpoint's).
 5. Old log-probs and values are recomputed after generation by the training forward in the first epoch's micro-batches,
    the reference (the SFT policy in fp32) scored the same way: the first ratio is exactly 1, the first KL exactly 0.
 6. Dropout is 0, in the config and in every nn.Dropout; prompts are left-padded, position ids come from the mask.
@@ -902,8 +901,7 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
 
 
 def tool_result_ids(tokenizer, messages, eos_ids):
-    """The ids that tool messages and the next turn's header add after an assistant turn (TRL's _get_tool_suffix_ids),
-    by rendered_turn; one line if the turn renders otherwise without them (not prefix-preserving, as Qwen3's)."""
+    """The ids that tool messages and the next header add after an assistant turn (TRL's _get_tool_suffix_ids)."""
     calls = [{"type": "function", "function": {"name": m["name"], "arguments": {}}} for m in messages]
     turn = [{"role": "assistant", "content": "", "tool_calls": calls}]
     ids, _, end = rendered_turn(tokenizer, turn + messages, eos_ids)
@@ -1720,8 +1718,7 @@ def evaluate(policy, tokenizer, rows, reward_fns, args, autocast, batch_size, to
     n, temperature = args.eval_num_generations, args.eval_temperature
     temperature = args.temperature if temperature is None else temperature
     sampling = {"temperature": temperature} if temperature else {"do_sample": False}  # greedy (temperature 0 raises)
-    samples = range(len(rows) * n)  # sample s is of rows[s // n]
-    batches = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
+    batches = [range(i, min(i + batch_size, len(rows) * n)) for i in range(0, len(rows) * n, batch_size)]  # samples
     batches += [None] * (-len(batches) % world)
     records, stop = [], [signalled]  # each sample's index, score, length, calls, failures, cut-offs, answer
     for chunk in batches[rank::world]:
