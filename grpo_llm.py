@@ -1313,13 +1313,12 @@ def last_hidden_state(model, inputs):
 
 
 def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp32=True):
-    """Log-probs of labels (B, T) and the entropies (B, T) of the next-token distributions, from the last hidden
-    states (B, T, H) and the model's output embedding `head`, the logits scaled (Cohere, Granite) and soft-capped
-    (Gemma) as its forward does: z = softcap * tanh(scale * head(h) / softcap) / temperature (details 4, 7).
-    In chunks of at most LM_HEAD_CHUNK logits, each under torch.utils.checkpoint: no chunk's logits outlive it, and its
-    backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
-    for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
-    where F.linear runs it (autocast's dtype), the head cast to it once: its gradient summed over the chunks in it."""
+    """Log-probs of labels (B, T) and the entropies (B, T) of the next-token distributions, from the last hidden states
+    (B, T, H) and the output embedding `head`, scaled (Cohere, Granite) and soft-capped (Gemma) as the model's forward
+    does: z = softcap * tanh(scale * head(h) / softcap) / temperature (details 4, 7). In chunks of at most LM_HEAD_CHUNK
+    logits, each under torch.utils.checkpoint: no chunk's logits outlive it, its backward computes them again. The
+    entropy gets a gradient only with entropy_grad (a bonus): one for the logs alone would keep its recomputed logits
+    until the backward ends. The matmul in fp32 (fp32=True) or autocast's dtype, the head cast once, not per chunk."""
     config, head = model.config, model.get_output_embeddings()
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     softcap = getattr(config, "final_logit_softcapping", None)
