@@ -13,8 +13,7 @@ Implementation details (after "The N+ Implementation Details of RLHF with PPO", 
 2. A response ends at its first EOS (the tokenizer's, the generation_config's, the chat template's end of turn); the
    tokens after it are pad, masked out of every loss and statistic.
 3. The score is added to the reward of the last real token; every token gets -beta * KL to the reference (dense).
-4. Sampling is softmax(logits / temperature) alone (the checkpoint's generation_config, whose top_k or
-   repetition_penalty generate() would apply, is replaced), and log-probs divide by the same temperature.
+4. Sampling and log-probs both use softmax(logits / temperature) alone (our generation_config, not the checkpoint's).
 5. Old log-probs and values are recomputed after generation by the training forward in the first epoch's micro-batches,
    the reference (the SFT policy in fp32) scored the same way: the first ratio is exactly 1, the first KL exactly 0.
 6. Dropout is 0, in the config and in every nn.Dropout; prompts are left-padded, position ids come from the mask.
@@ -52,7 +51,6 @@ import importlib.util
 import inspect
 import itertools
 import json
-import logging
 import math
 import mmap
 import operator
@@ -90,6 +88,7 @@ from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 CORRECTIONS = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]  # --vllm's, TRL's
+LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
 
 
 @dataclass
@@ -375,10 +374,14 @@ def optimizer_step(optimizer, params, max_grad_norm):
 
 def build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer):
     """Detail 8: (critic: None with --critic head, else the reward model's or policy's trunk; value head: 0, fp32)."""
-    critic = None
-    if args.critic == "separate":
+    critic, bf16 = None, uses_bf16(args)
+    if args.critic == "separate":  # the trunk (AutoModel: no LM head), loaded as the policy is (LoRA: adapters too)
         source = args.reward_model if reward_model is not None and rm_tokenizer is None else args.model
-        critic = load_critic(args, source, tokenizer, device)
+        critic = load_model(AutoModel, source, "--critic", "auto" if args.lora_r else torch.float32, bf16)
+        add_pad_token(tokenizer, [critic])
+        if args.lora_r:
+            critic = add_lora(critic, args)
+        critic = place(critic, device, bf16 and not args.lora_r)
     value_head = nn.Linear((critic or policy).config.hidden_size, 1)
     nn.init.zeros_(value_head.weight)
     nn.init.zeros_(value_head.bias)
@@ -398,8 +401,7 @@ def main(args: Args | None = None):
     eval_problems = eval_rows(args, tokenizer, reward_fns, tools)
     held_out = (policy, tokenizer, eval_problems, reward_fns, args, autocast, batch_size, tools, environment)
     if args.eval_only:  # no training, no run directory; a stop ends it after a batch, with one line
-        with stoppable():
-            return evaluate(*held_out)
+        return evaluate_only(held_out)
     critic, value_head = build_value_model(args, device, policy, tokenizer, reward_model, rm_tokenizer)
     ref_policy, distill = load_teacher(args, device, held_out)  # --teacher: the KL penalty is to it (distillation)
     if ref_policy is None and (args.kl_coef or args.kl_target):  # with beta 0 and no --kl-target, no reference
@@ -491,7 +493,6 @@ def main(args: Args | None = None):
             # TRY NOT TO MODIFY: 7. log (TRL's metric names), evaluate, show samples, save
             batch |= {"scores": scores, "non_score_reward": non_score_reward, "fn_scores": fn_scores, "kl": kl}
             metrics, line = ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock)
-            metrics |= vllm_metrics(old_logprobs, batch) if args.vllm else {}
             if eval_problems and due(update, args.eval_every, args.total_steps):
                 metrics |= evaluate(*held_out)
             log(writer, metrics, line, samples_to_log(args, update, rows, transcripts, score=scores))
@@ -564,22 +565,19 @@ def ppo_metrics(update, args, batch, stats, mean_kl, kl_coef, optimizer, clock):
     times, progress = clock.metrics(update, batch["lengths"].sum().item())
     ops = {"val/num_eos_tokens": "sum", "perf/tokens_per_sec": "sum", "perf/peak_memory_mb": "max"}
     metrics = global_metrics(metrics | times, ops)
+    metrics |= vllm_metrics(batch) if args.vllm else {}
     warn_truncated(metrics["completions/clipped_ratio"], args, ", less --missing-eos-penalty if set")
     line = f"update {update}/{args.total_steps}: score {metrics['objective/scores']:.3f}  kl {mean_kl:.3f}  "
     line += f"approxkl {metrics['policy/approxkl_avg']:.4f}  clipfrac {metrics['policy/clipfrac_avg']:.3f}  "
     return metrics, line + progress
 
 
-def load_critic(args, source, tokenizer, device):
-    """PPO's separate critic (detail 8): the trunk of `source` (no LM head) as the policy is loaded (LoRA: its own)."""
-    critic = load_model(AutoModel, source, "--critic", "auto" if args.lora_r else torch.float32, uses_bf16(args))
-    add_pad_token(tokenizer, [critic])
-    if args.lora_r:
-        critic = add_lora(critic, args)
-    return place(critic, device, uses_bf16(args) and not args.lora_r)
-
-
 NUMBER = r"(?:[-+]\$?|\$[-+]?)?\s?\d(?:[\d,]*\d)?(?:\.\d+)?"  # -12, $1,234, 3.5, -$5, $-5; one sign at most
+REWARD_FNS = {  # f(completions, reference answers) -> a score per completion
+    "arithmetic": lambda cs, refs: [float(c.strip() == r) for c, r in zip(cs, refs)],  # exactly the answer
+    "gsm8k": lambda cs, refs: [same_answer(c, r) for c, r in zip(cs, refs)],  # the number after '####'
+    "format": lambda cs, refs: [float(final_answer(c, strict=True) is not None) for c in cs],  # any stated answer
+}
 
 
 def final_answer(text, strict=False):
@@ -589,23 +587,14 @@ def final_answer(text, strict=False):
         stated = [m for m in re.findall(marker, text, flags=re.IGNORECASE) if re.search(NUMBER, m)]
         if stated:
             return float(re.sub(r"[$,\s]", "", re.search(NUMBER, stated[-1]).group()))
-    found = re.findall(NUMBER, text)
-    if strict or not found:
-        return None
-    return float(re.sub(r"[$,\s]", "", found[-1]))
+    found = [] if strict else re.findall(NUMBER, text)
+    return float(re.sub(r"[$,\s]", "", found[-1])) if found else None
 
 
 def same_answer(completion, reference):
     """1.0 if the completion states a final answer and it is the reference's, else 0.0."""
     answer = final_answer(completion)
     return float(answer is not None and answer == final_answer(reference))
-
-
-REWARD_FNS = {  # f(completions, reference answers) -> a score per completion
-    "arithmetic": lambda cs, refs: [float(c.strip() == r) for c, r in zip(cs, refs)],  # exactly the answer
-    "gsm8k": lambda cs, refs: [same_answer(c, r) for c, r in zip(cs, refs)],  # the number after '####'
-    "format": lambda cs, refs: [float(final_answer(c, strict=True) is not None) for c in cs],  # any stated answer
-}
 
 
 def import_function(spec, flag, known):
@@ -622,8 +611,7 @@ def import_function(spec, flag, known):
 
 
 def load_reward_fn(spec, timeout, environment=False):
-    """--reward-fn as f(completions, rows, transcripts, environments): REWARD_FNS[name], or file.py:fn / module:fn
-    called as TRL calls it (docs/ppo_llm.md#rewards), refused as it loads if it takes fewer keywords and no **kwargs."""
+    """--reward-fn as f(completions, rows, transcripts, environments): REWARD_FNS', or TRL's call (docs: Rewards)."""
     if spec in REWARD_FNS:
         return lambda completions, rows, *_: REWARD_FNS[spec](completions, [row["answer"] for row in rows])
     fn, keywords = import_function(spec, "--reward-fn", REWARD_FNS), "completions transcripts prompts environments"
@@ -645,8 +633,7 @@ def load_reward_fn(spec, timeout, environment=False):
 
 
 def load_reward_fns(args, environment):
-    """The reward sources, each f(completions, rows, transcripts, environments) -> a score per completion: --reward-fn's
-    (reward_fn_names), then --environment's get_reward (TRL's: each episode's total, one more source of weight 1)."""
+    """The reward sources, f(completions, rows, transcripts, environments): --reward-fn's, then get_reward (TRL's)."""
     fns = [load_reward_fn(name, args.reward_timeout, environment is not None) for name in reward_fn_names(args)]
     source = f"--environment {args.environment}"
     if environment is not None and environment.scores and args.reward_model:
@@ -698,8 +685,7 @@ def reward_fn_scores(reward_fns, completions, rows, transcripts, environments, d
 
 
 def padded_batch(inputs, responses, mask, lengths, **counts):
-    """rollout()'s batch from the left-padded prompts, the right-padded responses (B, R), mask 1 on the policy's tokens
-    and their lengths (B,); counts: ended, vllm_logprobs and the tools' (none without them, a turn each)."""
+    """rollout()'s batch (listed there) from the prompts, responses, policy mask, lengths, counts (unset: no tools)."""
     device, none = responses.device, torch.zeros(len(responses), dtype=torch.long)
     counts = dict(cut_on_call=none.bool(), tool_calls=none, tool_failures=none, turns=none + 1) | counts
     counts = dict(turn_rewards=torch.zeros(responses.shape), messages=[[] for _ in responses]) | counts
@@ -715,11 +701,8 @@ def padded_batch(inputs, responses, mask, lengths, **counts):
 
 
 def decode_responses(tokenizer, batch):
-    """(completions, transcripts, conversations): each response's text after its last tool result (what the reward
-    functions score: a tool's output is never the answer; "" for one cut off on a call, whose last operand is not its
-    answer either), the whole response with each tool's result as [tool: ...], and its turns as messages, TRL's: the
-    assistant's, its calls parsed, and each tool's, its result (what a reward model with a tokenizer of its own reads;
-    without tools, one turn)."""
+    """(completions, transcripts, conversations): each response's text after its last tool result, which the reward
+    functions score ("" if cut off on a call); with each result as [tool: ...]; as TRL's messages, for rm_text."""
     real, mask = batch["attention_mask"][:, batch["prompt_width"] :].bool(), batch["mask"].bool()
     completions, transcripts, conversations = [], [], []
     rows = zip(batch["responses"].tolist(), (real & ~mask).tolist(), batch["cut_on_call"].tolist(), batch["messages"])
@@ -727,12 +710,9 @@ def decode_responses(tokenizer, batch):
         parts = [(tool, [i for i, _ in part]) for tool, part in itertools.groupby(zip(ids, is_tool), lambda x: x[1])]
         texts = [tokenizer.decode(part, skip_special_tokens=True) for _, part in parts]
         completions.append("" if parts[-1][0] or cut_on_call else texts[-1])  # cut off on a call or its result: none
-        results = iter([list(m) for tool, m in itertools.groupby(messages, lambda m: m["role"] == "tool") if tool])
-        tool_texts = (
-            "".join(f"[tool: {m['content']}]" for m in next(results)) if tool else text
-            for (tool, _), text in zip(parts, texts)
-        )
-        transcripts.append("".join(tool_texts))
+        turns = itertools.groupby(messages, lambda m: m["role"] == "tool")  # a turn's tool messages are one part
+        results = iter(["".join(f"[tool: {m['content']}]" for m in group) for tool, group in turns if tool])
+        transcripts.append("".join(next(results) if tool else text for (tool, _), text in zip(parts, texts)))
         conversations.append(messages or [{"role": "assistant", "content": texts[0]}])
     return completions, transcripts, conversations
 
@@ -769,8 +749,7 @@ def load_tools(specs):
 
 
 def load_environment(args, tools):
-    """--environment as TRL's environment_factory: (tools and its first instance's methods, which the prompts describe;
-    the class, its pool of instances, whether get_reward scores), or (tools, None); one line for a dict or no reset."""
+    """--environment as TRL's environment_factory: (tools and its instance's methods, its pool) or (tools, None)."""
     if args.environment is None:
         return tools, None
     factory = import_function(args.environment, "--environment", {})
@@ -789,9 +768,7 @@ def environment_tools(environment):
 
 
 def reset_environments(environment, rows, tokenizer, tools, args):
-    """--environment: each row's episode starts as TRL's do, an instance of the pool (none serves two; more are made as
-    needed) reset(**row) with the row's columns as read; a str it returns is appended to the last user message (or a
-    plain prompt), and the prompt rendered again: (rows, instances); (rows, None) without it."""
+    """--environment: each row's episode on a pool instance, reset(**row) as TRL's; a str returned ends the prompt."""
     if environment is None:
         return rows, None
     environment.pool += [environment.factory() for _ in range(len(rows) - len(environment.pool))]
@@ -819,10 +796,8 @@ def awaited(value):
 
 
 def setup_tool_parsing(tokenizer, tools, eos_ids, model):
-    """With --tools: installs the parser of calls, tokenizer.response_template (the tokenizer's own, else TRL's for its
-    families, else <tool_call> JSON at the assistant header), and where the template is not prefix-preserving (Qwen3's)
-    TRL's training template as tokenizer.chat_template, for the run; else one line. A round trip decides: turns of one
-    and two calls of probe(n: int) rendered and parsed back to the same calls (one_call_a_turn: two are not)."""
+    """With --tools, for the run: tokenizer.response_template (its own, else TRL's for its family, else <tool_call> JSON
+    at the assistant header) and, if not prefix-preserving, TRL's training template; a probe's calls must parse back."""
     user, fix = [{"role": "user", "content": "1"}], "install TRL (pip install trl) or give it a response_template"
     flag, options = f"error: --tools: the chat template of --model {model}", [{}, {"tools": list(tools.values())}]
     options.append({"add_generation_prompt": True})
@@ -873,9 +848,8 @@ def setup_tool_parsing(tokenizer, tools, eos_ids, model):
 
 
 def parse_turn(tokenizer, ids, turn_length, tools):
-    """The last turn, ids[-turn_length:], as the message parse_response reads with the tools' JSON schemas (a=7 of an
-    XML-style template reaches add(a: int) as 7): its content, special tokens out, and tool_calls ([] if none; a
-    failed call is the str of its reason, run_tools')."""
+    """The last turn, ids[-turn_length:], as parse_response reads it with the tools' JSON schemas (an XML-style a=7
+    reaches add(a: int) as 7): content without special tokens, tool_calls ([] if none; a failed one: its reason)."""
     text, prefix = tokenizer.decode(ids[-turn_length:]), tokenizer.decode(ids[:-turn_length])
     try:
         message = {"role": "assistant"} | tokenizer.parse_response(text, prefix=prefix, tools=list(tools.values()))
@@ -890,22 +864,18 @@ def parse_turn(tokenizer, ids, turn_length, tools):
 
 
 def rendered_turn(tokenizer, turn, eos_ids, tools=None):
-    """user -> turn (an assistant's calls, tool messages) -> generation prompt, rendered: (ids, start, end), the
-    assistant's own tokens ids[start:end], from where the render leaves the generation prompt to the first end id
-    (Qwen's <|im_end|>, gpt-oss's <|call|>, GLM-4-MoE's <|observation|>: the model writes it)."""
+    """user, turn (calls, tool messages), generation prompt, rendered: (ids, start, end), ids[start:end] the assistant's
+    tokens to the first end id, which the model writes (Qwen's <|im_end|>, gpt-oss's <|call|>, GLM <|observation|>)."""
     user = [{"role": "user", "content": "1"}]
     header = tokenizer.apply_chat_template(user, tools=tools, add_generation_prompt=True, return_dict=False)
     ids = tokenizer.apply_chat_template(user + turn, tools=tools, add_generation_prompt=True, return_dict=False)
     start = next((j for j, (a, b) in enumerate(zip(header, ids)) if a != b), len(header))
-    end = next((j + 1 for j in range(start, len(ids)) if ids[j] in eos_ids), None)  # None: no end id, refused
-    return ids, start, end
+    return ids, start, next((j + 1 for j in range(start, len(ids)) if ids[j] in eos_ids), None)  # None: refused
 
 
 def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
-    """The ids of the calls' tool messages, how many failed, and the messages: each result str()'d (an async tool's
-    awaited) and made encodable, as TRL does; a failed call (not JSON, no such tool, an error, past --tool-timeout, not
-    rendered) gets {'error': ...} as its result (TRL's), which the policy reads. None after a stop, or for a result
-    longer than `room` of the vocabulary's longest tokens (unread)."""
+    """(ids of the calls' tool messages, failures, messages): each result str()'d (an async one awaited), encodable, as
+    TRL's; a failed call gets {'error': ...}, which the policy reads; ids None after a stop or for a result too long."""
     messages, failed = [], 0
     for call in calls:
         name = None
@@ -917,9 +887,8 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
             name, arguments = call["function"]["name"], call["function"].get("arguments", {})
             if name not in tools or not isinstance(arguments, dict):
                 raise ValueError(f"no tool {name!r}" if name not in tools else "the arguments are not a JSON object")
-            with time_limit(timeout, f"tool {name}"):
-                result = str(awaited(tools[name](**arguments)))
-            result = result.encode("utf-8", "replace").decode()  # lone surrogates (os.fsdecode's) become ?
+            with time_limit(timeout, f"tool {name}"):  # lone surrogates (os.fsdecode's) in the result become ?
+                result = str(awaited(tools[name](**arguments))).encode("utf-8", "replace").decode()
             if len(result) > room and len(result) > room * max(map(len, tokenizer.get_vocab())):  # 1st: no vocab read
                 return None, failed, messages
             tool_result_ids(tokenizer, [{"role": "tool", "name": name, "content": result}], eos_ids)  # renders
@@ -932,9 +901,7 @@ def run_tools(tokenizer, tools, calls, timeout, eos_ids, room):
 
 
 def tool_result_ids(tokenizer, messages, eos_ids):
-    """The ids that tool messages add after an assistant turn, and the next turn's header (TRL's _get_tool_suffix_ids):
-    the render of the conversation after the assistant's turn ends (rendered_turn). One line if the turn renders
-    otherwise without them (not prefix-preserving, as Qwen3's)."""
+    """The ids that tool messages and the next header add after an assistant turn (TRL's _get_tool_suffix_ids)."""
     calls = [{"type": "function", "function": {"name": m["name"], "arguments": {}}} for m in messages]
     turn = [{"role": "assistant", "content": "", "tool_calls": calls}]
     ids, _, end = rendered_turn(tokenizer, turn + messages, eos_ids)
@@ -946,10 +913,8 @@ def tool_result_ids(tokenizer, messages, eos_ids):
 
 
 def generate_turn(policy, context, room, stop, args, sampling):
-    """Up to `room` new tokens for each row of context (left-padded ids), by generate() or by --vllm's engine as
-    generate() samples them (details 2, 4; each row seeded from torch's generator, per update): the new ids (B, W), how
-    many each row sampled (B,) (a stop's signal aborts the engine within a step) and the engine's log-prob of each (B,
-    W; 0 without it), on the device of context."""
+    """Up to `room` new tokens a row of context (left-padded), by generate() or alike by --vllm's engine (details 2, 4):
+    (new ids (B, W), each row's count sampled (B,; a stop aborts the engine), its log-probs (B, W; 0 without it))."""
     if not args.vllm:  # FSDP: synced_gpus=False, no collective (the ranks' turns differ)
         out = policy.generate(**context, max_new_tokens=room, stopping_criteria=stop, synced_gpus=False, **sampling)
         new = out[:, context.input_ids.shape[1] :]
@@ -978,9 +943,7 @@ def generate_turn(policy, context, room, stop, args, sampling):
 
 
 def run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling, environments=None):
-    """rollout() with tools: each row's episode in turns, a record each: the prompt's ids, the response's and per
-    token its mask, engine's log-prob and turn reward; its messages, environment, tools, turn start, counts, outcome
-    (None: it goes on). One generate_turn() serves the episodes that go on, with the longest one's room."""
+    """rollout() with tools: each row's episode in turns, a record each; one generate_turn() serves those that go on."""
     eos_ids, pad_id, device = policy.generation_config.eos_token_id, tokenizer.pad_token_id, inputs.input_ids.device
     prompts = [ids[real.bool()].tolist() for ids, real in zip(inputs.input_ids, inputs.attention_mask)]
     fresh = dict(ids=[], mask=[], vllm_logprobs=[], turn_rewards=[], messages=[], turn_start=0, turns=1, tool_calls=0)
@@ -1001,20 +964,16 @@ def run_episodes(policy, tokenizer, inputs, args, stop, tools, sampling, environ
         going = [e for e in going if e.outcome is None]
     pad = functools.partial(nn.utils.rnn.pad_sequence, batch_first=True)
     responses = pad([torch.tensor(e.ids, dtype=torch.long) for e in episodes], padding_value=pad_id).to(device)
-    counts = {
-        k: pad([torch.tensor(getattr(e, k)) for e in episodes]) for k in ("mask", "vllm_logprobs", "turn_rewards")
-    }
-    counts |= {k: torch.tensor([getattr(e, k) for e in episodes]) for k in ("tool_calls", "tool_failures", "turns")}
+    counts = {k: pad([torch.tensor(vars(e)[k]) for e in episodes]) for k in ("mask", "vllm_logprobs", "turn_rewards")}
+    counts |= {k: torch.tensor([vars(e)[k] for e in episodes]) for k in ("tool_calls", "tool_failures", "turns")}
     counts |= {k: torch.tensor([e.outcome == k for e in episodes]) for k in ("ended", "cut_on_call")}
     counts["messages"], lengths = [e.messages for e in episodes], torch.tensor([len(e.ids) for e in episodes])
     return padded_batch(inputs, responses, counts.pop("mask"), lengths, **counts)
 
 
 def end_turn(episode, length, room, tokenizer, args, eos_ids):
-    """The outcome of an episode that has just sampled `length` tokens of `room` (None: it goes on). It is done when it
-    ended (a turn without a call), was cut off on a call (past --max-tool-calls, or results that do not fit), was
-    stopped, or has no room left. A turn's calls get their results (mask 0), and what they append to the environment's
-    turn_rewards list is the turn's reward, on its last token; the policy's next turn follows."""
+    """The outcome of an episode that has just sampled `length` tokens of `room`: None (it goes on), or why it is done.
+    A turn's calls get their results (mask 0); what they append to the environment's turn_rewards is its reward."""
     e, left = episode, args.max_new_tokens - len(episode.ids)
     turn_ended = length > 0 and e.ids[-1] in eos_ids  # none: a stop before its first token
     if not turn_ended and length == room and left:  # it filled the room: the turn goes on in the next generate_turn()
@@ -1043,8 +1002,7 @@ def end_turn(episode, length, room, tokenizer, args, eos_ids):
 
 
 def tool_metrics(batch):
-    """TRL's tools/call_frequency (calls per response) and tools/failure_frequency (failed per call); ours: the policy's
-    turns, every token of a response (tools' too), the share cut off on a call (TRL counts those terminated)."""
+    """tools/* (docs/ppo_llm.md#metrics): TRL's call and failure frequencies and ours, over every rank."""
     counts = [len(batch["turns"]), batch["tool_calls"].sum(), batch["tool_failures"].sum(), batch["turns"].sum()]
     counts += [batch["lengths"].sum(), batch["cut_on_call"].sum()]
     n, calls, failures, turns, tokens, cut = all_reduce(torch.tensor([float(c) for c in counts]).double()).tolist()
@@ -1056,17 +1014,15 @@ def tool_metrics(batch):
     }
 
 
-def load_prompts(args, tokenizer, needs_answers, tools=None, flag=None):
-    """--dataset's rows (or flag's, eval_rows'): {prompt (the text the policy sees), answer (text or None), messages,
-    columns (TRL's keywords for the reward functions)}."""
+def load_prompts(args, tokenizer, tools=None, flag=None):
+    """--dataset's (or flag's: eval_rows') rows: the prompt the policy sees, answer or None, messages, columns, row."""
     flag = flag or f"--dataset {args.dataset}"
     datasets.disable_progress_bars()
     file_format = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(args.dataset.split(".")[-1])
+    hub = dict(path=args.dataset, name=args.dataset_config, split=args.dataset_split)
+    source = dict(path=file_format, data_files=args.dataset, split="train") if file_format else hub
     try:  # read whole: a byte that is not UTF-8 fails as the rows are read
-        if file_format:
-            data = datasets.load_dataset(file_format, data_files=args.dataset, split="train").to_list()
-        else:
-            data = datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split).to_list()
+        data = datasets.load_dataset(**source).to_list()
     except Exception as e:  # datasets' own error, often wrapping the reader's
         cause = e.__cause__ or e
         why = f"{type(cause).__name__}: {(str(cause).strip() or 'no rows').splitlines()[0]}"
@@ -1077,8 +1033,7 @@ def load_prompts(args, tokenizer, needs_answers, tools=None, flag=None):
         prompt, answer = row.get(args.prompt_column), row.get(args.answer_column)
         if prompt in (None, ""):  # nothing to generate from
             columns = ", ".join(k for k, v in row.items() if v not in (None, ""))
-            why = f"row {i} has no --prompt-column {args.prompt_column} (columns: {columns})"
-            raise SystemExit(f"error: {flag}: {why}")
+            raise SystemExit(f"error: {flag}: row {i} has no --prompt-column {args.prompt_column} (columns: {columns})")
         if isinstance(answer, float) and answer.is_integer():  # a CSV column with a gap is read as floats: 2.0 is "2"
             answer = int(answer)
         if answer is not None:
@@ -1099,7 +1054,7 @@ def load_prompts(args, tokenizer, needs_answers, tools=None, flag=None):
         columns = {"prompts": prompt} | {k: v for k, v in row.items() if k != args.prompt_column}  # TRL's keywords
         rows.append({"prompt": text, "answer": answer, "messages": messages, "columns": columns, "row": row})
     missing = [i for i, row in enumerate(rows, 1) if row["answer"] is None]
-    if missing and (needs_answers or len(missing) < len(rows)):
+    if missing and ({"arithmetic", "gsm8k"} & set(reward_fn_names(args)) or len(missing) < len(rows)):  # these read it
         why = f"row {missing[0]} has no --answer-column {args.answer_column}, which the reward function needs"
         raise SystemExit(f"error: {flag}: {why}")
     return rows
@@ -1113,8 +1068,7 @@ def prompt_stream(rows, seed, start, rank, world):
 
 
 def eval_rows(args, tokenizer, reward_fns, tools=None):
-    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside a train.jsonl), or None (and a
-    line that says why, when an evaluation was asked for)."""
+    """The first --eval-size distinct prompts of --eval-split (unset: test.jsonl beside train.jsonl), or None, why."""
     split, beside = args.eval_split, args.dataset.removesuffix("train.jsonl") + "test.jsonl"
     flag = f"--eval-split {split}"
     if split is None and args.dataset.endswith("train.jsonl") and os.path.isfile(beside):
@@ -1127,8 +1081,7 @@ def eval_rows(args, tokenizer, reward_fns, tools=None):
             print(f"note: no held-out evaluation (--eval-every {args.eval_every}): {why}")
         return None
     source = {"dataset": split} if os.path.isfile(split) else {"dataset_split": split}
-    needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))  # as training's
-    rows = load_prompts(Args(**asdict(args) | source), tokenizer, needs_answers, tools, flag)
+    rows = load_prompts(Args(**asdict(args) | source), tokenizer, tools, flag)
     distinct = {json.dumps(row["row"], default=str) if args.environment else row["prompt"]: row for row in rows}
     return list(distinct.values())[: args.eval_size]  # an environment's rows share a prompt, and differ in columns
 
@@ -1214,8 +1167,7 @@ def tokenize_texts(tokenizer, texts, max_length):
 
 
 def rm_text(rm_tokenizer, row, turns):
-    """What a reward model with a tokenizer of its own reads: the whole conversation, the response's turns (messages)
-    after the prompt, through its own chat template, if any (as TRL's _calculate_rewards), else their texts."""
+    """What a reward model with its own tokenizer reads: the conversation, through its chat template if any (TRL's)."""
     if rm_tokenizer.chat_template is None:  # the contents, each call as its JSON
         calls = [[json.dumps(call["function"]) for call in turn.get("tool_calls") or []] for turn in turns]
         return row["prompt"] + "".join(turn["content"] + "".join(c) for turn, c in zip(turns, calls))
@@ -1232,10 +1184,9 @@ def reward_model_scores(reward_model, rm_tokenizer, batch, rows, conversations, 
         context = min(rm_tokenizer.model_max_length, reward_model.config.max_position_embeddings)
         texts = [rm_text(rm_tokenizer, row, turns) for row, turns in zip(rows, conversations)]
         inputs = tokenize_texts(rm_tokenizer, texts, context).to(reward_model.device)
-    logits, n = [], args.micro_batch_size
+    n = args.micro_batch_size
     with scoring(reward_model):
-        for i in range(0, len(conversations), n):
-            logits.append(reward_model(**{key: value[i : i + n] for key, value in inputs.items()}).logits)
+        logits = [reward_model(**{k: v[i : i + n] for k, v in inputs.items()}).logits for i in range(0, len(rows), n)]
     scores = torch.cat(logits)[:, args.reward_label or 0].float()
     on_every_rank(lambda: finite_scores(scores.tolist(), f"--reward-model {args.reward_model}", conversations))
     return scores
@@ -1292,8 +1243,7 @@ def load_models(args, device, tools=None):
 
 
 def model_defaults(args, policy):
-    """The flags whose default depends on the model, set in args (no other helper writes args): --max-new-tokens (the
-    checkpoint's generation_config's, else 8), --max-prompt-length (the context's rest), --learning-rate (by size)."""
+    """The flags whose default depends on the model (Args says how), set in args: no other helper writes args."""
     if args.max_new_tokens is None:
         args.max_new_tokens = policy.generation_config.max_new_tokens or 8
     context = getattr(policy.config, "max_position_embeddings", 0)  # GPT-2's n_positions too
@@ -1319,17 +1269,13 @@ def last_hidden_state(model, inputs):
     return kept[0]
 
 
-LM_HEAD_CHUNK = 2**24  # logits per chunk of lm_head_logprobs (64 MiB in fp32), whatever the vocabulary
-
-
 def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp32=True):
-    """Log-probs of labels (B, T) and the entropies (B, T) of the next-token distributions, from the last hidden
-    states (B, T, H) and the model's output embedding `head`, the logits scaled (Cohere, Granite) and soft-capped
-    (Gemma) as its forward does: z = softcap * tanh(scale * head(h) / softcap) / temperature (details 4, 7).
-    In chunks of at most LM_HEAD_CHUNK logits, each under torch.utils.checkpoint: no chunk's logits outlive it, and its
-    backward computes them again. The entropy gets a gradient only with entropy_grad (an entropy bonus): one computed
-    for the logs alone would keep its recomputed logits until the backward ends. The matmul in fp32 (fp32=True), or
-    where F.linear runs it (autocast's dtype), the head cast to it once: its gradient summed over the chunks in it."""
+    """Log-probs of labels (B, T) and the entropies (B, T) of the next-token distributions, from the last hidden states
+    (B, T, H) and the output embedding `head`, scaled (Cohere, Granite) and soft-capped (Gemma) as the model's forward
+    does: z = softcap * tanh(scale * head(h) / softcap) / temperature (details 4, 7). In chunks of at most LM_HEAD_CHUNK
+    logits, each under torch.utils.checkpoint: no chunk's logits outlive it, its backward computes them again. The
+    entropy gets a gradient only with entropy_grad (a bonus): one for the logs alone would keep its recomputed logits
+    until the backward ends. The matmul in fp32 (fp32=True) or autocast's dtype, the head cast once, not per chunk."""
     config, head = model.config, model.get_output_embeddings()
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -1411,9 +1357,8 @@ def frozen_copy(model, device, bf16):
 
 
 def load_teacher(args, device, held_out):
-    """--teacher (on-policy distillation): a frozen causal LM loaded as the reward model is, which scores the policy's
-    sampled ids in its own softmax; one line if its vocabulary is not the policy's or its context is shorter than a
-    prompt and a response. (teacher, its held-out accuracy once, through generate()), or (None, {})."""
+    """--teacher (on-policy distillation): (a frozen causal LM, loaded as the reward model is, that scores the policy's
+    ids in its own softmax, its held-out accuracy once) or (None, {}); one line if its vocabulary or context differs."""
     if args.teacher is None:
         return None, {}
     flag, (policy, tokenizer, problems) = f"error: --teacher {args.teacher}", held_out[:3]
@@ -1471,14 +1416,9 @@ def prepare(args, trained):
     return params, optimizer
 
 
-VLLM = []  # --vllm's engine (start_vllm): generate_turn() samples with it instead of generate()
-PUSHED = []  # the engine while it holds the policy's weights as they are, else empty (vllm_pushed)
-
-
 def start_vllm(args, policy, prompt_length):
-    """--vllm: a vLLM engine in this process (docs/scaling.md) of the policy as load_models prepared it (its config and
-    dtype), for prompt_length (the longest prompt) + --max-new-tokens tokens, which its KV cache must hold (else one
-    line); its weights vllm_pushed's, log-probs detail 4's; it seeds python, numpy and torch with --seed."""
+    """--vllm: a vLLM engine in this process (docs/scaling.md), the policy's config, dtype, weights (vllm_pushed), for
+    prompt_length + --max-new-tokens tokens its KV cache must hold (else one line); it seeds python, numpy, torch."""
     config, cuda = policy.config, policy.device.type == "cuda"
     dtype, flag = torch.bfloat16 if uses_bf16(args) else policy.dtype, "--vllm-kv-cache-gb"
     head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -1513,9 +1453,7 @@ def start_vllm(args, policy, prompt_length):
 
 @contextlib.contextmanager
 def vllm_pushed(policy, enabled=True):
-    """--vllm: the policy's weights into the engine by reload_weights, unless it holds them (PUSHED is it), and the
-    prefix cache emptied. On a GPU the engine sleeps outside rollouts as in TRL's colocate mode: level 2 frees its
-    weights and KV cache, and a rollout wakes the weights, pushes them, then wakes the KV cache."""
+    """--vllm: the policy's weights into the engine unless it holds them (PUSHED); a GPU's sleeps outside rollouts."""
     if enabled and VLLM[0].llm_engine.is_sleeping():  # on a GPU, since the last rollout
         VLLM[0].wake_up(tags=["weights"])
     if enabled and PUSHED != VLLM:  # no push since the engine started, the last optimizer step or the last sleep
@@ -1542,9 +1480,9 @@ def pushed_weights(policy):
             yield name, weight.full_tensor() if isinstance(weight, DTensor) else weight  # the FSDP gather
 
 
-def vllm_metrics(logprobs, batch):
+def vllm_metrics(batch):
     """vllm/logprob_diff_max and _mean: |the engine's log-prob - the trainer's| over the policy's tokens, all ranks'."""
-    diff = (logprobs - batch["vllm_logprobs"]).abs()[batch["mask"].bool()]
+    diff = (batch["old_logprobs"] - batch["vllm_logprobs"]).abs()[batch["mask"].bool()]
     metrics = {"vllm/logprob_diff_max": diff.max().item(), "vllm/logprob_diff_mean": diff.mean().item()}
     return global_metrics(metrics, {"vllm/logprob_diff_max": "max"})
 
@@ -1627,7 +1565,7 @@ def setup(args):
     transformers.utils.logging.disable_progress_bar()
     # a false alarm (docs/grpo_llm.md): generate() drops an all-ones mask, and a finished response's next input is pad
     padding = "We strongly recommend passing in an `attention_mask` since your input_ids may be padded"
-    logging.getLogger("transformers.modeling_utils").addFilter(lambda record: padding not in record.getMessage())
+    transformers.modeling_utils.logger.addFilter(lambda record: padding not in record.getMessage())
     transformers.set_seed(args.seed)  # python's random, numpy, torch
     device = torch.device("cuda" if cuda else "cpu")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -1706,11 +1644,9 @@ def open_run(args, given, rank, resumed_update, run_dir):
 
 
 def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
-    """(a resumed run's state ({} if new), its weights and AdamW's loaded; the prompts from there; run dir; writer);
-    --vllm's engine, for the longest prompt, training's or held_out's (evaluation's rows, or None)."""
+    """--vllm's engine; (the resumed state or {}, weights and AdamW's loaded; prompts from there; run dir; writer)."""
     ranks = (dist.get_rank(), dist.get_world_size()) if TORCHRUN else (0, 1)
-    needs_answers = bool({"arithmetic", "gsm8k"} & set(reward_fn_names(args)))
-    rows = load_prompts(args, tokenizer, needs_answers=needs_answers, tools=tools)
+    rows = load_prompts(args, tokenizer, tools=tools)
     if args.vllm:  # after prepare() set torch's threads, and before the run directory, which a refusal leaves none of
         ids = tokenizer([row["prompt"] for row in rows + (held_out or [])], verbose=False).input_ids  # or a BOS more
         longest = min(max(map(len, ids)), args.max_prompt_length or math.inf)  # --environment's reset may lengthen one
@@ -1748,14 +1684,9 @@ def samples_to_log(args, update, rows, completions, **values):
     """Every --sample-every updates (0: never), the first --num-samples rows: update, prompt, completion, values."""
     if not args.sample_every or update % args.sample_every:
         return []
-    samples = []
-    for j in range(min(args.num_samples, len(rows))):
-        sample = {"update": update, "prompt": rows[j]["prompt"], "completion": completions[j]}
-        samples.append(sample | {name: float(value[j]) for name, value in values.items()})
-    return samples
-
-
-TRUNCATED = []  # the shares of cut-off responses this run has warned of
+    shown = range(min(args.num_samples, len(rows)))
+    samples = [{"update": update, "prompt": rows[j]["prompt"], "completion": completions[j]} for j in shown]
+    return [sample | {name: float(value[j]) for name, value in values.items()} for j, sample in enumerate(samples)]
 
 
 def warn_truncated(share, args, scoring):
@@ -1782,17 +1713,13 @@ def global_metrics(metrics, ops):
 
 def evaluate(policy, tokenizer, rows, reward_fns, args, autocast, batch_size, tools=None, environment=None):
     """n = --eval-num-generations samples of each held-out prompt at --eval-temperature (0: greedy), right when the
-    first reward source scores them > 0 (--environment: episodes reset with the held-out rows): eval/accuracy, pass@1,
-    the mean over the n, its standard error over the prompts (a prompt's samples are not independent), the mean reward;
-    above n = 1 eval/pass@k (k = 1, 2, ... below n, and n), eval/maj@n; the shares cut off (with tools: at a call);
-    right and wrong lengths (--eval-only: a table). Under torchrun ranks take every world-th batch of prompts x
-    samples, as many each (one short repeats the first, uncounted). A stop: {}, after the batch, all ranks."""
+    first reward source scores them > 0: the eval/ metrics of docs/ppo_llm.md#evaluation. Under torchrun ranks take
+    every world-th batch of prompts x samples, as many each (one short repeats the first, uncounted); a stop: {}."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     n, temperature = args.eval_num_generations, args.eval_temperature
     temperature = args.temperature if temperature is None else temperature
     sampling = {"temperature": temperature} if temperature else {"do_sample": False}  # greedy (temperature 0 raises)
-    samples = range(len(rows) * n)  # sample s is of rows[s // n]
-    batches = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
+    batches = [range(i, min(i + batch_size, len(rows) * n)) for i in range(0, len(rows) * n, batch_size)]  # samples
     batches += [None] * (-len(batches) % world)
     records, stop = [], [signalled]  # each sample's index, score, length, calls, failures, cut-offs, answer
     for chunk in batches[rank::world]:
@@ -1839,12 +1766,8 @@ def evaluate(policy, tokenizer, rows, reward_fns, args, autocast, batch_size, to
     cut_off = (sum(clipped) + sum(at_call)) / len(clipped)  # by --max-new-tokens, or on a call
     if cut_off >= 0.5:  # as warn_truncated's: a cut-off answer scores as wrong
         print(f"warning: {cut_off:.0%} of the held-out responses were cut off, scored as wrong")
-    if args.eval_only and not temperature and n > 1:
-        print(f"greedy: the {n} samples of a prompt are one, so pass@k and maj@{n} are pass@1 (--eval-temperature)")
     if args.eval_only:
-        sampled = f"temperature {temperature:g}" if temperature else "greedy"
-        title = f"{len(rows)} held-out prompts, {n} sample{'s' if n > 1 else ''} each, {sampled}"
-        print(eval_line(metrics, title, bound=temperature > 0))
+        print(eval_line(metrics, table=(len(rows), n, temperature)))
     return metrics
 
 
@@ -1861,20 +1784,24 @@ def majority_vote(answers):
     return max(votes, key=votes.count, default=None)
 
 
-def eval_line(metrics, table=None, bound=True):
-    """The held-out accuracy ± its standard error; with a table's title (--eval-only), the table: that line with (if
-    bound) the 95% bound on the gap of two evaluations of one policy (1.96 sqrt(2) SE), then pass@k, maj@n, the rest."""
+def eval_line(metrics, table=None):
+    """The held-out accuracy ± its standard error; with --eval-only's (prompts, n, temperature), the table: its title,
+    that line with the gap two evaluations of one policy stay within (95%: 1.96 sqrt(2) SE), pass@k, maj@n, the rest."""
     line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
     if table is None:
         return line
+    prompts, n, temperature = table
+    sampled = f"temperature {temperature:g}" if temperature else "greedy"
+    greedy = f"greedy: the {n} samples of a prompt are one, so pass@k and maj@{n} are pass@1 (--eval-temperature)\n"
     gap = f"; two evaluations of one policy differ by < {1.96 * 2**0.5 * metrics['eval/accuracy_stderr']:.3f}"
     rows = [f"  {key.removeprefix('eval/'):<28}{value:.3f}" for key, value in list(metrics.items())[2:]]
-    return "\n".join([f"{table}:", f"{line} (pass@1{gap if bound else ''})", *rows])
+    title = f"{prompts} held-out prompts, {n} sample{'s' if n > 1 else ''} each, {sampled}:"
+    text = "\n".join([title, f"{line} (pass@1{gap if temperature else ''})", *rows])
+    return text if temperature or n == 1 else greedy + text
 
 
 class Stopwatch:
-    """An update's time/* by phase, each taken once the GPU's queued work is done, and the run's progress; on a GPU
-    perf/peak_memory_mb is the update's own, on a CPU the process's peak resident set."""
+    """An update's time/* by phase (the GPU's queued work done), its perf/* (docs: Metrics), the run's progress."""
 
     def __init__(self, device, first_update, total_steps):
         self.device, self.first, self.total, self.start = device, first_update, total_steps, time.time()
@@ -1911,6 +1838,9 @@ STOP = []  # the signals received: Ctrl-C and SIGTERM (a preemption)
 TORCHRUN = []  # [True] once setup() has joined torchrun's ranks (vLLM's engine makes a one-rank world of its own)
 SAVING = []  # not empty while a checkpoint is gathered and written
 LOCK = contextlib.ExitStack()  # the run directory's lock, held while this process owns the run: LOCK.close() frees it
+VLLM = []  # --vllm's engine (start_vllm): generate_turn() samples with it instead of generate()
+PUSHED = []  # the engine while it holds the policy's weights as they are, else empty (vllm_pushed)
+TRUNCATED = []  # the shares of cut-off responses this run has warned of (warn_truncated)
 
 
 def on_signal(signum, frame):
@@ -2015,13 +1945,11 @@ def crc32(path):
 
 
 def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
-    """checkpoint/, whole or not at all: every rank's shards (torch.distributed.checkpoint), policy/ (where the link
-    `policy` points), state.json and checksums.json (each file's CRC-32, by its writer) go in checkpoint.a or .b, the
-    one the link `checkpoint` does not point to; then it does. SaveFailed on every rank."""
+    """checkpoint/, whole or not at all (else SaveFailed on every rank): the shards (torch.distributed.checkpoint),
+    policy/, state.json and checksums.json (CRC-32s) go in the slot the link does not point to; then it does."""
     SAVING.append(True)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    link = os.path.join(run_dir, "checkpoint")
-    slot, old = "checkpoint.a", "checkpoint.b"
+    link, slot, old = os.path.join(run_dir, "checkpoint"), "checkpoint.a", "checkpoint.b"
     if os.path.realpath(link).endswith(".a"):  # the slot in use stays whole until the link points to the other
         slot, old = old, slot
     path, failed, sums = os.path.join(run_dir, slot), None, None
@@ -2065,8 +1993,7 @@ def save_checkpoint(run_dir, models, optimizer, state, tokenizer, merged=False):
 
 
 def save_policy(path, models, tokenizer, merged=False):
-    """policy/: save_pretrained of the policy (LoRA: the adapter; merged: the merged model in policy/merged), PPO's
-    critic (policy/critic, value_head.pt: docs/ppo_llm.md); under torchrun gathered a model at a time into rank 0."""
+    """policy/ (docs/ppo_llm.md#what-a-run-writes), under torchrun gathered into rank 0 a model at a time."""
     rank, failed = dist.get_rank() if dist.is_initialized() else 0, None
     tokenizer = copy.copy(tokenizer)  # with its family's chat template, not the training one a tool run renders with
     tokenizer.chat_template = getattr(tokenizer, "family_chat_template", tokenizer.chat_template)
@@ -2186,12 +2113,11 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         wandb.finish()
 
 
-@contextlib.contextmanager
-def stoppable():
-    """--eval-only's stops: evaluate() ends after the batch, every rank exits with 128 + signal, rank 0 says so."""
+def evaluate_only(held_out):
+    """--eval-only's evaluate(*held_out), which a stop ends after the batch: every rank exits with 128 + signal."""
     STOP.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-    yield  # an error ends the process
+    metrics = evaluate(*held_out)  # an error ends the process
     signum = int(all_reduce(torch.tensor(float(STOP[0] if STOP else 0)), dist.ReduceOp.MAX).item())
     if signum:  # one line (rank 0 alone prints); every rank exits so, deaf to torchrun's SIGTERM once one has
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -2199,6 +2125,7 @@ def stoppable():
         os._exit(128 + signum)  # as clean_exit(): no race with gloo's threads
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
+    return metrics
 
 
 @contextlib.contextmanager

@@ -134,7 +134,7 @@ def test_load_prompts_renders_the_template_and_tokenize_texts(chat, tmp_path):
     conv, plain = str(tmp_path / "conv.jsonl"), str(tmp_path / "plain.jsonl")
 
     def row(dataset, **kwargs):
-        (only,) = ppo_llm.load_prompts(ppo_llm.Args(model=chat["policy"], dataset=dataset, **kwargs), tok, True)
+        (only,) = ppo_llm.load_prompts(ppo_llm.Args(model=chat["policy"], dataset=dataset, **kwargs), tok)
         return only
 
     got = row(conv, system_prompt="Add.")
@@ -290,7 +290,7 @@ def test_prompt_files_of_every_format(fmt, tiny, tmp_path):
     else:
         getattr(frame, f"to_{fmt}")(path, index=False)
     tok = AutoTokenizer.from_pretrained(tiny["policy"])
-    rows = ppo_llm.load_prompts(ppo_llm.Args(dataset=path), tok, True)
+    rows = ppo_llm.load_prompts(ppo_llm.Args(dataset=path), tok)
     got = sorted((r["prompt"], r["answer"]) for r in rows)
     assert got == [("1+1=", "2"), ("2+2=", "4")]  # answers compared as text
 

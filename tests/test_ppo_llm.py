@@ -215,7 +215,7 @@ def test_reward_functions():
 def test_embedded_task_files():
     # the embedded task is two files of the general data path: 256 held-out problems, none of them in the training file
     tokenizer = AutoTokenizer.from_pretrained("assets/arith-sft")
-    train = ppo_llm.load_prompts(ppo_llm.Args(), tokenizer, True)
+    train = ppo_llm.load_prompts(ppo_llm.Args(), tokenizer)
     arithmetic = [ppo_llm.load_reward_fn("arithmetic", 600)]
     test = ppo_llm.eval_rows(ppo_llm.Args(), tokenizer, arithmetic)  # test.jsonl beside train.jsonl, unasked
     assert len(test) == 256 and not {r["prompt"] for r in test} & {r["prompt"] for r in train}

@@ -429,7 +429,7 @@ def tool_turns_match_generate(tmp_path):
     tokenizer, policy, _, _ = script.load_models(args, torch.device("cpu"), tools)
     script.prepare(args, [policy])
     script.start_vllm(args, policy, args.max_prompt_length)
-    rows = script.load_prompts(args, tokenizer, needs_answers=False, tools=tools)
+    rows = script.load_prompts(args, tokenizer, tools=tools)
     prompts = [row["prompt"] for row in rows[::97][:6]]
     batches = []
     for vllm in [True, False]:
