@@ -1521,7 +1521,10 @@ def check_run(args, world):
         (no_split, f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
         (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
         (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
-        (args.eval_only and not reward_fn_names(args), "--eval-only beside --reward-model needs a --reward-fn"),
+        (
+            args.eval_only and args.reward_model and not args.reward_fn,
+            "--eval-only beside --reward-model needs a --reward-fn",
+        ),
         (args.vllm and not importlib.util.find_spec("vllm"), "--vllm needs vLLM: its venv is in the README"),
         (args.vllm and args.eval_only, "--vllm does not run --eval-only yet: evaluate without it"),
     ]:
@@ -1745,8 +1748,8 @@ def evaluate(policy, tokenizer, rows, reward_fns, args, autocast, batch_size, to
     metrics = {"eval/accuracy": accuracy.mean().item()}
     metrics["eval/accuracy_stderr"] = accuracy.std().nan_to_num().item() / len(accuracy) ** 0.5  # over n - 1
     metrics["eval/mean_reward"] = sum(scores) / len(scores)
-    if not set(scores) <= {0.0, 1.0} and "partial" not in TRUNCATED:  # once a run
-        TRUNCATED.append("partial")
+    if not set(scores) <= {0.0, 1.0} and not PARTIAL:  # once a run
+        PARTIAL.append(True)
         print("note: held-out scores are not all 0 or 1: eval/accuracy counts a response right when it scores > 0")
     if n > 1:
         for k in sorted({2**i for i in range(n.bit_length())} | {n}):
@@ -1841,6 +1844,7 @@ LOCK = contextlib.ExitStack()  # the run directory's lock, held while this proce
 VLLM = []  # --vllm's engine (start_vllm): generate_turn() samples with it instead of generate()
 PUSHED = []  # the engine while it holds the policy's weights as they are, else empty (vllm_pushed)
 TRUNCATED = []  # the shares of cut-off responses this run has warned of (warn_truncated)
+PARTIAL = []  # whether this run has said what eval/accuracy counts when scores are not 0 or 1 (evaluate)
 
 
 def on_signal(signum, frame):
@@ -2065,6 +2069,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
     run["state"] (every rank together) and says what is on disk and how to go on; the end closes logs and processes."""
     STOP.clear()
     TRUNCATED.clear()
+    PARTIAL.clear()
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     print(f"{run_dir}/checkpoint: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     try:

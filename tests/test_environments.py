@@ -216,6 +216,12 @@ def test_rewards_without_a_reward_function_and_the_refusals(desk, capsys):
         ppo_llm.load_reward_fns(ppo_llm.Args(environment=desk["env"], reward_model="rm"), environment_with_reward(desk))
 
 
+def test_eval_only_scores_held_out_episodes_with_get_reward(calc, desk, tmp_path, monkeypatch):  # noqa: F811
+    # no --reward-fn needed: the environment's get_reward scores the held-out episodes, as in training
+    result = desk_run(grpo_llm, calc, desk, tmp_path, monkeypatch, eval_only=True, eval_size=4)
+    assert result["eval/accuracy"] == 0.5 and "eval/mean_reward" in result
+
+
 def environment_with_reward(desk):
     return ppo_llm.load_environment(ppo_llm.Args(environment=desk["env"]), {})[1]
 

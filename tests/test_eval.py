@@ -67,6 +67,8 @@ def test_right_is_a_positive_reward_and_one_sample_keeps_the_keys(tmp_path, caps
     assert set(result) == keys
     note = "note: held-out scores are not all 0 or 1: eval/accuracy counts a response right when it scores > 0"
     assert capsys.readouterr().out.count(note) == 1
+    ppo_llm.warn_truncated(0.6, args, "")  # the note kept apart from the cut-off shares, which max() compares
+    assert capsys.readouterr().out.startswith("warning: 60% of this update's responses hit --max-new-tokens")
     # 2 samples: pass@k, but no maj@2: a reward function of one's own has no answer that final_answer reads
     result = ppo_llm.main(ppo_llm.Args(**vars(args) | dict(eval_num_generations=2)))
     assert result["eval/pass@2"] == 1.0 and not any(key.startswith("eval/maj@") for key in result)
