@@ -28,9 +28,8 @@ Implementation details, cited "detail N":
 10. The KL is a loss term beta * k3, out of the advantages (beta 0, TRL's default, loads no reference). With
     --use-bias-correction-kl (on) it is rho k3: its gradient is KL(pi || ref)'s even at rho = 1; k3's, KL(ref || pi)'s.
 11. Several reward functions are summed with --reward-weights; a reward model scores alone.
-12. cispo (MiniMax-M1): REINFORCE weighted by the detached ratio capped at 1 + --epsilon-high (TRL caps it at its
-    epsilon_high itself: its 5 is our 4); sapo (Gao et al. 2025): a sigmoid gate instead of the clip; --delta
-    (INTELLECT-2): the unclipped ratio capped.
+12. cispo (MiniMax-M1): REINFORCE weighted by the detached ratio capped at 1 + --epsilon-high (TRL's epsilon_high 5
+    is our 4); sapo (Gao et al. 2025): a sigmoid gate instead of the clip; --delta (INTELLECT-2): the ratio capped.
 13. --top-entropy-quantile q (Wang et al. 2025): the batch's top q of tokens by entropy alone carry the policy gradient
     and bonus; --off-policy-mask-threshold (DeepSeek-V3.2): completions with A < 0 far from pi_old leave it.
 14. Tools (--tools): a completion is turns, a tool's result appended as the chat template renders it; its tokens are
@@ -238,22 +237,25 @@ def overlong_penalty(lengths, max_new_tokens, buffer, penalty):
 
 
 def high_entropy_mask(entropy, mask, quantile):
-    """1 on the real tokens whose entropy is in the top `quantile` of every rank's real tokens (detail 13), else 0."""
-    threshold = global_quantile(entropy[mask.bool()].float(), 1 - quantile)
-    return (entropy >= threshold).float() * mask
+    """1 on the real tokens whose entropy is in the top `quantile` of every rank's real tokens (detail 13), else 0;
+    every rank's gathered (their counts differ), the quantile by numpy: torch.quantile refuses > 2^24 values."""
+    values = entropy[mask.bool()].float().cpu()
+    if dist.is_initialized():
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, values)
+        values = torch.cat(every_rank)
+    return (entropy >= np.quantile(values.numpy(), 1 - quantile)).float() * mask
 
 
-def grpo_loss(
-    logprobs, old_logprobs, ref_logprobs, advantages, mask, batch_completions, batch_tokens, args, entropy_mask=1.0
-):
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, n_completions, n_tokens, args, entropy_mask=1.0):
     """A micro-batch's share of the batch's loss, and its stats, by the flags in args. rho = exp(logprobs -
     old_logprobs) per token, or exp of their mean per completion (sequence, GSPO); per token, A the advantage:
       grpo, dapo, dr_grpo: -min(min(rho, delta) A, clip(rho, 1 - epsilon, 1 + epsilon_high) A)    (details 8, 12)
       cispo: -sg(min(rho, 1 + epsilon_high)) A logprobs (sg(): no gradient);  sapo: -sigmoid(tau (rho - 1)) 4 / tau A
     times entropy_mask (detail 13: the high-entropy and off-policy masks), plus beta k3 (times rho, detail 10), k3 =
     exp(ref - logp) - (ref - logp) - 1; the masked token sum / (each completion's length x completions) (grpo, sapo),
-    / real tokens (dapo, cispo) or / (completions x max_new_tokens) (dr_grpo), of the batch (batch_completions;
-    batch_tokens, a mean over the ranks) (detail 9). logprobs (B, T), advantages (B,) or (B, T)."""
+    / real tokens (dapo, cispo) or / (completions x max_new_tokens) (dr_grpo), of the batch (n_completions;
+    n_tokens, a mean over the ranks) (detail 9). logprobs (B, T), advantages (B,) or (B, T)."""
     epsilon, epsilon_high = args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high
     log_ratio = logprobs - old_logprobs  # (B, T)
     if args.importance_sampling_level == "sequence":
@@ -275,9 +277,9 @@ def grpo_loss(
         if args.use_bias_correction_kl:  # detail 10: rho k3 has the gradient of KL(pi || ref)
             kl = kl * ratio
         per_token_loss = per_token_loss + args.beta * kl
-    normaliser, share = mask.sum().clamp(min=1), mask.sum() / batch_tokens  # dapo, cispo: one mean over the tokens
+    normaliser, share = mask.sum().clamp(min=1), mask.sum() / n_tokens  # dapo, cispo: one mean over the tokens
     if args.loss_type in ("grpo", "sapo", "dr_grpo"):  # a share of the completions; grpo, sapo: each one's token mean
-        normaliser, share = mask.sum(1).clamp(min=1) * len(mask), len(mask) / batch_completions
+        normaliser, share = mask.sum(1).clamp(min=1) * len(mask), len(mask) / n_completions
     if args.loss_type == "dr_grpo":  # a constant: completions x max_new_tokens
         normaliser = len(mask) * args.max_new_tokens
     loss = ((per_token_loss * mask).sum(1) / normaliser).sum() * share
@@ -411,7 +413,7 @@ def main(args: Args | None = None):
     G = args.num_generations
     batch_size = args.prompts_per_update // world * G  # this process's share of the completions
     micro_batch_size = min(args.micro_batch_size, batch_size)  # at most the batch
-    tools, environment = load_environment(args, load_tools(args.tools))  # --tools; --environment's instances (TRL's)
+    tools, environment = load_environment(args)  # --tools, and --environment's instances (TRL's environment_factory)
     reward_fns = load_reward_fns(args, environment)  # --reward-fn's, then the environment's get_reward; before loading
     tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device, tools)  # the RM's own tokenizer, or None
     eval_problems = eval_rows(args, tokenizer, reward_fns, tools)
@@ -490,12 +492,11 @@ def main(args: Args | None = None):
             # 5. mu optimizer steps on the batch; micro-batches accumulate the whole batch's gradient (detail 9)
             policy.train()
             stats, losses, grad_norms = [], [], []
-            if has_loss_tokens:
-                for _ in range(args.num_iterations):
-                    loss, micro_stats = accumulate_gradients(policy, batch, micro_batches, args, autocast)
-                    grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
-                    stats += micro_stats
-                    losses.append(loss)
+            for _ in range(args.num_iterations if has_loss_tokens else 0):
+                loss, micro_stats = accumulate_gradients(policy, batch, micro_batches, args, autocast)
+                grad_norms.append(optimizer_step(optimizer, params, args.max_grad_norm))
+                stats += micro_stats
+                losses.append(loss)
             run["state"] = {"update": update}  # the update is done, and a stop from here on resumes after it
             clock.lap("update")
             # TRY NOT TO MODIFY: 6. log (TRL's GRPO metric names), evaluate, show samples, save
@@ -545,8 +546,7 @@ def check_args(args, world):
     if args.teacher and args.beta:  # a KL term to which model? The teacher's is in every token's advantage
         raise SystemExit("error: --teacher needs --beta 0: the teacher's reverse KL is each token's advantage already")
     if args.teacher and args.dynamic_sampling and args.reward_fn is None:
-        why = "needs a --reward-fn: else every group's rewards are 0"
-        raise SystemExit(f"error: --dynamic-sampling with --teacher {why}")
+        raise SystemExit("error: --dynamic-sampling with --teacher needs a --reward-fn: else all rewards are 0")
     if args.reward_fn == ():
         raise SystemExit("error: --reward-fn needs at least one reward function")
     if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
@@ -569,15 +569,6 @@ def loss_stats(ratio, advantages, mask, kl, loss_type, epsilon, epsilon_high):
         if kl is not None:
             means["kl"] = kl
         return {name: masked_mean(x.float(), mask) for name, x in means.items()}
-
-
-def global_quantile(values, q):
-    """The q-quantile of every rank's values (their counts differ), by numpy: torch.quantile refuses > 2^24 values."""
-    if dist.is_initialized():
-        every_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(every_rank, values.cpu())
-        values = torch.cat(every_rank)
-    return np.quantile(values.cpu().numpy(), q)
 
 
 def grpo_metrics(update, args, batch, names, stats, losses, grad_norms, optimizer, clock):
@@ -609,10 +600,8 @@ def grpo_metrics(update, args, batch, names, stats, losses, grad_norms, optimize
     metrics |= vllm_metrics(batch) if args.vllm and losses else {}  # no update, no old log-probs
     warn_truncated(metrics["completions/clipped_ratio"], args, "; see --mask-truncated-completions, --overlong-buffer")
     line = f"update {update}/{args.total_steps}: reward {metrics['reward']:.3f}  "
-    if "kl" in metrics:
-        line += f"kl {metrics['kl']:.4f}  "
-    if not losses:
-        line += "(no loss tokens)  "
+    line += f"kl {metrics['kl']:.4f}  " if "kl" in metrics else ""
+    line += "" if losses else "(no loss tokens)  "
     return metrics, line + progress
 
 
@@ -786,14 +775,10 @@ def calculator(expression: str) -> str:
     return str(result)
 
 
-def load_tools(specs):
-    """--tools as {name: function}: a built-in one, or file.py:fn / module:fn with type hints and an Args: docstring."""
-    built_in = {"calculator": calculator}  # --tools NAME
-    return {tool.__name__: tool for tool in [import_function(spec, "--tools", built_in) for spec in specs]}
-
-
-def load_environment(args, tools):
-    """--environment as TRL's environment_factory: (tools and its instance's methods, its pool) or (tools, None)."""
+def load_environment(args):
+    """({name: function} of --tools and --environment's methods, its pool or None): TRL's environment_factory's."""
+    functions = [import_function(spec, "--tools", {"calculator": calculator}) for spec in args.tools]
+    tools = {function.__name__: function for function in functions}
     if args.environment is None:
         return tools, None
     factory = import_function(args.environment, "--environment", {})
@@ -1155,9 +1140,8 @@ def load_model(cls, name, flag, dtype=torch.float32, bf16=False):
     config.update({k: 0.0 for k, v in config.to_dict().items() if isinstance(v, float) and "drop" in k})
     meta = dist.is_initialized() and dist.get_rank() > 0
     model = from_pretrained(cls, name, flag, config=config, dtype=dtype, device_map="meta" if meta else None)
-    for module in model.modules():  # for models that hard-code one
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
+    for module in [m for m in model.modules() if isinstance(m, nn.Dropout)]:  # for models that hard-code one
+        module.p = 0.0
     return model
 
 
@@ -1195,9 +1179,8 @@ def add_pad_token(tokenizer, models, eos_ids=()):
 def end_of_response_ids(tokenizer, generation_config):
     """Detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
     the chat template writes (its turn markers: a base model's config names its EOS alone, not its end of turn)."""
-    configured = generation_config.eos_token_id or []  # None, an id or a list of them
-    if isinstance(configured, int):
-        configured = [configured]
+    configured = generation_config.eos_token_id  # None, an id or a list of them
+    configured = [configured] if isinstance(configured, int) else configured or []
     turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
     turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
     return sorted({tokenizer.eos_token_id, *configured} | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
@@ -1323,11 +1306,9 @@ def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp3
     config, head = model.config, model.get_output_embeddings()
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     softcap = getattr(config, "final_logit_softcapping", None)
-    device_type, dtype = hidden.device.type, head.weight.dtype
-    if fp32:
-        dtype = torch.float32
-    elif torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
+    device_type = hidden.device.type
+    autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else head.weight.dtype
+    dtype = torch.float32 if fp32 else autocast
 
     def logits(h, weight, bias):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place
         z = F.linear(h.to(dtype), weight, bias).float()
@@ -1356,9 +1337,8 @@ def shard(model, bf16=False):
     """FSDP2 (docs/scaling.md): each transformer block a unit, gathered for its forward and backward; the rest, root."""
     mp_policy = MixedPrecisionPolicy(**(dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else {}))
     blocks = getattr(model, "_no_split_modules", None) or ()  # transformers' names of its blocks
-    for module in model.modules():
-        if type(module).__name__ in blocks:
-            fully_shard(module, mp_policy=mp_policy)
+    for module in [m for m in model.modules() if type(m).__name__ in blocks]:
+        fully_shard(module, mp_policy=mp_policy)
     fully_shard(model, mp_policy=mp_policy)
     if hasattr(model, "peft_config"):  # LoRA's generate() runs the inner model's forward, not its own: FSDP's hooks
         register_fsdp_forward_method(model, "generate")  # (a plain model's run in its forward, once a call)
@@ -1448,10 +1428,9 @@ def scoring(model, adapters_off=False):
 def prepare(args, trained):
     """Gradient checkpointing, torch's threads, AdamW over the trained weights: (params, optimizer)."""
     trained = [model for model in trained if model is not None]
-    for model in trained:
-        if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only
-            enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.20
-            enable({"use_reentrant": False})  # reentrant can leave LoRA with no gradient
+    for model in [m for m in trained if args.gradient_checkpointing and hasattr(m, "config")]:  # HF's, in train mode
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.20
+        enable({"use_reentrant": False})  # reentrant can leave LoRA with no gradient
     if trained[0].device.type == "cpu" and sum(p.numel() for p in trained[0].parameters()) < 50e6:
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
@@ -1479,9 +1458,8 @@ def start_vllm(args, policy, prompt_length):
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")  # in this process; quiet
     import vllm
 
-    if not cuda:  # imported on a CPU alone, whose attention serves some head sizes (a GPU's, the others)
-        cpu_attention = importlib.import_module("vllm.v1.attention.backends.cpu_attn").CPUAttentionBackend
-        served = cpu_attention.get_supported_head_sizes()
+    cpu = None if cuda else importlib.import_module("vllm.v1.attention.backends.cpu_attn")  # imported on a CPU alone
+    served = cpu.CPUAttentionBackend.get_supported_head_sizes() if cpu else []  # a CPU's attention: some head sizes
     if not cuda and head_size not in served:
         why = f"head size {head_size}, which vLLM's CPU attention does not serve ({served}); a GPU's does"
         raise SystemExit(f"error: --vllm: --model {args.model} has {why}")
@@ -1561,14 +1539,12 @@ def check_run(args, world):
         raise SystemExit(f"error: {flag} {path}: not a directory this run can write ({reason(e)})") from None
     split = args.eval_split if args.dataset_split == "train" and args.eval_split else args.dataset_split
     no_split = os.path.isfile(args.dataset) and split != "train" and not os.path.isfile(split)
+    rm_alone = args.eval_only and args.reward_model and not args.reward_fn  # an environment's get_reward: scores
     for bad, message in [
         (no_split, f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
         (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
         (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
-        (
-            args.eval_only and args.reward_model and not args.reward_fn,
-            "--eval-only beside --reward-model needs a --reward-fn",
-        ),
+        (rm_alone, "--eval-only beside --reward-model needs a --reward-fn"),
         (args.vllm and not importlib.util.find_spec("vllm"), "--vllm needs vLLM: its venv is in the README"),
         (args.vllm and args.eval_only, "--vllm does not run --eval-only yet: evaluate without it"),
     ]:
@@ -1620,8 +1596,7 @@ def setup(args):
 
 
 def parse_args(argv=None):
-    """The flags; with --resume RUN_DIR the run's args.json gives the defaults: only the flags given change. A path
-    under assets/ that the working directory lacks is the one beside the script."""
+    """The flags, with --resume RUN_DIR's args.json as their defaults; an assets/ path not here is the script's own."""
     args = tyro.cli(Args, args=argv)
     if args.resume is not None:
         try:
@@ -1666,32 +1641,8 @@ def own_run(args, rank):
     return verdict[0]
 
 
-def open_run(args, given, rank, resumed_update, run_dir):
-    """Rank 0's args.json (the flags as given) and TensorBoard writer, in the run directory that own_run locked."""
-    if rank:
-        return None
-    if resumed_update:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
-        for name in ["metrics.jsonl", "samples.jsonl"]:
-            with open(os.path.join(run_dir, name)) as f:
-                rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= resumed_update]
-            with open(os.path.join(run_dir, name), "w") as f:
-                f.writelines(rows)
-    saved = {"script": os.path.basename(__file__), "wandb_id": None}
-    if args.track:
-        import wandb  # here: it is slow to import
-
-        settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), dir=run_dir)
-        settings |= dict(name=os.path.basename(os.path.normpath(run_dir)), sync_tensorboard=True)
-        if resumed_update:  # the same wandb run goes on
-            settings |= dict(id=json.load(open(os.path.join(run_dir, "args.json"))).get("wandb_id"), resume="allow")
-        saved["wandb_id"] = wandb.init(**settings).id
-    with open(os.path.join(run_dir, "args.json"), "w") as f:
-        json.dump(given | saved, f, indent=1)
-    return SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
-
-
 def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
-    """--vllm's engine; (the resumed state or {}, weights and AdamW's loaded; prompts from there; run dir; writer)."""
+    """(resumed state or {}, prompts from there, run dir, rank 0's writer): the engine, checkpoint, args.json, wandb."""
     ranks = (dist.get_rank(), dist.get_world_size()) if TORCHRUN else (0, 1)
     rows = load_prompts(args, tokenizer, tools=tools)
     if args.vllm:  # after prepare() set torch's threads, and before the run directory, which a refusal leaves none of
@@ -1701,12 +1652,31 @@ def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
     try:  # the run directory owned before its checkpoint is read, and freed again on a refusal
         run_dir = own_run(args, ranks[0])
         resumed = load_checkpoint(args, models, optimizer)
-        writer = open_run(args, given, ranks[0], resumed.get("update", 0), run_dir)
+        update, writer = resumed.get("update", 0), None
+        saved = {"script": os.path.basename(__file__), "wandb_id": None}
+        if ranks[0] == 0 and update:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
+            for name in ["metrics.jsonl", "samples.jsonl"]:
+                with open(os.path.join(run_dir, name)) as f:
+                    kept = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= update]
+                with open(os.path.join(run_dir, name), "w") as f:
+                    f.writelines(kept)
+        if ranks[0] == 0 and args.track:
+            import wandb  # here: it is slow to import
+
+            settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), dir=run_dir)
+            settings |= dict(name=os.path.basename(os.path.normpath(run_dir)), sync_tensorboard=True)
+            if update:  # the same wandb run goes on
+                wandb_id = json.load(open(os.path.join(run_dir, "args.json"))).get("wandb_id")
+                settings |= dict(id=wandb_id, resume="allow")
+            saved["wandb_id"] = wandb.init(**settings).id
+        if ranks[0] == 0:
+            with open(os.path.join(run_dir, "args.json"), "w") as f:
+                json.dump(given | saved, f, indent=1)
+            writer = SummaryWriter(run_dir, purge_step=update + 1)  # and TensorBoard's events past it
     except BaseException:
         LOCK.close()
         raise
-    start = resumed.get("update", 0) * args.prompts_per_update
-    return resumed, prompt_stream(rows, args.seed, start, *ranks), run_dir, writer
+    return resumed, prompt_stream(rows, args.seed, update * args.prompts_per_update, *ranks), run_dir, writer
 
 
 def log(writer, metrics, line, samples=()):
@@ -1737,8 +1707,7 @@ def samples_to_log(args, update, rows, completions, **values):
 
 
 def warn_truncated(share, args, scoring):
-    """One line when at least half of an update's responses never ended, cut off at --max-new-tokens (a silent
-    failure: a cut answer scores as wrong), once a run and again only if the share grows; `scoring`: this script's."""
+    """A line when half or more of an update's responses hit --max-new-tokens (a silent failure); again as it grows."""
     if share >= 0.5 and share > max(TRUNCATED, default=0):
         TRUNCATED.append(share)
         cut = f"--max-new-tokens {args.max_new_tokens}"  # a response cut off on its call ends in an EOS: not counted
@@ -1819,14 +1788,12 @@ def evaluate(policy, tokenizer, rows, reward_fns, args, autocast, batch_size, to
 
 
 def pass_at_k(n, c, k):
-    """The unbiased estimate of pass@k (Chen et al. 2021), the chance that k samples hold a right one, from n samples
-    of which c are right: 1 - C(n - c, k) / C(n, k), the chance that k drawn from the n are all wrong taken from 1."""
+    """Unbiased pass@k (Chen et al. 2021) from n samples, c of them right: 1 - C(n - c, k) / C(n, k), all k wrong."""
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def majority_vote(answers):
-    """maj@n's answer (self-consistency, Wang et al. 2023): the answer most of a prompt's samples state, a tie going to
-    the earliest sample's; a sample with no answer (None) does not vote, and with none at all there is none (None)."""
+    """maj@n's answer (Wang et al. 2023): the one most samples state, a tie to the earliest; None does not vote."""
     votes = [answer for answer in answers if answer is not None]
     return max(votes, key=votes.count, default=None)
 
@@ -1867,9 +1834,8 @@ class Stopwatch:
         """time/* and perf/* of the update just timed, and its line's end: '(seconds so far, ETA)'."""
         seconds, elapsed = sum(self.times.values()), time.time() - self.start
         left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (self.total - update) / (update - self.first)))
-        peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-        if self.device.type == "cuda":
-            peak_memory = torch.cuda.max_memory_allocated() / 2**20
+        peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # ru_maxrss: KiB
+        peak_memory = torch.cuda.max_memory_allocated() / 2**20 if self.device.type == "cuda" else peak_memory
         metrics = {"time/elapsed": elapsed, "perf/tokens_per_sec": tokens / seconds, "perf/peak_memory_mb": peak_memory}
         return self.times | metrics, f"{seconds:.2f}s  ({elapsed:.0f}s, ETA {left})"
 
@@ -2046,10 +2012,8 @@ def save_policy(path, models, tokenizer, merged=False):
     tokenizer = copy.copy(tokenizer)  # with its family's chat template, not the training one a tool run renders with
     tokenizer.chat_template = getattr(tokenizer, "family_chat_template", tokenizer.chat_template)
     options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True)
-    for name, model in models.items():  # every rank takes part in each gather, rank 0 too after a failure
-        if name == "ref_policy":  # --model's, or a copy of the policy
-            continue
-        weights = dsd.get_model_state_dict(model, options=options)
+    for name, model in [(n, m) for n, m in models.items() if n != "ref_policy"]:  # the reference: --model's
+        weights = dsd.get_model_state_dict(model, options=options)  # every rank gathers, rank 0 too after a failure
         where = os.path.join(path, "critic") if name != "policy" and "critic" in models else path
         try:
             if rank == 0 and failed is None and name == "value_head":
@@ -2111,9 +2075,7 @@ def load_checkpoint(args, models, optimizer):
 def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
     """main()'s loop inside the run's plumbing: Ctrl-C and SIGTERM stop it after the update; any exception saves
     run["state"] (every rank together) and says what is on disk and how to go on; the end closes logs and processes."""
-    STOP.clear()
-    TRUNCATED.clear()
-    PARTIAL.clear()
+    del STOP[:], TRUNCATED[:], PARTIAL[:]  # a new run's: no signal yet, and no warning given
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     print(f"{run_dir}/checkpoint: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     try:
@@ -2157,9 +2119,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         LOCK.close()
     print(f"saved the policy to {run_dir}/policy")
     if args.track and writer is not None:
-        import wandb  # open_run imported it
-
-        wandb.finish()
+        sys.modules["wandb"].finish()  # start_run imported it
 
 
 def evaluate_only(held_out):
@@ -2179,8 +2139,7 @@ def evaluate_only(held_out):
 
 @contextlib.contextmanager
 def clean_exit():
-    """Under torchrun a refusal (a SystemExit's one line) is printed by rank 0 alone and ends torchrun's report; a run
-    that ends well ends every rank together (after rank 0's last save), without Python's own exit."""
+    """Under torchrun: a refusal's line by rank 0 alone, also in torchrun's report; a good end, every rank together."""
     try:
         yield
     except SystemExit as e:

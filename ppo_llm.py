@@ -395,7 +395,7 @@ def main(args: Args | None = None):
     check_args(args, world)
     batch_size = args.prompts_per_update // world  # this process's share of the prompts, one response each
     micro_batch_size = min(args.micro_batch_size, batch_size // args.num_mini_batches)  # at most a minibatch
-    tools, environment = load_environment(args, load_tools(args.tools))  # --tools; --environment's instances (TRL's)
+    tools, environment = load_environment(args)  # --tools, and --environment's instances (TRL's environment_factory)
     reward_fns = load_reward_fns(args, environment)  # --reward-fn's, then the environment's get_reward; before loading
     tokenizer, policy, reward_model, rm_tokenizer = load_models(args, device, tools)  # the RM's own tokenizer, or None
     eval_problems = eval_rows(args, tokenizer, reward_fns, tools)
@@ -742,14 +742,10 @@ def calculator(expression: str) -> str:
     return str(result)
 
 
-def load_tools(specs):
-    """--tools as {name: function}: a built-in one, or file.py:fn / module:fn with type hints and an Args: docstring."""
-    built_in = {"calculator": calculator}  # --tools NAME
-    return {tool.__name__: tool for tool in [import_function(spec, "--tools", built_in) for spec in specs]}
-
-
-def load_environment(args, tools):
-    """--environment as TRL's environment_factory: (tools and its instance's methods, its pool) or (tools, None)."""
+def load_environment(args):
+    """({name: function} of --tools and --environment's methods, its pool or None): TRL's environment_factory's."""
+    functions = [import_function(spec, "--tools", {"calculator": calculator}) for spec in args.tools]
+    tools = {function.__name__: function for function in functions}
     if args.environment is None:
         return tools, None
     factory = import_function(args.environment, "--environment", {})
@@ -1111,9 +1107,8 @@ def load_model(cls, name, flag, dtype=torch.float32, bf16=False):
     config.update({k: 0.0 for k, v in config.to_dict().items() if isinstance(v, float) and "drop" in k})
     meta = dist.is_initialized() and dist.get_rank() > 0
     model = from_pretrained(cls, name, flag, config=config, dtype=dtype, device_map="meta" if meta else None)
-    for module in model.modules():  # for models that hard-code one
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
+    for module in [m for m in model.modules() if isinstance(m, nn.Dropout)]:  # for models that hard-code one
+        module.p = 0.0
     return model
 
 
@@ -1151,9 +1146,8 @@ def add_pad_token(tokenizer, models, eos_ids=()):
 def end_of_response_ids(tokenizer, generation_config):
     """Detail 2: the ids that end a response: the tokenizer's EOS, the generation_config's, and the special tokens that
     the chat template writes (its turn markers: a base model's config names its EOS alone, not its end of turn)."""
-    configured = generation_config.eos_token_id or []  # None, an id or a list of them
-    if isinstance(configured, int):
-        configured = [configured]
+    configured = generation_config.eos_token_id  # None, an id or a list of them
+    configured = [configured] if isinstance(configured, int) else configured or []
     turns = {t for t in tokenizer.all_special_tokens if t in str(tokenizer.chat_template or "")}
     turns -= {tokenizer.bos_token, tokenizer.pad_token, tokenizer.unk_token}  # a template starts with the BOS
     return sorted({tokenizer.eos_token_id, *configured} | set(tokenizer.convert_tokens_to_ids(sorted(turns))))
@@ -1279,11 +1273,9 @@ def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp3
     config, head = model.config, model.get_output_embeddings()
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     softcap = getattr(config, "final_logit_softcapping", None)
-    device_type, dtype = hidden.device.type, head.weight.dtype
-    if fp32:
-        dtype = torch.float32
-    elif torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
+    device_type = hidden.device.type
+    autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else head.weight.dtype
+    dtype = torch.float32 if fp32 else autocast
 
     def logits(h, weight, bias):  # (N, H) -> (N, V) fp32: scaled, softcapped, divided by the temperature, in place
         z = F.linear(h.to(dtype), weight, bias).float()
@@ -1312,9 +1304,8 @@ def shard(model, bf16=False):
     """FSDP2 (docs/scaling.md): each transformer block a unit, gathered for its forward and backward; the rest, root."""
     mp_policy = MixedPrecisionPolicy(**(dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else {}))
     blocks = getattr(model, "_no_split_modules", None) or ()  # transformers' names of its blocks
-    for module in model.modules():
-        if type(module).__name__ in blocks:
-            fully_shard(module, mp_policy=mp_policy)
+    for module in [m for m in model.modules() if type(m).__name__ in blocks]:
+        fully_shard(module, mp_policy=mp_policy)
     fully_shard(model, mp_policy=mp_policy)
     if hasattr(model, "peft_config"):  # LoRA's generate() runs the inner model's forward, not its own: FSDP's hooks
         register_fsdp_forward_method(model, "generate")  # (a plain model's run in its forward, once a call)
@@ -1404,10 +1395,9 @@ def scoring(model, adapters_off=False):
 def prepare(args, trained):
     """Gradient checkpointing, torch's threads, AdamW over the trained weights: (params, optimizer)."""
     trained = [model for model in trained if model is not None]
-    for model in trained:
-        if args.gradient_checkpointing and hasattr(model, "config"):  # HF's, in train mode only
-            enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.20
-            enable({"use_reentrant": False})  # reentrant can leave LoRA with no gradient
+    for model in [m for m in trained if args.gradient_checkpointing and hasattr(m, "config")]:  # HF's, in train mode
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.20
+        enable({"use_reentrant": False})  # reentrant can leave LoRA with no gradient
     if trained[0].device.type == "cpu" and sum(p.numel() for p in trained[0].parameters()) < 50e6:
         torch.set_num_threads(1)  # measured faster for small models on 2 shared cores
     params = [p for model in trained for p in model.parameters() if p.requires_grad]
@@ -1435,9 +1425,8 @@ def start_vllm(args, policy, prompt_length):
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="ERROR")  # in this process; quiet
     import vllm
 
-    if not cuda:  # imported on a CPU alone, whose attention serves some head sizes (a GPU's, the others)
-        cpu_attention = importlib.import_module("vllm.v1.attention.backends.cpu_attn").CPUAttentionBackend
-        served = cpu_attention.get_supported_head_sizes()
+    cpu = None if cuda else importlib.import_module("vllm.v1.attention.backends.cpu_attn")  # imported on a CPU alone
+    served = cpu.CPUAttentionBackend.get_supported_head_sizes() if cpu else []  # a CPU's attention: some head sizes
     if not cuda and head_size not in served:
         why = f"head size {head_size}, which vLLM's CPU attention does not serve ({served}); a GPU's does"
         raise SystemExit(f"error: --vllm: --model {args.model} has {why}")
@@ -1517,14 +1506,12 @@ def check_run(args, world):
         raise SystemExit(f"error: {flag} {path}: not a directory this run can write ({reason(e)})") from None
     split = args.eval_split if args.dataset_split == "train" and args.eval_split else args.dataset_split
     no_split = os.path.isfile(args.dataset) and split != "train" and not os.path.isfile(split)
+    rm_alone = args.eval_only and args.reward_model and not args.reward_fn  # an environment's get_reward: scores
     for bad, message in [
         (no_split, f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
         (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
         (args.save_merged and not args.lora_r, "--save-merged needs --lora-r: without LoRA the policy is a full model"),
-        (
-            args.eval_only and args.reward_model and not args.reward_fn,
-            "--eval-only beside --reward-model needs a --reward-fn",
-        ),
+        (rm_alone, "--eval-only beside --reward-model needs a --reward-fn"),
         (args.vllm and not importlib.util.find_spec("vllm"), "--vllm needs vLLM: its venv is in the README"),
         (args.vllm and args.eval_only, "--vllm does not run --eval-only yet: evaluate without it"),
     ]:
@@ -1576,8 +1563,7 @@ def setup(args):
 
 
 def parse_args(argv=None):
-    """The flags; with --resume RUN_DIR the run's args.json gives the defaults: only the flags given change. A path
-    under assets/ that the working directory lacks is the one beside the script."""
+    """The flags, with --resume RUN_DIR's args.json as their defaults; an assets/ path not here is the script's own."""
     args = tyro.cli(Args, args=argv)
     if args.resume is not None:
         try:
@@ -1622,32 +1608,8 @@ def own_run(args, rank):
     return verdict[0]
 
 
-def open_run(args, given, rank, resumed_update, run_dir):
-    """Rank 0's args.json (the flags as given) and TensorBoard writer, in the run directory that own_run locked."""
-    if rank:
-        return None
-    if resumed_update:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
-        for name in ["metrics.jsonl", "samples.jsonl"]:
-            with open(os.path.join(run_dir, name)) as f:
-                rows = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= resumed_update]
-            with open(os.path.join(run_dir, name), "w") as f:
-                f.writelines(rows)
-    saved = {"script": os.path.basename(__file__), "wandb_id": None}
-    if args.track:
-        import wandb  # here: it is slow to import
-
-        settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), dir=run_dir)
-        settings |= dict(name=os.path.basename(os.path.normpath(run_dir)), sync_tensorboard=True)
-        if resumed_update:  # the same wandb run goes on
-            settings |= dict(id=json.load(open(os.path.join(run_dir, "args.json"))).get("wandb_id"), resume="allow")
-        saved["wandb_id"] = wandb.init(**settings).id
-    with open(os.path.join(run_dir, "args.json"), "w") as f:
-        json.dump(given | saved, f, indent=1)
-    return SummaryWriter(run_dir, purge_step=resumed_update + 1)  # and TensorBoard's events past it
-
-
 def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
-    """--vllm's engine; (the resumed state or {}, weights and AdamW's loaded; prompts from there; run dir; writer)."""
+    """(resumed state or {}, prompts from there, run dir, rank 0's writer): the engine, checkpoint, args.json, wandb."""
     ranks = (dist.get_rank(), dist.get_world_size()) if TORCHRUN else (0, 1)
     rows = load_prompts(args, tokenizer, tools=tools)
     if args.vllm:  # after prepare() set torch's threads, and before the run directory, which a refusal leaves none of
@@ -1657,12 +1619,31 @@ def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
     try:  # the run directory owned before its checkpoint is read, and freed again on a refusal
         run_dir = own_run(args, ranks[0])
         resumed = load_checkpoint(args, models, optimizer)
-        writer = open_run(args, given, ranks[0], resumed.get("update", 0), run_dir)
+        update, writer = resumed.get("update", 0), None
+        saved = {"script": os.path.basename(__file__), "wandb_id": None}
+        if ranks[0] == 0 and update:  # resuming: the rows past the checkpoint go (a hard kill's, half-written ones too)
+            for name in ["metrics.jsonl", "samples.jsonl"]:
+                with open(os.path.join(run_dir, name)) as f:
+                    kept = [line for line in f if line.endswith("\n") and json.loads(line)["update"] <= update]
+                with open(os.path.join(run_dir, name), "w") as f:
+                    f.writelines(kept)
+        if ranks[0] == 0 and args.track:
+            import wandb  # here: it is slow to import
+
+            settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), dir=run_dir)
+            settings |= dict(name=os.path.basename(os.path.normpath(run_dir)), sync_tensorboard=True)
+            if update:  # the same wandb run goes on
+                wandb_id = json.load(open(os.path.join(run_dir, "args.json"))).get("wandb_id")
+                settings |= dict(id=wandb_id, resume="allow")
+            saved["wandb_id"] = wandb.init(**settings).id
+        if ranks[0] == 0:
+            with open(os.path.join(run_dir, "args.json"), "w") as f:
+                json.dump(given | saved, f, indent=1)
+            writer = SummaryWriter(run_dir, purge_step=update + 1)  # and TensorBoard's events past it
     except BaseException:
         LOCK.close()
         raise
-    start = resumed.get("update", 0) * args.prompts_per_update
-    return resumed, prompt_stream(rows, args.seed, start, *ranks), run_dir, writer
+    return resumed, prompt_stream(rows, args.seed, update * args.prompts_per_update, *ranks), run_dir, writer
 
 
 def log(writer, metrics, line, samples=()):
@@ -1693,8 +1674,7 @@ def samples_to_log(args, update, rows, completions, **values):
 
 
 def warn_truncated(share, args, scoring):
-    """One line when at least half of an update's responses never ended, cut off at --max-new-tokens (a silent
-    failure: a cut answer scores as wrong), once a run and again only if the share grows; `scoring`: this script's."""
+    """A line when half or more of an update's responses hit --max-new-tokens (a silent failure); again as it grows."""
     if share >= 0.5 and share > max(TRUNCATED, default=0):
         TRUNCATED.append(share)
         cut = f"--max-new-tokens {args.max_new_tokens}"  # a response cut off on its call ends in an EOS: not counted
@@ -1775,14 +1755,12 @@ def evaluate(policy, tokenizer, rows, reward_fns, args, autocast, batch_size, to
 
 
 def pass_at_k(n, c, k):
-    """The unbiased estimate of pass@k (Chen et al. 2021), the chance that k samples hold a right one, from n samples
-    of which c are right: 1 - C(n - c, k) / C(n, k), the chance that k drawn from the n are all wrong taken from 1."""
+    """Unbiased pass@k (Chen et al. 2021) from n samples, c of them right: 1 - C(n - c, k) / C(n, k), all k wrong."""
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def majority_vote(answers):
-    """maj@n's answer (self-consistency, Wang et al. 2023): the answer most of a prompt's samples state, a tie going to
-    the earliest sample's; a sample with no answer (None) does not vote, and with none at all there is none (None)."""
+    """maj@n's answer (Wang et al. 2023): the one most samples state, a tie to the earliest; None does not vote."""
     votes = [answer for answer in answers if answer is not None]
     return max(votes, key=votes.count, default=None)
 
@@ -1823,9 +1801,8 @@ class Stopwatch:
         """time/* and perf/* of the update just timed, and its line's end: '(seconds so far, ETA)'."""
         seconds, elapsed = sum(self.times.values()), time.time() - self.start
         left = time.strftime("%H:%M:%S", time.gmtime(elapsed * (self.total - update) / (update - self.first)))
-        peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-        if self.device.type == "cuda":
-            peak_memory = torch.cuda.max_memory_allocated() / 2**20
+        peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # ru_maxrss: KiB
+        peak_memory = torch.cuda.max_memory_allocated() / 2**20 if self.device.type == "cuda" else peak_memory
         metrics = {"time/elapsed": elapsed, "perf/tokens_per_sec": tokens / seconds, "perf/peak_memory_mb": peak_memory}
         return self.times | metrics, f"{seconds:.2f}s  ({elapsed:.0f}s, ETA {left})"
 
@@ -2002,10 +1979,8 @@ def save_policy(path, models, tokenizer, merged=False):
     tokenizer = copy.copy(tokenizer)  # with its family's chat template, not the training one a tool run renders with
     tokenizer.chat_template = getattr(tokenizer, "family_chat_template", tokenizer.chat_template)
     options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized(), ignore_frozen_params=True)
-    for name, model in models.items():  # every rank takes part in each gather, rank 0 too after a failure
-        if name == "ref_policy":  # --model's, or a copy of the policy
-            continue
-        weights = dsd.get_model_state_dict(model, options=options)
+    for name, model in [(n, m) for n, m in models.items() if n != "ref_policy"]:  # the reference: --model's
+        weights = dsd.get_model_state_dict(model, options=options)  # every rank gathers, rank 0 too after a failure
         where = os.path.join(path, "critic") if name != "policy" and "critic" in models else path
         try:
             if rank == 0 and failed is None and name == "value_head":
@@ -2067,9 +2042,7 @@ def load_checkpoint(args, models, optimizer):
 def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
     """main()'s loop inside the run's plumbing: Ctrl-C and SIGTERM stop it after the update; any exception saves
     run["state"] (every rank together) and says what is on disk and how to go on; the end closes logs and processes."""
-    STOP.clear()
-    TRUNCATED.clear()
-    PARTIAL.clear()
+    del STOP[:], TRUNCATED[:], PARTIAL[:]  # a new run's: no signal yet, and no warning given
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     print(f"{run_dir}/checkpoint: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     try:
@@ -2113,9 +2086,7 @@ def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
         LOCK.close()
     print(f"saved the policy to {run_dir}/policy")
     if args.track and writer is not None:
-        import wandb  # open_run imported it
-
-        wandb.finish()
+        sys.modules["wandb"].finish()  # start_run imported it
 
 
 def evaluate_only(held_out):
@@ -2135,8 +2106,7 @@ def evaluate_only(held_out):
 
 @contextlib.contextmanager
 def clean_exit():
-    """Under torchrun a refusal (a SystemExit's one line) is printed by rank 0 alone and ends torchrun's report; a run
-    that ends well ends every rank together (after rank 0's last save), without Python's own exit."""
+    """Under torchrun: a refusal's line by rank 0 alone, also in torchrun's report; a good end, every rank together."""
     try:
         yield
     except SystemExit as e:

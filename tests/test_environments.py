@@ -193,7 +193,7 @@ def test_rewards_without_a_reward_function_and_the_refusals(desk, capsys):
     # get_reward alone is the reward; a reward function named beside it adds one more source (GRPO's weights count
     # the functions only); a class that cannot be a TRL environment is refused in one line, before any model loads
     args = ppo_llm.Args(environment=desk["env"])
-    tools, environment = ppo_llm.load_environment(args, {})
+    tools, environment = ppo_llm.load_environment(args)
     assert list(tools) == ["calculator"] and environment.scores and len(environment.pool) == 1
     (get_reward,) = ppo_llm.load_reward_fns(args, environment)
     environment.pool[0].turn_rewards = [0.5, -0.25]
@@ -202,14 +202,14 @@ def test_rewards_without_a_reward_function_and_the_refusals(desk, capsys):
     assert len(ppo_llm.load_reward_fns(ppo_llm.Args(environment=desk["env"], reward_fn="arithmetic"), environment)) == 2
     for name in ["NoReset", "SEVERAL", "Missing"]:  # no reset; a dict of several (TRL's, by a column); no such name
         with pytest.raises(SystemExit, match=f"^error: --environment {re.escape(desk['file'])}:{name}"):
-            ppo_llm.load_environment(ppo_llm.Args(environment=f"{desk['file']}:{name}"), {})
+            ppo_llm.load_environment(ppo_llm.Args(environment=f"{desk['file']}:{name}"))
     why = "is not a class with a reset(**row) method (TRL's environment_factory; a dict of several: not yet)"
     with pytest.raises(SystemExit, match=re.escape(why)):
-        ppo_llm.load_environment(ppo_llm.Args(environment=f"{desk['file']}:SEVERAL"), {})
+        ppo_llm.load_environment(ppo_llm.Args(environment=f"{desk['file']}:SEVERAL"))
     no_reward = f"{desk['file']}:NoReward"
     with open(desk["file"], "a") as f:
         f.write("\n\nclass NoReward(Desk):\n    get_reward = None\n")
-    _, environment = ppo_llm.load_environment(ppo_llm.Args(environment=no_reward), {})
+    _, environment = ppo_llm.load_environment(ppo_llm.Args(environment=no_reward))
     with pytest.raises(SystemExit, match="has no get_reward and no --reward-fn is given: nothing scores its episodes"):
         ppo_llm.load_reward_fns(ppo_llm.Args(environment=no_reward), environment)
     with pytest.raises(SystemExit, match="scores with get_reward: use --reward-fn beside it, not --reward-model"):
@@ -223,7 +223,7 @@ def test_eval_only_scores_held_out_episodes_with_get_reward(calc, desk, tmp_path
 
 
 def environment_with_reward(desk):
-    return ppo_llm.load_environment(ppo_llm.Args(environment=desk["env"]), {})[1]
+    return ppo_llm.load_environment(ppo_llm.Args(environment=desk["env"]))[1]
 
 
 @pytest.mark.parametrize("value, why", [(None, "None"), (float("nan"), "nan"), ("1.0", "'1.0'")])
@@ -247,7 +247,7 @@ def test_a_tool_method_that_raises_times_out_or_is_async_is_a_call_the_policy_re
     from test_tools import compact_tokenizer
 
     tok = compact_tokenizer()
-    _, environment = ppo_llm.load_environment(ppo_llm.Args(environment=f"{desk['file']}:AsyncDesk"), {})
+    _, environment = ppo_llm.load_environment(ppo_llm.Args(environment=f"{desk['file']}:AsyncDesk"))
     instance = environment.pool[0]
     instance.reset(prompt="6*7", answer="42")
     call = {"function": {"name": "calculator", "arguments": {"expression": "6*7"}}}
@@ -334,7 +334,7 @@ def test_the_docs_example_environment_runs_as_written(tmp_path):
         "# my_game.py                 python grpo_llm.py --environment my_game.py:Counter --model ... --dataset ...",
     )
     (tmp_path / "my_game.py").write_text(code)
-    tools, environment = ppo_llm.load_environment(ppo_llm.Args(environment=f"{tmp_path / 'my_game.py'}:Counter"), {})
+    tools, environment = ppo_llm.load_environment(ppo_llm.Args(environment=f"{tmp_path / 'my_game.py'}:Counter"))
     counter = environment.pool[0]
     assert list(tools) == ["increment"] and counter.reset(prompt="count", target="5") == " Count to 5."
     assert [counter.increment(2), counter.increment(7)] == ["2", "5"]

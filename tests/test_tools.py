@@ -239,17 +239,18 @@ def test_every_kind_of_bad_call_is_an_error_result_and_counted():
     assert "TimedOut: tool slow ran past 0.5 s" in text and "exponent" in text and text.endswith("\nA:")
 
 
-def test_load_tools_takes_the_builtin_and_your_functions(tmp_path):
+def test_tools_are_the_builtin_one_and_your_functions(tmp_path):
     path = tmp_path / "mytools.py"
     weather = 'def weather(city: str) -> str:\n    """The weather.\n\n    Args:\n        city: where\n    """\n'
     path.write_text(weather + '    return "sun"\n\n\ndef undocumented(x):\n    return x\n')
-    tools = ppo_llm.load_tools(("calculator", f"{path}:weather"))
+    tools, _ = ppo_llm.load_environment(ppo_llm.Args(tools=("calculator", f"{path}:weather")))
     assert list(tools) == ["calculator", "weather"] and tools["weather"]("Oslo") == "sun"
     tok = compact_tokenizer()
     with pytest.raises(SystemExit, match="error: --tools: .*: a tool is a function with type hints and an Args: doc"):
-        ppo_llm.setup_tool_parsing(tok, ppo_llm.load_tools((f"{path}:undocumented",)), [tok.eos_token_id], "m")
+        undocumented, _ = ppo_llm.load_environment(ppo_llm.Args(tools=(f"{path}:undocumented",)))
+        ppo_llm.setup_tool_parsing(tok, undocumented, [tok.eos_token_id], "m")
     with pytest.raises(SystemExit, match=r"error: --tools search: not one of \['calculator'\]"):
-        ppo_llm.load_tools(("search",))
+        ppo_llm.load_environment(ppo_llm.Args(tools=("search",)))
 
 
 @pytest.mark.parametrize(

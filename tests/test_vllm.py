@@ -425,7 +425,7 @@ def tool_turns_match_generate(tmp_path):
     script = grpo_llm
     dataset = os.path.join(ROOT, "assets/calc/train.jsonl")
     args = script.Args(model=model, dataset=dataset, tools=("calculator",), vllm=True, max_new_tokens=80)
-    tools = script.load_tools(args.tools)
+    tools, _ = script.load_environment(args)
     tokenizer, policy, _, _ = script.load_models(args, torch.device("cpu"), tools)
     script.prepare(args, [policy])
     script.start_vllm(args, policy, args.max_prompt_length)
