@@ -229,7 +229,7 @@ def distillation_advantages(advantages, logprobs, teacher_logprobs, coef):
 
 
 def overlong_penalty(lengths, max_new_tokens, buffer, penalty):
-    """DAPO's soft overlong punishment of completions of L tokens (B,) -> (B,): penalty * max(0, L - (max_new_tokens -
+    """DAPO's soft overlong punishment of L tokens (B,), a tool's too, -> (B,): penalty * max(0, L - (max_new_tokens -
     buffer)) / buffer, from 0 at L = max_new_tokens - buffer to `penalty` at max_new_tokens; none when buffer is 0."""
     if buffer == 0:
         return torch.zeros_like(lengths, dtype=torch.float)
@@ -424,15 +424,13 @@ def main(args: Args | None = None):
     if args.beta:  # with beta 0, TRL's default, there is no KL term and no reference (details 5, 10)
         ref_policy = policy if args.lora_r else frozen_copy(policy, device, uses_bf16(args))  # LoRA: its adapters off
     params, optimizer = prepare(args, [policy])
-    names = [name.rpartition(":")[2] for name in reward_fn_names(args)]
-    if args.reward_model:
-        names = [os.path.basename(args.reward_model)]
+    fn_names = reward_fn_names(args)  # a reward model's name is its directory's
+    names = [os.path.basename(args.reward_model)] if args.reward_model else [n.split(":")[-1] for n in fn_names]
     weights = list(args.reward_weights or [1.0] * len(names))
     if args.teacher and not args.reward_fn:  # pure distillation: the reward functions only measure
         weights = [0.0] * len(names)
-    if len(reward_fns) > len(reward_fn_names(args)):  # the environment's get_reward: a source of weight 1 (TRL's)
+    if len(reward_fns) > len(fn_names):  # the environment's get_reward: a source of weight 1 (TRL's)
         names, weights = names + [args.environment.rpartition(":")[2]], weights + [1.0]
-    reward_weights = torch.tensor(weights, device=device)
     models = nn.ModuleDict({"policy": policy})  # what checkpoint/ and policy/ hold; the reference is --model's
     resumed, prompts, run_dir, writer = start_run(args, given, models, optimizer, tokenizer, tools, eval_problems)
     first_update = resumed.get("update", 0)
@@ -463,9 +461,10 @@ def main(args: Args | None = None):
                 scores = reward_fn_scores(reward_fns, completions, rows, transcripts, envs, device)  # (B, sources)
             else:
                 scores = reward_model_scores(reward_model, rm_tokenizer, batch, rows, conversations, args)[:, None]
-            lengths = batch["lengths"]  # every token, a tool's too
-            overlong = overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer, args.overlong_penalty)
-            rewards = scores @ reward_weights - overlong
+            penalty = overlong_penalty(
+                batch["lengths"], args.max_new_tokens, args.overlong_buffer, args.overlong_penalty
+            )
+            rewards = scores @ scores.new_tensor(weights) - penalty
             # 3. advantages relative to the group (detail 3); which completions the loss sees
             advantages, zero_std = group_advantages(rewards, G, args.scale_rewards, args.leave_one_out)
             dropped = torch.zeros_like(batch["ended"])
@@ -531,14 +530,12 @@ def check_args(args, world):
     check_run(args, world)
     batch_size = args.prompts_per_update // world * args.num_generations  # this process's completions
     micro_batch_size = min(args.micro_batch_size, batch_size)  # main() caps it so
-    high = 1 + (args.epsilon if args.epsilon_high is None else args.epsilon_high)
     n_rewards = 1 if args.reward_model else len(reward_fn_names(args))
     if batch_size % micro_batch_size:
-        completions = f"the completions per update ({batch_size} a process)"
-        raise SystemExit(f"error: --micro-batch-size ({micro_batch_size}) must divide {completions}")
+        raise SystemExit(f"error: --micro-batch-size must divide the completions per update ({batch_size} a process)")
     if args.epsilon_high is not None and args.epsilon_high < args.epsilon:
         raise SystemExit(f"error: --epsilon-high must be >= --epsilon (got {args.epsilon_high})")
-    if args.delta is not None and args.delta <= high:
+    if args.delta is not None and args.delta <= 1 + (args.epsilon if args.epsilon_high is None else args.epsilon_high):
         raise SystemExit(f"error: --delta must be > 1 + --epsilon-high (got {args.delta})")
     if args.off_policy_mask_threshold is not None and args.num_iterations == 1 and not args.vllm:  # it never acts
         why = "needs --num-iterations > 1 or --vllm (at 1 the trainer sampled each completion: none is off-policy)"
@@ -550,8 +547,7 @@ def check_args(args, world):
     if args.reward_fn == ():
         raise SystemExit("error: --reward-fn needs at least one reward function")
     if args.reward_weights is not None and len(args.reward_weights) != n_rewards:
-        weights = f"({n_rewards}), not {len(args.reward_weights or [])}"
-        raise SystemExit(f"error: --reward-weights needs one weight per reward {weights}")
+        raise SystemExit(f"error: --reward-weights needs one per reward ({n_rewards}), not {len(args.reward_weights)}")
 
 
 def loss_stats(ratio, advantages, mask, kl, loss_type, epsilon, epsilon_high):
@@ -837,8 +833,7 @@ def setup_tool_parsing(tokenizer, tools, eos_ids, model):
     except Exception as e:  # transformers' DocstringParsingException: no docstring, type hint or Args: line
         raise SystemExit(f"error: --tools: {e}: a tool is a function with type hints and an Args: docstring") from None
     if described == plain:
-        why = "does not render tools: give --model one that does (Qwen2.5-Instruct; assets/calc-sft)"
-        raise SystemExit(f"{flag} {why}")
+        raise SystemExit(f"{flag} does not render tools: give a --model that does (Qwen2.5-Instruct; assets/calc-sft)")
     try:
         from trl import chat_template_utils as trl_templates  # optional: the formats of the families TRL knows
     except ImportError:
@@ -893,8 +888,7 @@ def parse_turn(tokenizer, ids, turn_length, tools):
 
 
 def rendered_turn(tokenizer, turn, eos_ids, tools=None):
-    """user, turn (calls, tool messages), generation prompt, rendered: (ids, start, end), ids[start:end] the assistant's
-    tokens to the first end id, which the model writes (Qwen's <|im_end|>, gpt-oss's <|call|>, GLM <|observation|>)."""
+    """user, turn, generation prompt, rendered: (ids, start, end), ids[start:end] the assistant's to an end id."""
     user = [{"role": "user", "content": "1"}]
     header = tokenizer.apply_chat_template(user, tools=tools, add_generation_prompt=True, return_dict=False)
     ids = tokenizer.apply_chat_template(user + turn, tools=tools, add_generation_prompt=True, return_dict=False)
@@ -1286,8 +1280,7 @@ def model_defaults(args, policy):
 
 
 def last_hidden_state(model, inputs):
-    """What the LM head reads (B, T, H): the trunk's output, kept by a hook in the model's own forward (where FSDP
-    gathers the weights), not every layer's states until it returns, as output_hidden_states=True would."""
+    """The trunk's output (B, T, H), kept by a hook in the model's forward (FSDP's), not every layer's states."""
     if model.get_output_embeddings() is None:  # a trunk (AutoModel): PPO's critic
         return model(**inputs, use_cache=False).last_hidden_state
     kept = []
@@ -1305,8 +1298,7 @@ def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp3
     until the backward ends. The matmul in fp32 (fp32=True) or autocast's dtype, the head cast once, not per chunk."""
     config, head = model.config, model.get_output_embeddings()
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    device_type = hidden.device.type
+    softcap, device_type = getattr(config, "final_logit_softcapping", None), hidden.device.type
     autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else head.weight.dtype
     dtype = torch.float32 if fp32 else autocast
 
@@ -1347,24 +1339,22 @@ def shard(model, bf16=False):
 
 
 def place(model, device, bf16=False):
-    """The model on the device; under torchrun sharded, rank 0's whole weights sent a tensor at a time into the other
-    ranks' empty shards (their model is on the meta device), and the buffers with them (in no state dict: inv_freq)."""
+    """The model on the device; under torchrun sharded, rank 0's weights sent one tensor at a time to the others."""
     if not dist.is_initialized():
         return model.to(device)
     weights = model.state_dict() if dist.get_rank() == 0 else {}
     shard(model, bf16)
     if dist.get_rank():
-        model.to_empty(device=device)
+        model.to_empty(device=device)  # the other ranks' models are on the meta device
     options = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     dsd.set_model_state_dict(model, weights, options=options)
-    for buffer in model.buffers():
+    for buffer in model.buffers():  # in no state dict (inv_freq)
         dist.broadcast(buffer, src=0)
     return model
 
 
 def frozen_copy(model, device, bf16):
-    """A copy of the fp32 policy that never trains (the reference): no gradient, eval mode whatever train() its holder
-    gets; under torchrun an empty model sharded as the policy is, filled from its shards: no rank holds either whole."""
+    """A copy of the policy that never trains (the reference); under torchrun sharded as it, filled from its shards."""
     if not dist.is_initialized():
         copied = copy.deepcopy(model)
     else:
@@ -1381,8 +1371,7 @@ def frozen_copy(model, device, bf16):
 
 
 def load_teacher(args, device, held_out):
-    """--teacher (on-policy distillation): (a frozen causal LM, loaded as the reward model is, that scores the policy's
-    ids in its own softmax, its held-out accuracy once) or (None, {}); one line if its vocabulary or context differs."""
+    """(--teacher, a causal LM frozen and loaded as the reward model is; its held-out accuracy once) or (None, {})."""
     if args.teacher is None:
         return None, {}
     flag, (policy, tokenizer, problems) = f"error: --teacher {args.teacher}", held_out[:3]
@@ -1666,8 +1655,7 @@ def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
             settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), dir=run_dir)
             settings |= dict(name=os.path.basename(os.path.normpath(run_dir)), sync_tensorboard=True)
             if update:  # the same wandb run goes on
-                wandb_id = json.load(open(os.path.join(run_dir, "args.json"))).get("wandb_id")
-                settings |= dict(id=wandb_id, resume="allow")
+                settings |= dict(id=json.load(open(os.path.join(run_dir, "args.json"))).get("wandb_id"), resume="allow")
             saved["wandb_id"] = wandb.init(**settings).id
         if ranks[0] == 0:
             with open(os.path.join(run_dir, "args.json"), "w") as f:
@@ -1799,8 +1787,7 @@ def majority_vote(answers):
 
 
 def eval_line(metrics, table=None):
-    """The held-out accuracy ± its standard error; with --eval-only's (prompts, n, temperature), the table: its title,
-    that line with the gap two evaluations of one policy stay within (95%: 1.96 sqrt(2) SE), pass@k, maj@n, the rest."""
+    """The held-out accuracy ± its standard error; with --eval-only's (prompts, n, temperature), the whole table."""
     line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
     if table is None:
         return line

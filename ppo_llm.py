@@ -804,8 +804,7 @@ def setup_tool_parsing(tokenizer, tools, eos_ids, model):
     except Exception as e:  # transformers' DocstringParsingException: no docstring, type hint or Args: line
         raise SystemExit(f"error: --tools: {e}: a tool is a function with type hints and an Args: docstring") from None
     if described == plain:
-        why = "does not render tools: give --model one that does (Qwen2.5-Instruct; assets/calc-sft)"
-        raise SystemExit(f"{flag} {why}")
+        raise SystemExit(f"{flag} does not render tools: give a --model that does (Qwen2.5-Instruct; assets/calc-sft)")
     try:
         from trl import chat_template_utils as trl_templates  # optional: the formats of the families TRL knows
     except ImportError:
@@ -860,8 +859,7 @@ def parse_turn(tokenizer, ids, turn_length, tools):
 
 
 def rendered_turn(tokenizer, turn, eos_ids, tools=None):
-    """user, turn (calls, tool messages), generation prompt, rendered: (ids, start, end), ids[start:end] the assistant's
-    tokens to the first end id, which the model writes (Qwen's <|im_end|>, gpt-oss's <|call|>, GLM <|observation|>)."""
+    """user, turn, generation prompt, rendered: (ids, start, end), ids[start:end] the assistant's to an end id."""
     user = [{"role": "user", "content": "1"}]
     header = tokenizer.apply_chat_template(user, tools=tools, add_generation_prompt=True, return_dict=False)
     ids = tokenizer.apply_chat_template(user + turn, tools=tools, add_generation_prompt=True, return_dict=False)
@@ -1253,8 +1251,7 @@ def model_defaults(args, policy):
 
 
 def last_hidden_state(model, inputs):
-    """What the LM head reads (B, T, H): the trunk's output, kept by a hook in the model's own forward (where FSDP
-    gathers the weights), not every layer's states until it returns, as output_hidden_states=True would."""
+    """The trunk's output (B, T, H), kept by a hook in the model's forward (FSDP's), not every layer's states."""
     if model.get_output_embeddings() is None:  # a trunk (AutoModel): PPO's critic
         return model(**inputs, use_cache=False).last_hidden_state
     kept = []
@@ -1272,8 +1269,7 @@ def lm_head_logprobs(hidden, model, labels, temperature, entropy_grad=False, fp3
     until the backward ends. The matmul in fp32 (fp32=True) or autocast's dtype, the head cast once, not per chunk."""
     config, head = model.config, model.get_output_embeddings()
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    device_type = hidden.device.type
+    softcap, device_type = getattr(config, "final_logit_softcapping", None), hidden.device.type
     autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else head.weight.dtype
     dtype = torch.float32 if fp32 else autocast
 
@@ -1314,24 +1310,22 @@ def shard(model, bf16=False):
 
 
 def place(model, device, bf16=False):
-    """The model on the device; under torchrun sharded, rank 0's whole weights sent a tensor at a time into the other
-    ranks' empty shards (their model is on the meta device), and the buffers with them (in no state dict: inv_freq)."""
+    """The model on the device; under torchrun sharded, rank 0's weights sent one tensor at a time to the others."""
     if not dist.is_initialized():
         return model.to(device)
     weights = model.state_dict() if dist.get_rank() == 0 else {}
     shard(model, bf16)
     if dist.get_rank():
-        model.to_empty(device=device)
+        model.to_empty(device=device)  # the other ranks' models are on the meta device
     options = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     dsd.set_model_state_dict(model, weights, options=options)
-    for buffer in model.buffers():
+    for buffer in model.buffers():  # in no state dict (inv_freq)
         dist.broadcast(buffer, src=0)
     return model
 
 
 def frozen_copy(model, device, bf16):
-    """A copy of the fp32 policy that never trains (the reference): no gradient, eval mode whatever train() its holder
-    gets; under torchrun an empty model sharded as the policy is, filled from its shards: no rank holds either whole."""
+    """A copy of the policy that never trains (the reference); under torchrun sharded as it, filled from its shards."""
     if not dist.is_initialized():
         copied = copy.deepcopy(model)
     else:
@@ -1348,8 +1342,7 @@ def frozen_copy(model, device, bf16):
 
 
 def load_teacher(args, device, held_out):
-    """--teacher (on-policy distillation): (a frozen causal LM, loaded as the reward model is, that scores the policy's
-    ids in its own softmax, its held-out accuracy once) or (None, {}); one line if its vocabulary or context differs."""
+    """(--teacher, a causal LM frozen and loaded as the reward model is; its held-out accuracy once) or (None, {})."""
     if args.teacher is None:
         return None, {}
     flag, (policy, tokenizer, problems) = f"error: --teacher {args.teacher}", held_out[:3]
@@ -1633,8 +1626,7 @@ def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
             settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), dir=run_dir)
             settings |= dict(name=os.path.basename(os.path.normpath(run_dir)), sync_tensorboard=True)
             if update:  # the same wandb run goes on
-                wandb_id = json.load(open(os.path.join(run_dir, "args.json"))).get("wandb_id")
-                settings |= dict(id=wandb_id, resume="allow")
+                settings |= dict(id=json.load(open(os.path.join(run_dir, "args.json"))).get("wandb_id"), resume="allow")
             saved["wandb_id"] = wandb.init(**settings).id
         if ranks[0] == 0:
             with open(os.path.join(run_dir, "args.json"), "w") as f:
@@ -1766,8 +1758,7 @@ def majority_vote(answers):
 
 
 def eval_line(metrics, table=None):
-    """The held-out accuracy ± its standard error; with --eval-only's (prompts, n, temperature), the table: its title,
-    that line with the gap two evaluations of one policy stay within (95%: 1.96 sqrt(2) SE), pass@k, maj@n, the rest."""
+    """The held-out accuracy ± its standard error; with --eval-only's (prompts, n, temperature), the whole table."""
     line = f"held-out accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/accuracy_stderr']:.3f}"
     if table is None:
         return line

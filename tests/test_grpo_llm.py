@@ -610,14 +610,14 @@ def test_ctrl_c_saves(tiny, tmp_path, monkeypatch):
     "options, message",
     [
         (dict(num_generations=1), "error: --num-generations must be >= 2 (got 1)"),
-        (dict(num_generations=3), "error: --micro-batch-size (4) must divide the completions per update (6 a process)"),
-        (dict(micro_batch_size=3), "--micro-batch-size (3) must divide the completions per update (8 a process)"),
+        (dict(num_generations=3), "error: --micro-batch-size must divide the completions per update (6 a process)"),
+        (dict(micro_batch_size=3), "--micro-batch-size must divide the completions per update (8 a process)"),
         (dict(num_iterations=0), "error: --num-iterations must be >= 1 (got 0)"),
         (dict(epsilon=0.2, epsilon_high=0.1), "error: --epsilon-high must be >= --epsilon (got 0.1)"),
         (dict(epsilon_high=0.28, delta=1.2), "error: --delta must be > 1 + --epsilon-high (got 1.2)"),
         (dict(reward_fn=("arithmetic", "nope")), "error: --reward-fn nope: not one of ['arithmetic', 'format', "
          "'gsm8k'], nor a file.py:function or module:function that loads"),
-        (dict(reward_weights=(1.0, 2.0)), "error: --reward-weights needs one weight per reward (1), not 2"),
+        (dict(reward_weights=(1.0, 2.0)), "error: --reward-weights needs one per reward (1), not 2"),
         (dict(reward_fn=()), "error: --reward-fn needs at least one reward function"),
         (dict(off_policy_mask_threshold=0.5), "error: --off-policy-mask-threshold needs --num-iterations > 1 or "
          "--vllm"),

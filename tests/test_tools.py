@@ -256,7 +256,7 @@ def test_tools_are_the_builtin_one_and_your_functions(tmp_path):
 @pytest.mark.parametrize(
     "template, specials, eos, error",
     [
-        (None, (), "<eos>", "does not render tools: give --model one that does"),
+        (None, (), "<eos>", "does not render tools: give a --model that does"),
         (NO_TOOLS, (), "<eos>", "does not render tools"),
         (
             LLAMA3,
