@@ -743,7 +743,7 @@ def calculator(expression: str) -> str:
 
 
 def load_environment(args):
-    """({name: function} of --tools and --environment's methods, its pool or None): TRL's environment_factory's."""
+    """--tools and --environment (TRL's environment_factory): ({name: function}, the environment's pool or None)."""
     functions = [import_function(spec, "--tools", {"calculator": calculator}) for spec in args.tools]
     tools = {function.__name__: function for function in functions}
     if args.environment is None:
@@ -859,7 +859,7 @@ def parse_turn(tokenizer, ids, turn_length, tools):
 
 
 def rendered_turn(tokenizer, turn, eos_ids, tools=None):
-    """user, turn, generation prompt, rendered: (ids, start, end), ids[start:end] the assistant's to an end id."""
+    """A user message, turn and generation prompt rendered: (ids, start, end), ids[start:end] the turn to its end id."""
     user = [{"role": "user", "content": "1"}]
     header = tokenizer.apply_chat_template(user, tools=tools, add_generation_prompt=True, return_dict=False)
     ids = tokenizer.apply_chat_template(user + turn, tools=tools, add_generation_prompt=True, return_dict=False)
@@ -1251,7 +1251,7 @@ def model_defaults(args, policy):
 
 
 def last_hidden_state(model, inputs):
-    """The trunk's output (B, T, H), kept by a hook in the model's forward (FSDP's), not every layer's states."""
+    """The trunk's output (B, T, H), kept by a hook in the model's own forward, not every layer's states at once."""
     if model.get_output_embeddings() is None:  # a trunk (AutoModel): PPO's critic
         return model(**inputs, use_cache=False).last_hidden_state
     kept = []
@@ -1325,7 +1325,7 @@ def place(model, device, bf16=False):
 
 
 def frozen_copy(model, device, bf16):
-    """A copy of the policy that never trains (the reference); under torchrun sharded as it, filled from its shards."""
+    """A copy of the policy that never trains (the reference); under torchrun sharded alike, filled from its shards."""
     if not dist.is_initialized():
         copied = copy.deepcopy(model)
     else:
@@ -1499,7 +1499,7 @@ def check_run(args, world):
         raise SystemExit(f"error: {flag} {path}: not a directory this run can write ({reason(e)})") from None
     split = args.eval_split if args.dataset_split == "train" and args.eval_split else args.dataset_split
     no_split = os.path.isfile(args.dataset) and split != "train" and not os.path.isfile(split)
-    rm_alone = args.eval_only and args.reward_model and not args.reward_fn  # an environment's get_reward: scores
+    rm_alone = args.eval_only and args.reward_model and not args.reward_fn  # with --environment, get_reward scores
     for bad, message in [
         (no_split, f"--dataset {args.dataset} is a file, with no split {split}: --eval-split FILE instead"),
         (args.prompts_per_update % world, f"{world} processes must divide --prompts-per-update"),
@@ -1602,7 +1602,7 @@ def own_run(args, rank):
 
 
 def start_run(args, given, models, optimizer, tokenizer, tools, held_out):
-    """(resumed state or {}, prompts from there, run dir, rank 0's writer): the engine, checkpoint, args.json, wandb."""
+    """The engine, the run directory, its checkpoint, args.json, wandb: (resumed state, prompts, run_dir, writer)."""
     ranks = (dist.get_rank(), dist.get_world_size()) if TORCHRUN else (0, 1)
     rows = load_prompts(args, tokenizer, tools=tools)
     if args.vllm:  # after prepare() set torch's threads, and before the run directory, which a refusal leaves none of
@@ -1747,7 +1747,7 @@ def evaluate(policy, tokenizer, rows, reward_fns, args, autocast, batch_size, to
 
 
 def pass_at_k(n, c, k):
-    """Unbiased pass@k (Chen et al. 2021) from n samples, c of them right: 1 - C(n - c, k) / C(n, k), all k wrong."""
+    """Unbiased pass@k (Chen et al. 2021) from n samples of which c are right: 1 - C(n - c, k) / C(n, k)."""
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 
@@ -2033,7 +2033,7 @@ def load_checkpoint(args, models, optimizer):
 def guarded(args, run, run_dir, writer, models, optimizer, tokenizer):
     """main()'s loop inside the run's plumbing: Ctrl-C and SIGTERM stop it after the update; any exception saves
     run["state"] (every rank together) and says what is on disk and how to go on; the end closes logs and processes."""
-    del STOP[:], TRUNCATED[:], PARTIAL[:]  # a new run's: no signal yet, and no warning given
+    del STOP[:], TRUNCATED[:], PARTIAL[:]  # a new run has had no signal and given no warning
     handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     print(f"{run_dir}/checkpoint: every {args.save_every or args.total_steps} updates (--save-every) and on a stop")
     try:
@@ -2097,7 +2097,7 @@ def evaluate_only(held_out):
 
 @contextlib.contextmanager
 def clean_exit():
-    """Under torchrun: a refusal's line by rank 0 alone, also in torchrun's report; a good end, every rank together."""
+    """Under torchrun, rank 0 alone prints a refusal (in torchrun's report too); a good end ends all ranks together."""
     try:
         yield
     except SystemExit as e:
