@@ -156,9 +156,25 @@ for script, short in [("grpo_llm.py", "grpo"), ("ppo_llm.py", "ppo")]:
 DISTILL = ["distill-grpo", "distill-ppo", "distill-ppo-gamma0", "rl-grpo", "rl-ppo"]
 for name in DISTILL:
     CONFIGS[name] += ["--total-steps", DISTILL_STEPS[CONFIGS[name][0]]]
+# The guessing game (assets/guess.py, assets/README.md), a stateful environment: PPO with the game's per-turn rewards,
+# PPO with the same rewards summed at the end (benchmarks/guess_summed.py: its turn_rewards stays empty), GRPO (which
+# uses the episode's total), and a control whose every answer is "no" (benchmarks/guess_control.py). The same samples
+# in each: PPO's 30 updates of 128 games, GRPO's 60 of 8 x 8; the whole held-out set (248 games) every 3,840/6 = 640
+# samples.
+GUESS = ["--model", "assets/guess-sft", "--dataset", "assets/guess/train.jsonl", "--max-tool-calls", "8"]
+GUESS += ["--eval-size", "248"]
+GUESS_PPO = ["--total-steps", "30", "--eval-every", "5"]
+CONFIGS["guess-ppo"] = ["ppo_llm.py", *GUESS, "--environment", "assets/guess.py:GuessingGame", *GUESS_PPO]
+CONFIGS["guess-ppo-summed"] = ["ppo_llm.py", *GUESS, "--environment", "benchmarks/guess_summed.py:SummedGuessingGame"]
+CONFIGS["guess-ppo-summed"] += GUESS_PPO
+CONFIGS["guess-grpo"] = ["grpo_llm.py", *GUESS, "--environment", "assets/guess.py:GuessingGame"]
+CONFIGS["guess-grpo"] += ["--total-steps", "60", "--eval-every", "10"]
+CONFIGS["guess-ppo-control"] = ["ppo_llm.py", *GUESS, "--environment", "benchmarks/guess_control.py:ControlGuessingGame"]
+CONFIGS["guess-ppo-control"] += GUESS_PPO
 GROUPS = {"arithmetic": ARITHMETIC, "trace": ["trace-ppo", "trace-grpo"], "trace-family": list(VARIANT)}
 GROUPS["calc"] = ["calc-ppo", "calc-grpo", "calc-ppo-control", "calc-grpo-control"]
 GROUPS["gpu"] = ["gpu-ppo"]
+GROUPS["guess"] = ["guess-ppo", "guess-ppo-summed", "guess-grpo", "guess-ppo-control"]
 GROUPS["distill"] = DISTILL
 GROUPS["vllm"] = ["grpo-2heads", "grpo-2heads-vllm", "ppo-2heads", "ppo-2heads-vllm"]
 TRACE_MINUTES = 15
