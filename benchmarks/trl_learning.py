@@ -579,6 +579,7 @@ def guess_table(results, out_dir):
     runs, a = results["runs"], results["args"]
     kinds = [kind for kind in GUESS_NAMES if any(r["kind"] == kind for r in runs.values())]
     updates = next(iter(runs.values()))["updates"]
+    shown = " | ".join(f"update {u}" for u in updates) + " | s / update |"
     lines = [
         "The same class, assets/guess.py's GuessingGame unchanged, in both: `grpo_llm.py --environment "
         "assets/guess.py:GuessingGame --max-tool-calls 8` and TRL 1.16's `GRPOTrainer(environment_factory="
@@ -594,8 +595,7 @@ def guess_table(results, out_dir):
         f"{' '.join(a['trl'])} --seeds {' '.join(map(str, a['seeds']))} --updates {a['updates']} --eval-every "
         f"{a['eval_every']}`",
         "",
-        "| run | seeds | success, " + " | ".join(f"update {u}" for u in updates) + " | guesses, "
-        + " | ".join(f"update {u}" for u in updates) + " | s / update |",
+        "| run | seeds | success, " + " | ".join(f"update {u}" for u in updates) + " | guesses, " + shown,
         "|---|---|" + "---|" * (2 * len(updates) + 1),
     ]
     for kind in kinds:

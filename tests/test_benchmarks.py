@@ -53,6 +53,8 @@ def run_main(monkeypatch, module, argv):
         ("trl_learning", ["--part", "table"], ["--part table", "trl_learning.json does not exist"]),
         ("trl_learning", ["--task", "calc", "--part", "table"], ["--part table", "trl_calc.json does not exist"]),
         ("trl_learning", ["--task", "distill", "--part", "table"], ["--part table", "trl_distill.json does not exist"]),
+        ("trl_learning", ["--task", "guess", "--part", "table"], ["--part table", "trl_guess.json does not exist"]),
+        ("llm_learning", ["--no-run", "--configs", "guess"], ["guess-ppo guess-ppo-summed", "--configs guess-ppo"]),
         ("eval_noise", ["--table"], ["--table", "eval_noise.json does not exist"]),
         ("head_precision", ["--table"], ["--table", "head_precision_*.json does not exist"]),
         ("save_time", ["--table"], ["--table", "save_time.json does not exist"]),
@@ -258,6 +260,55 @@ def test_llm_learning_distill_table_from_the_curves(monkeypatch, tmp_path):
         "difference of +0.000, not more than their standard deviations together (0.000); PPO, distillation at gamma 0: "
         "distillation 0.688, RL 0.875, a difference of -0.188, not more than their standard deviations together "
         "(0.188). That is what 2 seeds of one toy task show (evaluations 10 updates apart"
+    ) in table
+
+
+def test_llm_learning_guess_table_and_verdict_from_the_curves(monkeypatch, tmp_path):
+    llm_learning = importlib.import_module("llm_learning")
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    # held-out (success, guesses) of seeds 1 and 2 at updates 0, 10, 20 of 20; 128 samples and 30 s an update
+    evals = {
+        "guess-ppo": [[(0.75, 6.0), (0.875, 5.5), (1.0, 4.5)], [(0.75, 6.0), (0.875, 5.0), (0.875, 4.75)]],
+        "guess-ppo-summed": [[(0.75, 6.0), (0.75, 5.75), (0.875, 5.25)], [(0.75, 6.0), (0.875, 5.5), (0.875, 5.5)]],
+        "guess-grpo": [[(0.75, 6.0), (0.875, 6.0), (0.875, 5.5)], [(0.75, 6.0), (0.75, 6.0), (0.875, 5.0)]],
+        "guess-ppo-control": [[(0.75, 6.0), (0.75, 7.0), (0.5, 8.0)], [(0.75, 6.0), (0.625, 7.0), (0.625, 8.0)]],
+    }
+    for name, seeds in evals.items():
+        for seed, points in enumerate(seeds, start=1):
+            records = [{"update": u, "episode": 128 * u, "time/elapsed": 30.0 * u} for u in range(21)]
+            for u, (success, guesses) in zip([0, 10, 20], points):
+                records[u] |= {"eval/accuracy": success, "eval/tools/call_frequency": guesses}
+                records[u]["eval/mean_reward"] = success - 0.1 * guesses
+            fake_run(runs, name, seed, 20, records)
+    args = llm_learning.Args(seeds=[1, 2], runs_dir=str(runs), out_dir=str(out))
+    for name in evals:
+        llm_learning.collect(args, name)
+    run_main(monkeypatch, llm_learning, ["--no-run", "--configs", "guess", "--out-dir", str(out)])
+    assert (out / "guess_learning.png").exists()
+    table = (out / "guess_learning.md").read_text()
+    rows = {line.split(" (`")[0][2:]: line.split("`) | ")[1] for line in table.splitlines() if "`) | 2 |" in line}
+    # guess-ppo: success at the end 1.0 and 0.875 (0.9375 +- 0.0625), guesses 4.5 and 4.75 (4.625 +- 0.125), against
+    # bisection's 129 / 31 = 4.161: +0.464 (+0.46); mean reward 1 - 0.45 = 0.55 and 0.875 - 0.475 = 0.4 (0.475 +-
+    # 0.075); seed 1 reaches success 0.9 at update 20 (2560 samples, 10.0 min), seed 2 never; <= 5 guesses at update
+    # 20 (seed 1) and 10 (seed 2): 2560 and 1280 samples; 20 x 30 s = 10 min a run
+    assert rows["guess-ppo"] == (
+        "2 | 0.750 ± 0.000 | 0.938 ± 0.062 | 6.00 ± 0.00 | 4.62 ± 0.12 | +0.46 ± 0.12 | 0.475 ± 0.075 | 20 ± 0 (1/2 "
+        "seeds) | 2560 ± 0 (1/2 seeds) | 10.0 ± 0.0 (1/2 seeds) | 1920 ± 640 | 10.0 ± 0.0 |"
+    )
+    # summed: never success 0.9 nor <= 5 guesses
+    assert "| not reached | not reached | not reached | not reached | 10.0 ± 0.0 |" in rows["guess-ppo-summed"]
+    assert "| guess-ppo | 1.000, 0.875 | 4.50, 4.75 | 2560, - |" in table
+    # the verdict: success 0.9375 against 0.875, the seeds overlap (0.875 in both); guesses 4.625 against 5.375, every
+    # per-turn seed below every summed one; samples to 0.9: per-turn 2560 and 2560 (the whole run, a lower bound),
+    # summed 2560 and 2560: overlap; to <= 5 guesses per-turn 2560 and 1280, summed 2560 and 2560 (their whole runs):
+    # overlap at 2560
+    assert (
+        "Verdict: per-turn credit helped, on 1 of 4 measures with no seed overlap (held-out success at the end: "
+        "per-turn 0.938, summed 0.875, no clear difference (the seeds overlap); held-out guesses at the end: per-turn "
+        "4.62, summed 5.38, per-turn better; samples to success >= 0.9: per-turn 2560, summed 2560, no clear "
+        "difference (the seeds overlap); samples to <= 5 guesses: per-turn 1920, summed 2560, no clear difference (the "
+        "seeds overlap)). The control gained -0.188 success from start to end, guess-ppo +0.188: what PPO learns needs "
+        "the answers."
     ) in table
 
 
