@@ -47,6 +47,19 @@ teacher's as a line, and the reverse KL against samples.
 
     python benchmarks/llm_learning.py --configs distill
 
+The guessing game (assets/guess.py's GuessingGame, assets/README.md), a stateful environment, `--configs guess`: PPO
+with the game's per-turn rewards (guess-ppo), PPO with the same rewards summed at the end through the wrapper
+benchmarks/guess_summed.py, whose turn_rewards stays empty (guess-ppo-summed), GRPO (guess-grpo, the episode's total),
+and PPO in a control whose every answer is "no" (benchmarks/guess_control.py, guess-ppo-control), the same 3,840 games
+each: benchmarks/results/guess_learning.md, held-out success and guesses per game at the start and the end against
+bisection's 4.16, the updates, samples and minutes to success >= 0.9, the samples to <= 5 guesses, each seed, and a
+verdict on the per-turn credit computed from them; guess_learning.png, success and guesses against samples and
+minutes.
+
+    python benchmarks/llm_learning.py --configs guess-ppo guess-ppo-summed guess-grpo
+    python benchmarks/llm_learning.py --configs guess-ppo-control --seeds 1
+    python benchmarks/llm_learning.py --no-run --configs guess
+
 On a GPU (benchmarks/gpu.py runs it), `--configs gpu`: the README's first command, `ppo_llm.py`, for 100 updates:
 benchmarks/results/llm_learning_cuda.md, the arithmetic table's columns.
 

@@ -60,17 +60,32 @@ TRL's loss calls the student's and the teacher's backbones without position ids,
 those of the attention mask (position_ids_from_mask on each backbone). Evaluation is grpo_llm.py --eval-only of each
 saved policy without the teacher, and of the teacher once a seed.
 
+The guessing game (--task guess) trains assets/guess-sft on assets/guess/train.jsonl in assets/guess.py's
+GuessingGame, the same class unchanged in both, its get_reward() the only reward:
+
+    grpo_llm.py --environment assets/guess.py:GuessingGame     TRL 1.16: GRPOTrainer(environment_factory=GuessingGame)
+    (no --reward-fn: get_reward is the reward)                   reward_funcs=None (the environment owns the reward)
+    the row's prompt (one user message) and its secret column    the same rows: reset(**row) reads the secret
+    --max-tool-calls 8                                           max_tool_calling_iterations=8
+    129 new tokens (the checkpoint's), tool tokens included      max_completion_length=129 (tool tokens included)
+
+and the rest as on the calculator task, generate_within_context included. Evaluation is grpo_llm.py --eval-only
+--environment assets/guess.py:GuessingGame --max-tool-calls 8 on the 248 games of assets/guess/test.jsonl: success
+(eval/accuracy, a won game) and guesses per game (eval/tools/call_frequency).
+
     python benchmarks/trl_learning.py                       # ours, TRL stock and fixed: 2 seeds x 200 updates
     python benchmarks/trl_learning.py --part logprobs       # the log-probs of one batch
     python benchmarks/trl_learning.py --part table          # measure nothing: the tables and figure from the .json
     python benchmarks/trl_learning.py --task calc --trl fixed --seeds 1 --updates 100   # the calculator task
     python benchmarks/trl_learning.py --task calc --part table                         # its table from its .json
     python benchmarks/trl_learning.py --task distill --updates 400 --eval-every 50     # on-policy distillation
+    python benchmarks/trl_learning.py --task guess --trl fixed --seeds 1 --updates 60 --eval-every 20   # the game
 
 Results: benchmarks/results/trl_learning.json (each run's accuracy at each saved update and seconds per update),
 trl_learning.md (also into the docs pages that quote it, benchmarks/docs_tables.py), trl_learning.png, and
 trl_logprobs.json and trl_logprobs.md; for --task calc, trl_calc.json and trl_calc.md; for --task distill,
-trl_distill.json and trl_distill.md. --part table without its .json says so and writes nothing.
+trl_distill.json and trl_distill.md; for --task guess, trl_guess.json and trl_guess.md. --part table without its .json
+says so and writes nothing.
 """
 
 import contextlib
