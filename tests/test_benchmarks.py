@@ -312,6 +312,34 @@ def test_llm_learning_guess_table_and_verdict_from_the_curves(monkeypatch, tmp_p
     ) in table
 
 
+def test_trl_guess_table_from_its_results(monkeypatch, tmp_path):
+    trl_learning = importlib.import_module("trl_learning")
+    args = {"jobs": 2, "trl": ["fixed"], "seeds": [1, 2], "updates": 20, "eval_every": 10}
+    runs = {}
+    for kind, success, calls, seconds in [("ours", 0.875, 5.0, [2.0, 4.0]), ("fixed", 0.75, 5.5, [1.0, 3.0, 5.0])]:
+        for seed in [1, 2]:
+            runs[f"{kind}-{seed}"] = {"kind": kind, "seed": seed, "updates": [0, 10, 20], "s_per_update": seconds}
+            runs[f"{kind}-{seed}"] |= {
+                "accuracy": [0.75, 0.75, success + 0.125 * (seed - 1)],
+                "calls": [6.0, 6.0, calls],
+            }
+    results = {"machine": "a test", "torch": "x", "args": args, "runs": runs}
+    (tmp_path / "trl_guess.json").write_text(json.dumps(results))
+    run_main(monkeypatch, trl_learning, ["--task", "guess", "--part", "table", "--out-dir", str(tmp_path)])
+    table = (tmp_path / "trl_guess.md").read_text()
+    # success at update 20: ours 0.875 and 1.0 (mean 0.9375, shown 0.94), TRL 0.75 and 0.875 (0.81); guesses 5.0 and
+    # 5.5; seconds per update: the median of 2, 4, 2, 4 = 3.0 and of 1, 3, 5, 1, 3, 5 = 3.0
+    assert (
+        "| 2 | 0.75 (0.75, 0.75) | 0.75 (0.75, 0.75) | 0.94 (0.88, 1.00) | 6.00 (6.00, 6.00) | 6.00 (6.00, 6.00) "
+        in table
+    )
+    assert "| 5.00 (5.00, 5.00) | 3.00 |" in table
+    assert "(this benchmark's patches) | 2 | 0.75 (0.75, 0.75) | 0.75 (0.75, 0.75) | 0.81 (0.75, 0.88) |" in table
+    assert (
+        "`python benchmarks/trl_learning.py --task guess --trl fixed --seeds 1 2 --updates 20 --eval-every 10`" in table
+    )
+
+
 def test_llm_learning_vllm_without_the_vllm_venv_says_so_and_runs_nothing(monkeypatch, tmp_path):
     llm_learning = importlib.import_module("llm_learning")
     monkeypatch.setattr(llm_learning, "VLLM_PYTHON", str(tmp_path / "no-venv" / "bin" / "python"))
