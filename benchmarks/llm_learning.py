@@ -660,7 +660,10 @@ def summarise_guess(args, data):
         needs = "the control gains as much: what PPO learns does not need the answers"
     rows.append(
         f"\nVerdict: {overall} ({'; '.join(parts)}). The control gained {gain:+.3f} success from start to end, "
-        f"guess-ppo {real:+.3f}: {needs}. That is what these seeds of one toy game show (248 held-out games an "
+        f"guess-ppo {real:+.3f}: {needs}. GRPO, which credits every token with the episode's total, ends at success "
+        f"{np.mean([series(r, 'eval/accuracy')[1][-1] for r in data['guess-grpo']]):.3f} and "
+        f"{np.mean([series(r, 'eval/tools/call_frequency')[1][-1] for r in data['guess-grpo']]):.2f} guesses after "
+        f"the same games. That is what these seeds of one toy game show (248 held-out games an "
         "evaluation, a standard error of about 0.02 on success)."
     )
     table = "\n".join(rows)
