@@ -47,6 +47,19 @@ teacher's as a line, and the reverse KL against samples.
 
     python benchmarks/llm_learning.py --configs distill
 
+The guessing game (assets/guess.py's GuessingGame, assets/README.md), a stateful environment, `--configs guess`: PPO
+with the game's per-turn rewards (guess-ppo), PPO with the same rewards summed at the end through the wrapper
+benchmarks/guess_summed.py, whose turn_rewards stays empty (guess-ppo-summed), GRPO (guess-grpo, the episode's total),
+and PPO in a control whose every answer is "no" (benchmarks/guess_control.py, guess-ppo-control), the same 3,840 games
+each: benchmarks/results/guess_learning.md, held-out success and guesses per game at the start and the end against
+bisection's 4.16, the updates, samples and minutes to success >= 0.9, the samples to <= 5 guesses, each seed, and a
+verdict on the per-turn credit computed from them; guess_learning.png, success and guesses against samples and
+minutes.
+
+    python benchmarks/llm_learning.py --configs guess-ppo guess-ppo-summed guess-grpo
+    python benchmarks/llm_learning.py --configs guess-ppo-control --seeds 1
+    python benchmarks/llm_learning.py --no-run --configs guess
+
 On a GPU (benchmarks/gpu.py runs it), `--configs gpu`: the README's first command, `ppo_llm.py`, for 100 updates:
 benchmarks/results/llm_learning_cuda.md, the arithmetic table's columns.
 
@@ -156,9 +169,26 @@ for script, short in [("grpo_llm.py", "grpo"), ("ppo_llm.py", "ppo")]:
 DISTILL = ["distill-grpo", "distill-ppo", "distill-ppo-gamma0", "rl-grpo", "rl-ppo"]
 for name in DISTILL:
     CONFIGS[name] += ["--total-steps", DISTILL_STEPS[CONFIGS[name][0]]]
+# The guessing game (assets/guess.py, assets/README.md), a stateful environment: PPO with the game's per-turn rewards,
+# PPO with the same rewards summed at the end (benchmarks/guess_summed.py: its turn_rewards stays empty), GRPO (which
+# uses the episode's total), and a control whose every answer is "no" (benchmarks/guess_control.py). The same samples
+# in each: PPO's 30 updates of 128 games, GRPO's 60 of 8 x 8; the whole held-out set (248 games) every 3,840/6 = 640
+# samples.
+GUESS = ["--model", "assets/guess-sft", "--dataset", "assets/guess/train.jsonl", "--max-tool-calls", "8"]
+GUESS += ["--eval-size", "248"]
+GUESS_PPO = ["--total-steps", "30", "--eval-every", "5"]
+CONFIGS["guess-ppo"] = ["ppo_llm.py", *GUESS, "--environment", "assets/guess.py:GuessingGame", *GUESS_PPO]
+CONFIGS["guess-ppo-summed"] = ["ppo_llm.py", *GUESS, "--environment", "benchmarks/guess_summed.py:SummedGuessingGame"]
+CONFIGS["guess-ppo-summed"] += GUESS_PPO
+CONFIGS["guess-grpo"] = ["grpo_llm.py", *GUESS, "--environment", "assets/guess.py:GuessingGame"]
+CONFIGS["guess-grpo"] += ["--total-steps", "60", "--eval-every", "10"]
+GUESS_CONTROL = "benchmarks/guess_control.py:ControlGuessingGame"
+CONFIGS["guess-ppo-control"] = ["ppo_llm.py", *GUESS, "--environment", GUESS_CONTROL, *GUESS_PPO]
+BISECTION_GUESSES, BISECTION_REWARD = 129 / 31, 1 - 0.1 * 129 / 31  # assets/guess.py: the optimum, 4.16 and 0.584
 GROUPS = {"arithmetic": ARITHMETIC, "trace": ["trace-ppo", "trace-grpo"], "trace-family": list(VARIANT)}
 GROUPS["calc"] = ["calc-ppo", "calc-grpo", "calc-ppo-control", "calc-grpo-control"]
 GROUPS["gpu"] = ["gpu-ppo"]
+GROUPS["guess"] = ["guess-ppo", "guess-ppo-summed", "guess-grpo", "guess-ppo-control"]
 GROUPS["distill"] = DISTILL
 GROUPS["vllm"] = ["grpo-2heads", "grpo-2heads-vllm", "ppo-2heads", "ppo-2heads-vllm"]
 TRACE_MINUTES = 15
@@ -169,7 +199,7 @@ SHARED = "Seconds are wall clock, two runs at a time on 2 CPU cores shared with 
 class Args:
     configs: list[str] = field(default_factory=lambda: ["arithmetic"])
     """configurations to run and summarise: of CONFIGS or GROUPS (arithmetic, trace, trace-family, calc, gpu, vllm,
-    distill)"""
+    distill, guess)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds of each configuration"""
     jobs: int = 2
@@ -192,8 +222,8 @@ CURVES = "llm_curves"  # out_dir/llm_curves/<configuration>.csv
 # the metrics the tables and figures read; a configuration's file has the columns its runs log
 KEYS = """update episode time/elapsed eval/accuracy eval/accuracy_stderr eval/mean_length_right eval/mean_length_wrong
 objective/kl kl objective/scores objective/accuracy completions/mean_length entropy clip_ratio/region_mean
-cispo_clip_ratio importance_ratio/mean tools/call_frequency eval/tools/call_frequency vllm/logprob_diff_max
-vllm/logprob_diff_mean distill/reverse_kl distill/teacher_accuracy""".split()
+cispo_clip_ratio importance_ratio/mean tools/call_frequency eval/tools/call_frequency eval/mean_reward
+vllm/logprob_diff_max vllm/logprob_diff_mean distill/reverse_kl distill/teacher_accuracy""".split()
 
 
 def curves_path(out_dir, name):
@@ -513,6 +543,151 @@ def summarise_calc(args, data):
     fig.suptitle("The calculator task (assets/calc-sft), CPU, one thread a run: mean and min-max over seeds")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out_dir, "calc_learning.png"), dpi=80)
+
+
+def guess_verdict(data):
+    """Whether the per-turn rewards helped PPO, from the held-out numbers of guess-ppo and guess-ppo-summed: on each
+    measure, helped when every per-turn seed beats every summed seed, hurt when every summed seed beats every per-turn
+    one, no clear difference when their seeds overlap; with the mean difference."""
+    turn, summed = data["guess-ppo"], data["guess-ppo-summed"]
+
+    def ends(runs, key):
+        return np.array([series(r, key)[1][-1] for r in runs])
+
+    def samples(runs, to):  # a seed that never got there counts its whole run (a lower bound)
+        return np.array([to(r)[0] for r in runs], dtype=float)
+
+    def success(run):
+        return samples_to(run, GUESS_THRESHOLD)
+
+    parts = []
+    measures = [
+        ("held-out success at the end", ends(turn, "eval/accuracy"), ends(summed, "eval/accuracy"), 1, ".3f"),
+        ("held-out guesses at the end", ends(turn, "eval/tools/call_frequency"),
+         ends(summed, "eval/tools/call_frequency"), -1, ".2f"),
+        (f"samples to success >= {GUESS_THRESHOLD}", samples(turn, success), samples(summed, success), -1, ".0f"),
+        (f"samples to <= {GUESS_FEW:g} guesses", samples(turn, samples_to_few), samples(summed, samples_to_few), -1,
+         ".0f"),
+    ]  # fmt: skip
+    for label, a, b, better, fmt in measures:
+        if (better * a).min() > (better * b).max():
+            word = "per-turn better"
+        elif (better * b).min() > (better * a).max():
+            word = "summed better"
+        else:
+            word = "no clear difference (the seeds overlap)"
+        parts.append(f"{label}: per-turn {np.mean(a):{fmt}}, summed {np.mean(b):{fmt}}, {word}")
+    won = sum(p.endswith("per-turn better") for p in parts)
+    lost = sum(p.endswith("summed better") for p in parts)
+    if won and not lost:
+        overall = f"per-turn credit helped, on {won} of {len(parts)} measures with no seed overlap"
+    elif lost and not won:
+        overall = f"per-turn credit hurt, on {lost} of {len(parts)} measures with no seed overlap"
+    else:
+        overall = "no clear effect of per-turn credit at these seeds"
+    return overall, parts
+
+
+GUESS_THRESHOLD = 0.9  # held-out success the table counts updates, samples and minutes to
+GUESS_FEW = 5.0  # held-out guesses per game the table counts samples to: bisection's most (floor(log2 31) + 1)
+
+
+def samples_to_few(run):
+    """(samples at the first evaluation with at most GUESS_FEW guesses per game, False), or (the run's samples, True)
+    when it never gets there: then they are a lower bound."""
+    xs, guesses = series(run, "eval/tools/call_frequency", "episode")
+    hits = np.nonzero(guesses <= GUESS_FEW)[0]
+    if len(hits):
+        return xs[hits[0]], False
+    return run[-1]["episode"], True
+
+
+def summarise_guess(args, data):
+    """guess_learning.md and guess_learning.png: PPO with per-turn rewards, PPO with them summed at the end, GRPO and
+    the control on the guessing game: held-out success and guesses per game at the start and the end against the
+    optimum, the updates, samples and minutes to success >= 0.9, each seed, and a verdict computed from them."""
+    header = "| configuration | seeds | success, start | end | guesses, start | end | end - bisection | "
+    header += f"mean reward, end | updates to {GUESS_THRESHOLD} | samples to {GUESS_THRESHOLD} | minutes to "
+    header += f"{GUESS_THRESHOLD} | samples to <= {GUESS_FEW:g} guesses | minutes a run |"
+    rows = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, runs in data.items():
+        success = [series(r, "eval/accuracy")[1] for r in runs]
+        guesses = [series(r, "eval/tools/call_frequency")[1] for r in runs]
+        gap = [g[-1] - BISECTION_GUESSES for g in guesses]
+        reward = [series(r, "eval/mean_reward")[1][-1] for r in runs]
+        flags = CONFIGS[name][:1] + CONFIGS[name][1 + len(GUESS) :]
+        rows.append(
+            f"| {name} (`{' '.join(flags)}`) | {len(runs)} | {stat([s[0] for s in success], '.3f')} | "
+            f"{stat([s[-1] for s in success], '.3f')} | {stat([g[0] for g in guesses], '.2f')} | "
+            f"{stat([g[-1] for g in guesses], '.2f')} | {np.mean(gap):+.2f} ± {np.std(gap):.2f} | "
+            f"{stat(reward, '.3f')} | {stat([first_reaching(r, 'update', GUESS_THRESHOLD) for r in runs], '.0f')} | "
+            f"{stat([first_reaching(r, 'episode', GUESS_THRESHOLD) for r in runs], '.0f')} | "
+            f"{stat([first_reaching(r, 'time/elapsed', GUESS_THRESHOLD) / 60 for r in runs], '.1f')} | "
+            f"{stat([np.nan if few[1] else few[0] for few in map(samples_to_few, runs)], '.0f')} | "
+            f"{stat([r[-1]['time/elapsed'] / 60 for r in runs], '.1f')} |"
+        )
+    rows.append(
+        f"\nEach is `python <script> {' '.join(GUESS)}` and the flags named, the script's defaults otherwise: PPO 30 "
+        "updates of 128 games, GRPO 60 of 8 prompts x 8 games, 3,840 games each. guess-ppo-summed's environment "
+        "(benchmarks/guess_summed.py) is assets/guess.py's GuessingGame whose turn_rewards stays empty, so that the "
+        "whole get_reward() lands on the episode's last token, as in GRPO; the control's (benchmarks/guess_control.py) "
+        'answers every guess "no", so the answers say nothing about the hidden number (the game is scored as the '
+        "real one). Held-out: the 248 games of assets/guess/test.jsonl sampled at temperature 1 through the tool loop, "
+        "mean ± std over seeds; success: `eval/accuracy` (get_reward() > 0: a won game); guesses: "
+        f"`eval/tools/call_frequency`, calls of guess per game (bisection, the optimum: {BISECTION_GUESSES:.2f}); "
+        f"mean reward: `eval/mean_reward` (bisection: {BISECTION_REWARD:.3f}); updates, samples (`episode`) and "
+        f"minutes (`time/elapsed`, evaluations included) at the first evaluation with success >= {GUESS_THRESHOLD}; "
+        f"samples to <= {GUESS_FEW:g} guesses: at the first evaluation with at most {GUESS_FEW:g} guesses per game "
+        "(bisection's most); the verdict counts a seed that never got there with its whole run (a lower bound). "
+        f"{SHARED}"
+    )
+    rows += ["", "| configuration | each seed, in seed order: success at the end | guesses at the end | samples to "
+             f"{GUESS_THRESHOLD} |", "|---|---|---|---|"]  # fmt: skip
+    for name, runs in data.items():
+        cells = [
+            ", ".join(f"{series(r, 'eval/accuracy')[1][-1]:.3f}" for r in runs),
+            ", ".join(f"{series(r, 'eval/tools/call_frequency')[1][-1]:.2f}" for r in runs),
+            ", ".join(f"{first_reaching(r, 'episode', GUESS_THRESHOLD):.0f}" for r in runs).replace("nan", "-"),
+        ]
+        rows.append(f"| {name} | {' | '.join(cells)} |")
+    overall, parts = guess_verdict(data)
+    control = data["guess-ppo-control"]
+    gain = np.mean([series(r, "eval/accuracy")[1][-1] - series(r, "eval/accuracy")[1][0] for r in control])
+    real = np.mean([series(r, "eval/accuracy")[1][-1] - series(r, "eval/accuracy")[1][0] for r in data["guess-ppo"]])
+    if gain < real / 2:
+        needs = "what PPO learns needs the answers"
+    else:
+        needs = "the control gains as much: what PPO learns does not need the answers"
+    rows.append(
+        f"\nVerdict: {overall} ({'; '.join(parts)}). The control gained {gain:+.3f} success from start to end, "
+        f"guess-ppo {real:+.3f}: {needs}. GRPO, which credits every token with the episode's total, ends at success "
+        f"{np.mean([series(r, 'eval/accuracy')[1][-1] for r in data['guess-grpo']]):.3f} and "
+        f"{np.mean([series(r, 'eval/tools/call_frequency')[1][-1] for r in data['guess-grpo']]):.2f} guesses after "
+        f"the same games. That is what these seeds of one toy game show (248 held-out games an "
+        "evaluation, a standard error of about 0.02 on success)."
+    )
+    table = "\n".join(rows)
+    print(table)
+    write_table("guess_learning.md", table, args.out_dir)
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for name, runs in data.items():
+        plot_band(axes[0], [series(r, "eval/accuracy", "episode") for r in runs], name)
+        plot_band(axes[1], [series(r, "eval/tools/call_frequency", "episode") for r in runs], name)
+        minutes = [series(r, "eval/accuracy", "time/elapsed")[0] / 60 for r in runs]
+        plot_band(axes[2], [(m, series(r, "eval/accuracy")[1]) for m, r in zip(minutes, runs)], name)
+    axes[0].axhline(GUESS_THRESHOLD, color="gray", linestyle=":", linewidth=1)
+    axes[1].axhline(BISECTION_GUESSES, color="black", linewidth=1, label="bisection (4.16)")
+    axes[2].axhline(GUESS_THRESHOLD, color="gray", linestyle=":", linewidth=1)
+    labels = ["held-out success", "held-out guesses per game", "held-out success"]
+    for ax, xlabel, ylabel in zip(axes, ["samples (episode)", "samples (episode)", "minutes (time/elapsed)"], labels):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=8)
+    fig.suptitle("The guessing game (assets/guess-sft), CPU, one thread a run: mean and min-max over seeds")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out_dir, "guess_learning.png"), dpi=80)
 
 
 # Each script's RL and its distillation, paired for the ratio of their samples to 90% of the teacher's accuracy
@@ -882,7 +1057,7 @@ def main():
         )
     summaries = {"arithmetic": summarise_arithmetic, "trace": summarise_trace, "trace-family": summarise_family,
                  "gpu": summarise_gpu, "calc": summarise_calc, "vllm": summarise_vllm,
-                 "distill": summarise_distill}  # fmt: skip
+                 "distill": summarise_distill, "guess": summarise_guess}  # fmt: skip
     for group in groups:
         summaries[group](args, {name: load(args.out_dir, name) for name in GROUPS[group]})
 

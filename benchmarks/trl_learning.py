@@ -60,17 +60,32 @@ TRL's loss calls the student's and the teacher's backbones without position ids,
 those of the attention mask (position_ids_from_mask on each backbone). Evaluation is grpo_llm.py --eval-only of each
 saved policy without the teacher, and of the teacher once a seed.
 
+The guessing game (--task guess) trains assets/guess-sft on assets/guess/train.jsonl in assets/guess.py's
+GuessingGame, the same class unchanged in both, its get_reward() the only reward:
+
+    grpo_llm.py --environment assets/guess.py:GuessingGame     TRL 1.16: GRPOTrainer(environment_factory=GuessingGame)
+    (no --reward-fn: get_reward is the reward)                   reward_funcs=None (the environment owns the reward)
+    the row's prompt (one user message) and its secret column    the same rows: reset(**row) reads the secret
+    --max-tool-calls 8                                           max_tool_calling_iterations=8
+    129 new tokens (the checkpoint's), tool tokens included      max_completion_length=129 (tool tokens included)
+
+and the rest as on the calculator task, generate_within_context included. Evaluation is grpo_llm.py --eval-only
+--environment assets/guess.py:GuessingGame --max-tool-calls 8 on the 248 games of assets/guess/test.jsonl: success
+(eval/accuracy, a won game) and guesses per game (eval/tools/call_frequency).
+
     python benchmarks/trl_learning.py                       # ours, TRL stock and fixed: 2 seeds x 200 updates
     python benchmarks/trl_learning.py --part logprobs       # the log-probs of one batch
     python benchmarks/trl_learning.py --part table          # measure nothing: the tables and figure from the .json
     python benchmarks/trl_learning.py --task calc --trl fixed --seeds 1 --updates 100   # the calculator task
     python benchmarks/trl_learning.py --task calc --part table                         # its table from its .json
     python benchmarks/trl_learning.py --task distill --updates 400 --eval-every 50     # on-policy distillation
+    python benchmarks/trl_learning.py --task guess --trl fixed --seeds 1 --updates 60 --eval-every 20   # the game
 
 Results: benchmarks/results/trl_learning.json (each run's accuracy at each saved update and seconds per update),
 trl_learning.md (also into the docs pages that quote it, benchmarks/docs_tables.py), trl_learning.png, and
 trl_logprobs.json and trl_logprobs.md; for --task calc, trl_calc.json and trl_calc.md; for --task distill,
-trl_distill.json and trl_distill.md. --part table without its .json says so and writes nothing.
+trl_distill.json and trl_distill.md; for --task guess, trl_guess.json and trl_guess.md. --part table without its .json
+says so and writes nothing.
 """
 
 import contextlib
@@ -93,11 +108,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from docs_tables import saved_results, write_table  # noqa: E402
-from llm_learning import CALC, STUDENT, TEACHER, TRACE  # noqa: E402
+from llm_learning import CALC, GUESS, STUDENT, TEACHER, TRACE  # noqa: E402
 from scale import machine_name  # noqa: E402
 
 import grpo_llm  # noqa: E402
 
+BISECTION_GUESSES = 129 / 31  # assets/guess.py: the fewest guesses on average any strategy can
 TRL_DIR = os.path.join(ROOT, "benchmarks", "runs", "trl116")
 MODEL, TRAIN = "assets/sums-sft", "assets/sums/train.jsonl"
 # Each task: grpo_llm.py's flags (llm_learning.py's), those of its evaluation (without --model), its results' name, the
@@ -111,6 +127,12 @@ TASKS = {
         "tokens": 96,
     },
     "distill": {"flags": ["--model", STUDENT, "--teacher", TEACHER], "eval": [], "name": "trl_distill", "tokens": 8},
+    "guess": {
+        "flags": [*GUESS, "--environment", "assets/guess.py:GuessingGame"],
+        "eval": [*GUESS[2:], "--environment", "assets/guess.py:GuessingGame"],
+        "name": "trl_guess",
+        "tokens": 129,
+    },
 }
 NAMES = {
     "ours": "ours (`grpo_llm.py`)",
@@ -123,6 +145,13 @@ CALC_NAMES = {  # on the calculator task every TRL run needs generate_within_con
     "fixed": "TRL 1.16 GRPOTrainer, `tools=[calculator]`, + generate() within the context and position ids from the "
     "mask (this benchmark's patches)",
 }
+GUESS_NAMES = {  # the same class, assets/guess.py's GuessingGame, unchanged in both
+    "ours": "ours (`grpo_llm.py --environment assets/guess.py:GuessingGame`)",
+    "stock": "TRL 1.16 GRPOTrainer, `environment_factory=GuessingGame`, + generate() within the context (this "
+    "benchmark's patch)",
+    "fixed": "TRL 1.16 GRPOTrainer, `environment_factory=GuessingGame`, + generate() within the context and position "
+    "ids from the mask (this benchmark's patches)",
+}
 DISTILL_NAMES = {
     "ours": "ours (`grpo_llm.py --teacher`)",
     "stock": "TRL 1.16 DistillationTrainer, `beta=1` (reverse KL), on-policy, as installed",
@@ -132,9 +161,10 @@ DISTILL_NAMES = {
 
 @dataclass
 class Args:
-    task: Literal["trace", "calc", "distill"] = "trace"
+    task: Literal["trace", "calc", "distill", "guess"] = "trace"
     """trace: assets/sums-sft, gsm8k reward; calc: assets/calc-sft, the calculator (TRL's tools=), arithmetic reward;
-    distill: on-policy distillation of assets/arith-student from assets/arith-teacher (TRL's DistillationTrainer)"""
+    distill: on-policy distillation of assets/arith-student from assets/arith-teacher (TRL's DistillationTrainer);
+    guess: assets/guess-sft in assets/guess.py's GuessingGame (TRL's environment_factory=), the game's get_reward"""
     part: Literal["learning", "logprobs", "table"] = "learning"
     """learning: train and evaluate the runs, then the table; logprobs: one batch's log-probs; table: measure nothing"""
     trl: tuple[Literal["stock", "fixed"], ...] = ("stock", "fixed")
@@ -206,6 +236,14 @@ def position_ids_from_mask(model):
     model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def guessing_game():
+    """assets/guess.py's GuessingGame class, unchanged, as grpo_llm.py --environment loads it."""
+    spec = importlib.util.spec_from_file_location("guess", os.path.join(ROOT, "assets", "guess.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GuessingGame
+
+
 def trl_trainer(out, seed, updates, save_every, task="trace"):
     """GRPOTrainer on the task at grpo_llm.py's configuration (the module docstring's mapping)."""
     import datasets
@@ -218,9 +256,16 @@ def trl_trainer(out, seed, updates, save_every, task="trace"):
     if task == "calc":  # a chat, rendered with the tools, as grpo_llm.py renders a prompt under --tools
         prompts = [[{"role": "user", "content": r["prompt"]}] for r in rows]
         extra, reward, calls = {"tools": [grpo_llm.calculator]}, arithmetic, {"max_tool_calling_iterations": 4}
+    elif task == "guess":  # the environment owns the reward (get_reward): no reward function
+        prompts = [r["prompt"] for r in rows]
+        extra, reward, calls = {"environment_factory": guessing_game()}, None, {"max_tool_calling_iterations": 8}
     else:
         prompts, extra, reward, calls = [r["question"] for r in rows], {}, gsm8k, {}
-    dataset = datasets.Dataset.from_list([{"prompt": p, "answer": r["answer"]} for p, r in zip(prompts, rows)])
+    if task == "guess":  # reset(**row) reads the row's secret
+        columns = [{"prompt": p, "secret": r["secret"]} for p, r in zip(prompts, rows)]
+    else:
+        columns = [{"prompt": p, "answer": r["answer"]} for p, r in zip(prompts, rows)]
+    dataset = datasets.Dataset.from_list(columns)
     config = GRPOConfig(
         output_dir=out,
         per_device_train_batch_size=64,
@@ -297,7 +342,7 @@ def trl_child(spec):
         position_ids_from_mask(trainer.teacher_model.base_model)
     elif spec["kind"] == "fixed":
         position_ids_from_mask(trainer.model)
-    if spec["task"] == "calc":  # without it a generate() after a tool result that reaches position 128 stops the run
+    if spec["task"] in ("calc", "guess"):  # TRL asks each turn's generate() for the whole budget again
         generate_within_context(trainer.model)
     marks = [time.perf_counter()]
 
@@ -452,7 +497,7 @@ def learning(args):
                 "accuracy": [m["eval/accuracy"] for m in metrics],
                 "s_per_update": seconds,
             }
-            if args.task == "calc":  # held-out tool calls per response
+            if args.task in ("calc", "guess"):  # held-out tool calls per response (guesses per game)
                 results["runs"][f"{kind}-{seed}"]["calls"] = [m["eval/tools/call_frequency"] for m in metrics]
     return results
 
@@ -543,6 +588,40 @@ def calc_table(results, out_dir):
     return "\n".join(lines)
 
 
+def guess_table(results, out_dir):
+    """trl_guess.md from the results of the guessing game: held-out success and guesses per game at every saved
+    update, seconds per update, each against the optimum (bisection's 4.16 guesses)."""
+    runs, a = results["runs"], results["args"]
+    kinds = [kind for kind in GUESS_NAMES if any(r["kind"] == kind for r in runs.values())]
+    updates = next(iter(runs.values()))["updates"]
+    shown = " | ".join(f"update {u}" for u in updates) + " | s / update |"
+    lines = [
+        "The same class, assets/guess.py's GuessingGame unchanged, in both: `grpo_llm.py --environment "
+        "assets/guess.py:GuessingGame --max-tool-calls 8` and TRL 1.16's `GRPOTrainer(environment_factory="
+        "GuessingGame, max_tool_calling_iterations=8, max_completion_length=129)` without a reward function (the "
+        "game's get_reward is the reward), from assets/guess-sft at the same configuration (8 prompts x 8 "
+        "completions an update, learning rate 1e-4, beta 0; benchmarks.md#trl_learningpy has the mapping). Held-out: "
+        "`grpo_llm.py --eval-only` of each saved policy with the same environment, the 248 games of "
+        "assets/guess/test.jsonl at temperature 1; success: `eval/accuracy` (get_reward() > 0: a won game); guesses: "
+        f"`eval/tools/call_frequency` (bisection: {BISECTION_GUESSES:.2f}); mean and (each seed). Seconds per update: "
+        "the median over every update of every seed, wall clock of the training loop. Machine: "
+        f"{results['machine']}, torch {results['torch']}, fp32, one torch thread a run, {a['jobs']} at a time on 2 "
+        "cores shared with other work. Command: `python benchmarks/trl_learning.py --task guess --trl "
+        f"{' '.join(a['trl'])} --seeds {' '.join(map(str, a['seeds']))} --updates {a['updates']} --eval-every "
+        f"{a['eval_every']}`",
+        "",
+        "| run | seeds | success, " + " | ".join(f"update {u}" for u in updates) + " | guesses, " + shown,
+        "|---|---|" + "---|" * (2 * len(updates) + 1),
+    ]
+    for kind in kinds:
+        mine = [r for r in runs.values() if r["kind"] == kind]
+        cells = [mean_and_each([r[key][i] for r in mine]) for key in ("accuracy", "calls") for i in range(len(updates))]
+        seconds = np.median([s for r in mine for s in r["s_per_update"]])
+        lines.append(f"| {GUESS_NAMES[kind]} | {len(mine)} | {' | '.join(cells)} | {seconds:.2f} |")
+    write_table("trl_guess.md", "\n".join(lines), out_dir)
+    return "\n".join(lines)
+
+
 def distill_table(results, out_dir):
     """trl_distill.md from the results of the distillation task."""
     runs, a = results["runs"], results["args"]
@@ -621,7 +700,7 @@ def main():
         children = {"ours": ours_child, "stock": trl_child, "fixed": trl_child, "logprobs": logprobs_child}
         return children[spec["kind"]](spec)
     path = os.path.join(args.out_dir, TASKS[args.task]["name"] + ".json")
-    tables = {"trace": table, "calc": calc_table, "distill": distill_table}
+    tables = {"trace": table, "calc": calc_table, "distill": distill_table, "guess": guess_table}
     if args.task != "trace" and args.part == "logprobs":
         raise SystemExit(f"error: --part logprobs measures the trace task (got --task {args.task})")
     if args.part == "logprobs":

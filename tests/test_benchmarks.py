@@ -53,6 +53,8 @@ def run_main(monkeypatch, module, argv):
         ("trl_learning", ["--part", "table"], ["--part table", "trl_learning.json does not exist"]),
         ("trl_learning", ["--task", "calc", "--part", "table"], ["--part table", "trl_calc.json does not exist"]),
         ("trl_learning", ["--task", "distill", "--part", "table"], ["--part table", "trl_distill.json does not exist"]),
+        ("trl_learning", ["--task", "guess", "--part", "table"], ["--part table", "trl_guess.json does not exist"]),
+        ("llm_learning", ["--no-run", "--configs", "guess"], ["guess-ppo guess-ppo-summed", "--configs guess-ppo"]),
         ("eval_noise", ["--table"], ["--table", "eval_noise.json does not exist"]),
         ("head_precision", ["--table"], ["--table", "head_precision_*.json does not exist"]),
         ("save_time", ["--table"], ["--table", "save_time.json does not exist"]),
@@ -261,6 +263,83 @@ def test_llm_learning_distill_table_from_the_curves(monkeypatch, tmp_path):
     ) in table
 
 
+def test_llm_learning_guess_table_and_verdict_from_the_curves(monkeypatch, tmp_path):
+    llm_learning = importlib.import_module("llm_learning")
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    # held-out (success, guesses) of seeds 1 and 2 at updates 0, 10, 20 of 20; 128 samples and 30 s an update
+    evals = {
+        "guess-ppo": [[(0.75, 6.0), (0.875, 5.5), (1.0, 4.5)], [(0.75, 6.0), (0.875, 5.0), (0.875, 4.75)]],
+        "guess-ppo-summed": [[(0.75, 6.0), (0.75, 5.75), (0.875, 5.25)], [(0.75, 6.0), (0.875, 5.5), (0.875, 5.5)]],
+        "guess-grpo": [[(0.75, 6.0), (0.875, 6.0), (0.875, 5.5)], [(0.75, 6.0), (0.75, 6.0), (0.875, 5.0)]],
+        "guess-ppo-control": [[(0.75, 6.0), (0.75, 7.0), (0.5, 8.0)], [(0.75, 6.0), (0.625, 7.0), (0.625, 8.0)]],
+    }
+    for name, seeds in evals.items():
+        for seed, points in enumerate(seeds, start=1):
+            records = [{"update": u, "episode": 128 * u, "time/elapsed": 30.0 * u} for u in range(21)]
+            for u, (success, guesses) in zip([0, 10, 20], points):
+                records[u] |= {"eval/accuracy": success, "eval/tools/call_frequency": guesses}
+                records[u]["eval/mean_reward"] = success - 0.1 * guesses
+            fake_run(runs, name, seed, 20, records)
+    args = llm_learning.Args(seeds=[1, 2], runs_dir=str(runs), out_dir=str(out))
+    for name in evals:
+        llm_learning.collect(args, name)
+    run_main(monkeypatch, llm_learning, ["--no-run", "--configs", "guess", "--out-dir", str(out)])
+    assert (out / "guess_learning.png").exists()
+    table = (out / "guess_learning.md").read_text()
+    rows = {line.split(" (`")[0][2:]: line.split("`) | ")[1] for line in table.splitlines() if "`) | 2 |" in line}
+    # guess-ppo: success at the end 1.0 and 0.875 (0.9375 +- 0.0625), guesses 4.5 and 4.75 (4.625 +- 0.125), against
+    # bisection's 129 / 31 = 4.161: +0.464 (+0.46); mean reward 1 - 0.45 = 0.55 and 0.875 - 0.475 = 0.4 (0.475 +-
+    # 0.075); seed 1 reaches success 0.9 at update 20 (2560 samples, 10.0 min), seed 2 never; <= 5 guesses at update
+    # 20 (seed 1) and 10 (seed 2): 2560 and 1280 samples; 20 x 30 s = 10 min a run
+    assert rows["guess-ppo"] == (
+        "2 | 0.750 ± 0.000 | 0.938 ± 0.062 | 6.00 ± 0.00 | 4.62 ± 0.12 | +0.46 ± 0.12 | 0.475 ± 0.075 | 20 ± 0 (1/2 "
+        "seeds) | 2560 ± 0 (1/2 seeds) | 10.0 ± 0.0 (1/2 seeds) | 1920 ± 640 | 10.0 ± 0.0 |"
+    )
+    # summed: never success 0.9 nor <= 5 guesses
+    assert "| not reached | not reached | not reached | not reached | 10.0 ± 0.0 |" in rows["guess-ppo-summed"]
+    assert "| guess-ppo | 1.000, 0.875 | 4.50, 4.75 | 2560, - |" in table
+    # the verdict: success 0.9375 against 0.875, the seeds overlap (0.875 in both); guesses 4.625 against 5.375, every
+    # per-turn seed below every summed one; samples to 0.9: per-turn 2560 and 2560 (the whole run, a lower bound),
+    # summed 2560 and 2560: overlap; to <= 5 guesses per-turn 2560 and 1280, summed 2560 and 2560 (their whole runs):
+    # overlap at 2560
+    assert (
+        "Verdict: per-turn credit helped, on 1 of 4 measures with no seed overlap (held-out success at the end: "
+        "per-turn 0.938, summed 0.875, no clear difference (the seeds overlap); held-out guesses at the end: per-turn "
+        "4.62, summed 5.38, per-turn better; samples to success >= 0.9: per-turn 2560, summed 2560, no clear "
+        "difference (the seeds overlap); samples to <= 5 guesses: per-turn 1920, summed 2560, no clear difference (the "
+        "seeds overlap)). The control gained -0.188 success from start to end, guess-ppo +0.188: what PPO learns needs "
+        "the answers. GRPO, which credits every token with the episode's total, ends at success 0.875 and 5.25 guesses"
+    ) in table
+
+
+def test_trl_guess_table_from_its_results(monkeypatch, tmp_path):
+    trl_learning = importlib.import_module("trl_learning")
+    args = {"jobs": 2, "trl": ["fixed"], "seeds": [1, 2], "updates": 20, "eval_every": 10}
+    runs = {}
+    for kind, success, calls, seconds in [("ours", 0.875, 5.0, [2.0, 4.0]), ("fixed", 0.75, 5.5, [1.0, 3.0, 5.0])]:
+        for seed in [1, 2]:
+            runs[f"{kind}-{seed}"] = {"kind": kind, "seed": seed, "updates": [0, 10, 20], "s_per_update": seconds}
+            runs[f"{kind}-{seed}"] |= {
+                "accuracy": [0.75, 0.75, success + 0.125 * (seed - 1)],
+                "calls": [6.0, 6.0, calls],
+            }
+    results = {"machine": "a test", "torch": "x", "args": args, "runs": runs}
+    (tmp_path / "trl_guess.json").write_text(json.dumps(results))
+    run_main(monkeypatch, trl_learning, ["--task", "guess", "--part", "table", "--out-dir", str(tmp_path)])
+    table = (tmp_path / "trl_guess.md").read_text()
+    # success at update 20: ours 0.875 and 1.0 (mean 0.9375, shown 0.94), TRL 0.75 and 0.875 (0.81); guesses 5.0 and
+    # 5.5; seconds per update: the median of 2, 4, 2, 4 = 3.0 and of 1, 3, 5, 1, 3, 5 = 3.0
+    assert (
+        "| 2 | 0.75 (0.75, 0.75) | 0.75 (0.75, 0.75) | 0.94 (0.88, 1.00) | 6.00 (6.00, 6.00) | 6.00 (6.00, 6.00) "
+        in table
+    )
+    assert "| 5.00 (5.00, 5.00) | 3.00 |" in table
+    assert "(this benchmark's patches) | 2 | 0.75 (0.75, 0.75) | 0.75 (0.75, 0.75) | 0.81 (0.75, 0.88) |" in table
+    assert (
+        "`python benchmarks/trl_learning.py --task guess --trl fixed --seeds 1 2 --updates 20 --eval-every 10`" in table
+    )
+
+
 def test_llm_learning_vllm_without_the_vllm_venv_says_so_and_runs_nothing(monkeypatch, tmp_path):
     llm_learning = importlib.import_module("llm_learning")
     monkeypatch.setattr(llm_learning, "VLLM_PYTHON", str(tmp_path / "no-venv" / "bin" / "python"))
@@ -284,7 +363,7 @@ def test_the_committed_curves_rebuild_every_committed_learning_table_and_figure(
     its tables and figures byte for byte as committed: after it, git diff is empty."""
     llm_learning = importlib.import_module("llm_learning")
     shutil.copytree(os.path.join(RESULTS, "llm_curves"), tmp_path / "llm_curves")
-    groups = ["arithmetic", "trace", "trace-family", "calc", "vllm", "distill"]
+    groups = ["arithmetic", "trace", "trace-family", "calc", "vllm", "distill", "guess"]
     run_main(monkeypatch, llm_learning, ["--no-run", "--configs", *groups, "--out-dir", str(tmp_path)])
     written = sorted(path.name for path in tmp_path.iterdir() if path.is_file())
     assert written == [
@@ -292,6 +371,8 @@ def test_the_committed_curves_rebuild_every_committed_learning_table_and_figure(
         "calc_learning.png",
         "distill_learning.md",
         "distill_learning.png",
+        "guess_learning.md",
+        "guess_learning.png",
         "llm_accuracy.png",
         "llm_learning.md",
         "llm_reward_hacking.png",
