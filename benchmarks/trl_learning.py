@@ -244,6 +244,31 @@ def guessing_game():
     return module.GuessingGame
 
 
+def trl_config(out, seed, updates, save_every, tokens):
+    """What both of TRL's trainers are given here (the module docstring's mapping): 64 completions an update, AdamW at
+    1e-4 constant with eps 1e-5, `tokens` new tokens at temperature 1, fp32 on the CPU, the policy saved every
+    save_every updates, no logger."""
+    return dict(
+        output_dir=out,
+        per_device_train_batch_size=64,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        adam_epsilon=1e-5,
+        max_completion_length=tokens,
+        temperature=1.0,
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        max_steps=updates,
+        seed=seed,
+        save_strategy="steps",
+        save_steps=save_every,
+        save_only_model=True,
+        logging_steps=1,
+        report_to=[],
+    )
+
+
 def trl_trainer(out, seed, updates, save_every, task="trace"):
     """GRPOTrainer on the task at grpo_llm.py's configuration (the module docstring's mapping)."""
     import datasets
@@ -266,30 +291,8 @@ def trl_trainer(out, seed, updates, save_every, task="trace"):
     else:
         columns = [{"prompt": p, "answer": r["answer"]} for p, r in zip(prompts, rows)]
     dataset = datasets.Dataset.from_list(columns)
-    config = GRPOConfig(
-        output_dir=out,
-        per_device_train_batch_size=64,
-        num_generations=8,
-        learning_rate=1e-4,
-        lr_scheduler_type="constant",
-        adam_epsilon=1e-5,
-        beta=0.0,
-        epsilon=0.2,
-        loss_type="grpo",
-        max_completion_length=TASKS[task]["tokens"],
-        temperature=1.0,
-        bf16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        max_steps=updates,
-        seed=seed,
-        save_strategy="steps",
-        save_steps=save_every,
-        save_only_model=True,
-        logging_steps=1,
-        report_to=[],
-        **calls,
-    )
+    common = trl_config(out, seed, updates, save_every, TASKS[task]["tokens"])
+    config = GRPOConfig(**common, num_generations=8, beta=0.0, epsilon=0.2, loss_type="grpo", **calls)
     path = os.path.join(ROOT, model)
     return GRPOTrainer(model=path, reward_funcs=reward, args=config, train_dataset=dataset, **extra)
 
@@ -304,26 +307,7 @@ def trl_distill_trainer(out, seed, updates, save_every):
     with open(os.path.join(ROOT, "assets/arith/train.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     dataset = datasets.Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
-    config = DistillationConfig(
-        output_dir=out,
-        per_device_train_batch_size=64,
-        learning_rate=1e-4,
-        lr_scheduler_type="constant",
-        adam_epsilon=1e-5,
-        beta=1.0,
-        max_completion_length=TASKS["distill"]["tokens"],
-        temperature=1.0,
-        bf16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        max_steps=updates,
-        seed=seed,
-        save_strategy="steps",
-        save_steps=save_every,
-        save_only_model=True,
-        logging_steps=1,
-        report_to=[],
-    )
+    config = DistillationConfig(**trl_config(out, seed, updates, save_every, TASKS["distill"]["tokens"]), beta=1.0)
     student, teacher = os.path.join(ROOT, STUDENT), os.path.join(ROOT, TEACHER)
     return DistillationTrainer(model=student, teacher_model=teacher, args=config, train_dataset=dataset)
 
