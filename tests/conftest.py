@@ -10,6 +10,26 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 
+def pytest_addoption(parser):
+    parser.addoption("--e2e", action="store_true", help="also the slowest end-to-end tests (marked e2e), as .ci/run")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without --e2e, the tests marked e2e (torchrun launches of two processes, gpu.py's smoke run: a third of the
+    suite's time) are skipped, each with its reason, and the summary says how many; .ci/run passes --e2e."""
+    if not config.getoption("--e2e"):
+        skip = pytest.mark.skip(reason="end-to-end and slow: python -m pytest -q --e2e runs it, as .ci/run does")
+        for item in items:
+            if "e2e" in item.keywords:
+                item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "--e2e runs it" in str(r.longrepr)]
+    if skipped:
+        terminalreporter.write_line(f"{len(skipped)} end-to-end tests skipped: --e2e runs them too, as .ci/run does")
+
+
 @pytest.fixture(autouse=True)
 def no_stop_yet():
     """A stop recorded by an earlier test's run (STOP is the script's, kept past its end) would skip every tool call."""

@@ -388,6 +388,7 @@ def test_the_committed_curves_rebuild_every_committed_learning_table_and_figure(
             assert (tmp_path / name).read_bytes() == f.read(), name
 
 
+@pytest.mark.e2e
 def test_gpu_smoke_runs_every_part(tmp_path):
     """benchmarks/gpu.py --smoke: each part at toy size on the CPU, into OUT alone; every part runs and writes its
     result files, with numbers in them."""

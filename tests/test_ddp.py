@@ -189,6 +189,7 @@ def worker(rank, world, init_file):
     os._exit(0)
 
 
+@pytest.mark.e2e
 def test_two_ranks_update_equals_one_process_on_the_union_batch(tmp_path):
     # PPO (separate critic, head) and GRPO (each loss type; rank 1 has a micro-batch with no loss token: a zero
     # gradient, and NaN stats that global_mean leaves out), gloo
@@ -213,6 +214,7 @@ print([name for name in names if "gloo" in name])
 """
 
 
+@pytest.mark.e2e
 def test_destroy_process_group_ends_gloos_threads():
     # torch.distributed.nn.functional's defaults (group=group.WORLD) hold the process group when that module is first
     # imported after init_process_group (torch._dynamo imports it, and an optimizer imports torch._dynamo): then
@@ -237,6 +239,7 @@ def torchrun(*args, processes=2, ok=True):
     return p
 
 
+@pytest.mark.e2e
 def test_torchrun_two_processes_end_to_end_and_resume(tmp_path):
     # one launch per script: one run directory, one saved policy that one process loads, one metrics line per update
     # (rank 0's only); GRPO with LoRA under bf16 autocast (its base frozen and sharded, the reference) saves the
@@ -320,6 +323,7 @@ def test_args_json_holds_the_flags_as_given_so_a_resume_derives_the_rest(tmp_pat
     assert json.load(open(os.path.join(run_dir, "args.json")))["micro_batch_size"] == 64
 
 
+@pytest.mark.e2e
 def test_a_refusal_under_torchrun_is_one_line_once_and_torchruns_report_gives_it():
     # every rank refuses 3 processes for 8 prompts: rank 0 alone prints the line, and each rank's error file makes it
     # torchrun's report (not error_file <N/A>)
@@ -329,6 +333,7 @@ def test_a_refusal_under_torchrun_is_one_line_once_and_torchruns_report_gives_it
     assert f"traceback : {message}" in p.stderr and "<N/A>" not in p.stderr
 
 
+@pytest.mark.e2e
 def test_a_resume_beside_a_live_run_refuses_on_every_rank(tmp_path):
     # this process owns a run directory, as a live run does; a 2-process torchrun --resume on it: rank 0 finds the
     # lock taken, every rank refuses (rank 0 alone prints the line, which torchrun's report gives), nothing changes
@@ -433,5 +438,6 @@ def family_worker(rank, world, init_file, paths):
     os._exit(0)  # as worker() does
 
 
+@pytest.mark.e2e
 def test_two_ranks_load_every_model_as_one_process_does(families, tmp_path):  # noqa: F811
     mp.spawn(family_worker, args=(2, str(tmp_path / "rendezvous"), families), nprocs=2)

@@ -291,6 +291,7 @@ def test_a_stop_in_the_middle_of_an_episode_cuts_it_off_and_the_resume_resets_af
     assert resumed[:2] == ["reset", "reset"] and [m["update"] for m in untimed_metrics(run_dir)] == [1, 2]
 
 
+@pytest.mark.e2e
 def test_two_ranks_each_play_their_own_rows_episodes(calc, desk, tmp_path):  # noqa: F811
     # and distil from a teacher, sharded under torchrun as a reward model is: here the student itself, whose reverse
     # KL is then 0 on both ranks

@@ -436,6 +436,7 @@ runpy.run_path(os.path.join({root!r}, script), run_name="__main__")
 """
 
 
+@pytest.mark.e2e
 def test_two_ranks_taking_different_numbers_of_turns_finish_and_resume(calc, tmp_path, monkeypatch):
     # one prompt a rank an update, 4 prompts a pass: 5*5 (one turn) sits on one rank while the other takes two, in
     # each pass; no collective inside the tool loop (the policy gathered once, generate() neither FSDP's registered
