@@ -15,8 +15,8 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Without --e2e, the tests marked e2e (torchrun launches of two processes, gpu.py's smoke run: a third of the
-    suite's time) are skipped, each with its reason, and the summary says how many; .ci/run passes --e2e."""
+    """Without --e2e, the tests marked e2e (torchrun launches of two processes, gpu.py's smoke run: about two fifths
+    of the suite's time) are skipped, each with its reason, and the summary says how many; .ci/run passes --e2e."""
     if not config.getoption("--e2e"):
         skip = pytest.mark.skip(reason="end-to-end and slow: python -m pytest -q --e2e runs it, as .ci/run does")
         for item in items:
